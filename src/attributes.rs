@@ -1,0 +1,217 @@
+//! The bounded attribute values: which operation, on which executor, and how it ended.
+//!
+//! Each attribute is an enum, so no input can add a series: the exported values are exactly the
+//! seed's strings ([`OPERATIONS`](crate::OPERATIONS), [`EXECUTORS`](crate::EXECUTORS),
+//! [`OUTCOMES`](crate::OUTCOMES)).
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Longest input a [`ParseAttributeError`] repeats back, so an error message stays bounded too.
+const MAX_ECHOED_INPUT: usize = 64;
+
+macro_rules! bounded_attribute {
+    (
+        $(#[$meta:meta])*
+        $name:ident, $what:literal, $values:ident {
+            $( $(#[$variant_meta:meta])* $variant:ident => $value:literal, )+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name {
+            $( $(#[$variant_meta])* $variant, )+
+        }
+
+        impl $name {
+            /// Every value, in the seed's order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The seed's lower-case string for this value, as exported in the attribute.
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $( $name::$variant => $value, )+
+                }
+            }
+
+            /// Position in [`Self::ALL`]; indexes the pre-built attribute tables.
+            pub(crate) const fn index(self) -> usize {
+                self as usize
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = ParseAttributeError;
+
+            /// Parses the seed's exact lower-case string; anything else is an error that lists the
+            /// valid values.
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $( $value => Ok($name::$variant), )+
+                    _ => Err(ParseAttributeError::new($what, crate::$values, s)),
+                }
+            }
+        }
+    };
+}
+
+bounded_attribute! {
+    /// What kind of limited work this is. Exported as
+    /// [`OPERATION_ATTRIBUTE`](crate::OPERATION_ATTRIBUTE).
+    Operation, "operation", OPERATIONS {
+        /// Checking a result, such as running a verifier.
+        Verify => "verify",
+        /// Running a tool on behalf of a caller.
+        Tool => "tool",
+        /// Asking a judge, such as a model call that grades an answer.
+        Judge => "judge",
+        /// Anything else; also where unknown names go in a lossy parse.
+        Other => "other",
+    }
+}
+
+bounded_attribute! {
+    /// Where the limited work runs. Exported as [`EXECUTOR_ATTRIBUTE`](crate::EXECUTOR_ATTRIBUTE).
+    Executor, "executor", EXECUTORS {
+        /// On the task that handles the request.
+        Inline => "inline",
+        /// On a thread, such as `tokio::task::spawn_blocking`.
+        Thread => "thread",
+        /// In a worker process of a pool.
+        Process => "process",
+        /// In a child process started for the work.
+        Subprocess => "subprocess",
+        /// Anything else; also where unknown names go in a lossy parse.
+        Other => "other",
+    }
+}
+
+bounded_attribute! {
+    /// How admitted work ended. Exported as [`OUTCOME_ATTRIBUTE`](crate::OUTCOME_ATTRIBUTE) on the
+    /// duration histogram, whose count per outcome is the number of operations that ended so.
+    Outcome, "outcome", OUTCOMES {
+        /// The work returned normally.
+        Ok => "ok",
+        /// The work failed.
+        Error => "error",
+        /// The work ran out of time.
+        Timeout => "timeout",
+        /// The work was dropped before it finished (the caller went away).
+        Cancelled => "cancelled",
+        /// The work panicked.
+        Crashed => "crashed",
+    }
+}
+
+impl Operation {
+    /// Parses a name, mapping anything that is not one of the seed's values to
+    /// [`Operation::Other`], so names from requests or config can never add a series.
+    pub fn from_str_lossy(name: &str) -> Self {
+        name.parse().unwrap_or(Operation::Other)
+    }
+}
+
+impl Executor {
+    /// Parses a name, mapping anything that is not one of the seed's values to
+    /// [`Executor::Other`], so names from requests or config can never add a series.
+    pub fn from_str_lossy(name: &str) -> Self {
+        name.parse().unwrap_or(Executor::Other)
+    }
+}
+
+/// A name that is not one of an attribute's valid values.
+///
+/// Its message names the attribute, repeats (at most 64 bytes of) the input and lists every valid
+/// value, e.g. `unknown operation "verfy"; expected one of: verify, tool, judge, other`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParseAttributeError {
+    attribute: &'static str,
+    valid: &'static [&'static str],
+    input: String,
+}
+
+impl ParseAttributeError {
+    fn new(attribute: &'static str, valid: &'static [&'static str], input: &str) -> Self {
+        let mut end = input.len().min(MAX_ECHOED_INPUT);
+        while !input.is_char_boundary(end) {
+            end -= 1;
+        }
+        Self {
+            attribute,
+            valid,
+            input: input[..end].to_owned(),
+        }
+    }
+
+    /// The attribute that was being parsed: `"operation"`, `"executor"` or `"outcome"`.
+    pub fn attribute(&self) -> &'static str {
+        self.attribute
+    }
+
+    /// The values that would have parsed.
+    pub fn valid_values(&self) -> &'static [&'static str] {
+        self.valid
+    }
+}
+
+impl fmt::Display for ParseAttributeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown {} {:?}; expected one of: {}",
+            self.attribute,
+            self.input,
+            self.valid.join(", ")
+        )
+    }
+}
+
+impl std::error::Error for ParseAttributeError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_value_round_trips_through_its_string() {
+        for op in Operation::ALL {
+            assert_eq!(op.as_str().parse::<Operation>(), Ok(*op));
+            assert_eq!(op.to_string(), op.as_str());
+        }
+        for ex in Executor::ALL {
+            assert_eq!(ex.as_str().parse::<Executor>(), Ok(*ex));
+        }
+        for out in Outcome::ALL {
+            assert_eq!(out.as_str().parse::<Outcome>(), Ok(*out));
+        }
+    }
+
+    #[test]
+    fn indexes_match_positions_in_all() {
+        for (i, op) in Operation::ALL.iter().enumerate() {
+            assert_eq!(op.index(), i);
+        }
+        for (i, ex) in Executor::ALL.iter().enumerate() {
+            assert_eq!(ex.index(), i);
+        }
+        for (i, out) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(out.index(), i);
+        }
+    }
+
+    #[test]
+    fn error_echo_is_cut_on_a_char_boundary() {
+        let long = "é".repeat(100);
+        let err = long.parse::<Executor>().unwrap_err();
+        assert!(err.input.len() <= MAX_ECHOED_INPUT);
+        assert!(err
+            .to_string()
+            .contains("expected one of: inline, thread, process, subprocess, other"));
+    }
+}

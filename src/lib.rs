@@ -1,0 +1,139 @@
+//! A drop-in for tower's `ConcurrencyLimitLayer` that shows when the limit is too small.
+//!
+//! Services that do expensive work (a verifier subprocess, a judge call, a tool run) cap it with
+//! a semaphore. When the cap is too small, work waits in a queue that no request metric shows:
+//! the server looks slow without looking busy. [`ResourcesOperationLayer`] is that cap, and it
+//! reports, as OpenTelemetry metrics, how long each operation waited for the limit, how long it
+//! ran inside it, how it ended, and how many wait and run right now.
+//!
+//! It is the tower form of NeMo Gym's `nemo_gym.telemetry.resources_operations`, with the same
+//! instrument names, attributes, bucket boundaries and outcome rules.
+//!
+//! # Example
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use opentelemetry::metrics::MeterProvider as _;
+//! use opentelemetry_sdk::metrics::SdkMeterProvider;
+//! use tower::{service_fn, ServiceBuilder, ServiceExt};
+//! use tower_resources_operation::{
+//!     Executor, Operation, OperationMetrics, ResourcesOperationLayer,
+//! };
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let provider = SdkMeterProvider::builder().build();
+//! let metrics = OperationMetrics::new(&provider.meter("my-server"));
+//!
+//! let verifier = ServiceBuilder::new()
+//!     .layer(
+//!         ResourcesOperationLayer::new(2)
+//!             .operation(Operation::Verify)
+//!             .executor(Executor::Subprocess)
+//!             .metrics(metrics),
+//!     )
+//!     .service(service_fn(|answer: String| async move {
+//!         Ok::<_, Infallible>(answer == "42")
+//!     }));
+//!
+//! assert!(verifier.oneshot("42".to_owned()).await.unwrap());
+//! # }
+//! ```
+//!
+//! With axum, put one layer on each route (`.route_layer(...)` or `MethodRouter::layer`); give
+//! routes that share a cap layers made [`with_semaphore`](ResourcesOperationLayer::with_semaphore)
+//! from one semaphore. Because the semaphore lives in the layer value, the limit holds across
+//! connections, unlike tower's `ConcurrencyLimitLayer` under `axum::serve`.
+//!
+//! # Metrics
+//!
+//! | instrument | kind | unit | attributes | recorded |
+//! |---|---|---|---|---|
+//! | [`QUEUE_DURATION_INSTRUMENT`] | histogram | `ms` | operation, executor | once per admitted operation, when it gets its permit (0 if it never waited) |
+//! | [`DURATION_INSTRUMENT`] | histogram | `ms` | operation, executor, outcome | once per admitted operation, when it ends |
+//! | [`QUEUED_INSTRUMENT`] | observable up-down counter | `{operation}` | operation, executor | waiting for a permit now |
+//! | [`ACTIVE_INSTRUMENT`] | observable up-down counter | `{operation}` | operation, executor | holding a permit now |
+//!
+//! Both histograms use the seed's [`OPERATION_BOUNDARIES_MS`], from 1 ms to 30 minutes.
+//!
+//! # Outcomes
+//!
+//! - The classifier ([`ClassifyOutcome`], by default [`DefaultClassifier`]) maps the inner
+//!   result: `Ok` is `ok`, `Err` is `error`, or `timeout` for tower's or tokio's `Elapsed`.
+//! - A response future dropped before it finished is `cancelled`, and so is a permit taken by
+//!   `poll_ready` but never used by `call`.
+//! - A panic in the inner `call` or while polling its future is `crashed`; the panic goes on.
+//! - [`set_outcome`] inside the work wins over all of the above.
+//!
+//! # Closed semaphores
+//!
+//! tower's limit panics when its semaphore is closed (in debug builds at `poll_ready`, in release
+//! at `call`). This crate panics at `poll_ready` in every build, with a message that says the
+//! semaphore was closed; waiters are woken to that panic, never left hanging. Only a semaphore
+//! passed to [`with_semaphore`](ResourcesOperationLayer::with_semaphore) can be closed.
+#![forbid(unsafe_code)]
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+#![deny(rustdoc::broken_intra_doc_links)]
+
+mod attributes;
+mod classify;
+mod future;
+mod layer;
+mod metrics;
+mod scope;
+mod scoped;
+mod service;
+
+pub use attributes::{Executor, Operation, Outcome, ParseAttributeError};
+pub use classify::{error_outcome, ClassifyOutcome, DefaultClassifier, OperationOutput};
+pub use future::ResponseFuture;
+pub use layer::{LimitTooLarge, ResourcesOperationLayer};
+pub use metrics::{OperationMetrics, METER_NAME};
+pub use scope::set_outcome;
+pub use scoped::resources_operation;
+pub use service::ResourcesOperation;
+
+/// Observable up-down counter: operations holding a permit now.
+pub const ACTIVE_INSTRUMENT: &str = "gym.resources.operation.active";
+/// Histogram, milliseconds: time an operation ran inside the limit, by outcome.
+pub const DURATION_INSTRUMENT: &str = "gym.resources.operation.duration_ms";
+/// Observable up-down counter: operations waiting for a permit now.
+pub const QUEUED_INSTRUMENT: &str = "gym.resources.operation.queued";
+/// Histogram, milliseconds: time an operation waited for the limit.
+pub const QUEUE_DURATION_INSTRUMENT: &str = "gym.resources.operation.queue_duration_ms";
+
+/// Attribute key of the [`Operation`].
+pub const OPERATION_ATTRIBUTE: &str = "nemo.gym.resources.operation";
+/// Attribute key of the [`Executor`].
+pub const EXECUTOR_ATTRIBUTE: &str = "nemo.gym.resources.executor";
+/// Attribute key of the [`Outcome`], on the duration histogram only.
+pub const OUTCOME_ATTRIBUTE: &str = "nemo.gym.resources.operation.outcome";
+
+/// Explicit bucket boundaries of both histograms, in milliseconds: 1 ms to 30 minutes.
+pub const OPERATION_BOUNDARIES_MS: [f64; 13] = [
+    1.0,
+    5.0,
+    10.0,
+    50.0,
+    100.0,
+    500.0,
+    1_000.0,
+    5_000.0,
+    10_000.0,
+    30_000.0,
+    60_000.0,
+    300_000.0,
+    1_800_000.0,
+];
+
+/// The values of [`OPERATION_ATTRIBUTE`], one per [`Operation`].
+pub const OPERATIONS: &[&str] = &["verify", "tool", "judge", "other"];
+/// The values of [`EXECUTOR_ATTRIBUTE`], one per [`Executor`].
+pub const EXECUTORS: &[&str] = &["inline", "thread", "process", "subprocess", "other"];
+/// The values of [`OUTCOME_ATTRIBUTE`], one per [`Outcome`].
+pub const OUTCOMES: &[&str] = &["ok", "error", "timeout", "cancelled", "crashed"];

@@ -1,0 +1,295 @@
+//! The instruments, the live counts, and the guards that record one operation.
+//!
+//! Everything a request touches is built once, in [`OperationMetrics::new`]: the two histograms,
+//! the attribute slices for every (operation, executor[, outcome]) in one fixed key order, and a
+//! fixed table of atomics for the live counts, read by one callback per observable instrument.
+//! The request path then only reads the clock, adds to atomics and records with a pre-built slice.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use opentelemetry::metrics::{Histogram, Meter};
+use opentelemetry::KeyValue;
+use tokio::time::Instant;
+
+use crate::{
+    Executor, Operation, Outcome, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
+    OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
+};
+
+const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
+const OUTCOMES: usize = Outcome::ALL.len();
+
+/// Name of the meter that [`OperationMetrics::global`] takes from the global provider.
+pub const METER_NAME: &str = "tower-resources-operation";
+
+/// The instruments and live counts behind the layer and [`resources_operation`](crate::resources_operation).
+///
+/// Make one per [`Meter`] and clone it: clones share the instruments and the live counts, so
+/// every limit that reports through one `OperationMetrics` adds up in `queued` and `active`.
+/// Two `OperationMetrics` made from the same meter would each register a callback for the same
+/// series, and OpenTelemetry keeps only the last observation of a series, so one would hide the
+/// other.
+///
+/// [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit.
+#[derive(Clone, Debug)]
+pub struct OperationMetrics {
+    shared: Option<Arc<Shared>>,
+}
+
+impl OperationMetrics {
+    /// Creates the four instruments on `meter` and registers the live-count callbacks.
+    ///
+    /// Call it once per meter and clone the result; see the type's docs.
+    pub fn new(meter: &Meter) -> Self {
+        let shared = Arc::new(Shared::new(meter));
+
+        let queued = Arc::clone(&shared);
+        meter
+            .i64_observable_up_down_counter(QUEUED_INSTRUMENT)
+            .with_unit("{operation}")
+            .with_description("Operations waiting for the concurrency limit right now.")
+            .with_callback(move |observer| {
+                queued.observe(|cell| &cell.queued, |v, attrs| observer.observe(v, attrs))
+            })
+            .build();
+
+        let active = Arc::clone(&shared);
+        meter
+            .i64_observable_up_down_counter(ACTIVE_INSTRUMENT)
+            .with_unit("{operation}")
+            .with_description("Operations holding a permit of the concurrency limit right now.")
+            .with_callback(move |observer| {
+                active.observe(|cell| &cell.active, |v, attrs| observer.observe(v, attrs))
+            })
+            .build();
+
+        Self {
+            shared: Some(shared),
+        }
+    }
+
+    /// The metrics of the global meter provider, built once, on first use, from
+    /// `opentelemetry::global::meter("tower-resources-operation")`.
+    ///
+    /// Install the global provider before the first call (in practice: before building the
+    /// layers); instruments taken from the global meter before a provider is installed stay
+    /// no-ops for good. When the standard `OTEL_SDK_DISABLED` variable is `true` this is
+    /// [`OperationMetrics::disabled`].
+    pub fn global() -> Self {
+        static GLOBAL: OnceLock<OperationMetrics> = OnceLock::new();
+        GLOBAL
+            .get_or_init(|| {
+                let sdk_disabled = std::env::var("OTEL_SDK_DISABLED")
+                    .is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"));
+                if sdk_disabled {
+                    Self::disabled()
+                } else {
+                    Self::new(&opentelemetry::global::meter(METER_NAME))
+                }
+            })
+            .clone()
+    }
+
+    /// Reports nothing. The layer then does exactly what tower's `ConcurrencyLimit` does: no
+    /// clock read, no attribute, no atomic of its own.
+    pub const fn disabled() -> Self {
+        Self { shared: None }
+    }
+
+    /// Whether this records anything (false only for [`OperationMetrics::disabled`]).
+    pub fn is_enabled(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// The handle one limit records through, or `None` when disabled.
+    pub(crate) fn series(&self, operation: Operation, executor: Executor) -> Option<Series> {
+        let shared = self.shared.as_ref()?;
+        let index = operation.index() * Executor::ALL.len() + executor.index();
+        let cell = &shared.cells[index];
+        // Report the live counts of this series from now on, 0 included, so a dashboard shows
+        // an idle limit as 0 rather than as no data.
+        if !cell.reported.load(Ordering::Relaxed) {
+            cell.reported.store(true, Ordering::Relaxed);
+        }
+        Some(Series {
+            shared: Arc::clone(shared),
+            index,
+        })
+    }
+}
+
+/// Live counts of one (operation, executor), on a cache line of its own.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct Cell {
+    queued: AtomicI64,
+    active: AtomicI64,
+    reported: AtomicBool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    queue_duration: Histogram<f64>,
+    duration: Histogram<f64>,
+    cells: [Cell; SERIES],
+    /// `[operation, executor]` for each series, in that order.
+    series_attributes: Box<[[KeyValue; 2]]>,
+    /// `[operation, executor, outcome]` for each series and outcome, in that order.
+    outcome_attributes: Box<[[KeyValue; 3]]>,
+}
+
+impl Shared {
+    fn new(meter: &Meter) -> Self {
+        let boundaries = OPERATION_BOUNDARIES_MS.to_vec();
+        let queue_duration = meter
+            .f64_histogram(QUEUE_DURATION_INSTRUMENT)
+            .with_unit("ms")
+            .with_description("Time an operation waited for the concurrency limit.")
+            .with_boundaries(boundaries.clone())
+            .build();
+        let duration = meter
+            .f64_histogram(DURATION_INSTRUMENT)
+            .with_unit("ms")
+            .with_description("Time an operation ran inside the concurrency limit, by outcome.")
+            .with_boundaries(boundaries)
+            .build();
+
+        let mut series_attributes = Vec::with_capacity(SERIES);
+        let mut outcome_attributes = Vec::with_capacity(SERIES * OUTCOMES);
+        for operation in Operation::ALL {
+            for executor in Executor::ALL {
+                let operation = KeyValue::new(OPERATION_ATTRIBUTE, operation.as_str());
+                let executor = KeyValue::new(EXECUTOR_ATTRIBUTE, executor.as_str());
+                for outcome in Outcome::ALL {
+                    outcome_attributes.push([
+                        operation.clone(),
+                        executor.clone(),
+                        KeyValue::new(OUTCOME_ATTRIBUTE, outcome.as_str()),
+                    ]);
+                }
+                series_attributes.push([operation, executor]);
+            }
+        }
+
+        Self {
+            queue_duration,
+            duration,
+            cells: Default::default(),
+            series_attributes: series_attributes.into_boxed_slice(),
+            outcome_attributes: outcome_attributes.into_boxed_slice(),
+        }
+    }
+
+    /// Observes one live count per reported series. Runs in the SDK's collection; cannot panic.
+    fn observe(
+        &self,
+        count: impl Fn(&Cell) -> &AtomicI64,
+        mut observe: impl FnMut(i64, &[KeyValue]),
+    ) {
+        for (cell, attributes) in self.cells.iter().zip(self.series_attributes.iter()) {
+            if cell.reported.load(Ordering::Relaxed) {
+                observe(count(cell).load(Ordering::Relaxed), attributes);
+            }
+        }
+    }
+}
+
+/// One (operation, executor) of one [`OperationMetrics`]: what a service records through.
+#[derive(Clone, Debug)]
+pub(crate) struct Series {
+    shared: Arc<Shared>,
+    index: usize,
+}
+
+impl Series {
+    fn cell(&self) -> &Cell {
+        &self.shared.cells[self.index]
+    }
+
+    /// The operation starts to wait for a permit: it counts as queued until the guard drops.
+    pub(crate) fn wait(&self) -> Waiting {
+        self.cell().queued.fetch_add(1, Ordering::Relaxed);
+        Waiting {
+            series: self.clone(),
+            since: Instant::now(),
+        }
+    }
+
+    /// The operation has its permit: records the queue time (0 when it never waited) and counts
+    /// it as active until the returned guard finishes or drops.
+    pub(crate) fn admit(&self, waited: Option<Waiting>) -> Running {
+        let start = Instant::now();
+        let queued_ms = match waited {
+            Some(waiting) => millis(start.saturating_duration_since(waiting.since)),
+            None => 0.0,
+        };
+        self.shared
+            .queue_duration
+            .record(queued_ms, &self.shared.series_attributes[self.index]);
+        self.cell().active.fetch_add(1, Ordering::Relaxed);
+        Running {
+            series: self.clone(),
+            start,
+            outcome: None,
+            finished: false,
+        }
+    }
+}
+
+/// Counts one operation as queued while it lives.
+#[derive(Debug)]
+pub(crate) struct Waiting {
+    series: Series,
+    since: Instant,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.series.cell().queued.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One admitted operation: counts as active, and records its duration exactly once, with the
+/// outcome given to [`Running::finish`], or `cancelled` if it is dropped first.
+#[derive(Debug)]
+pub(crate) struct Running {
+    series: Series,
+    start: Instant,
+    /// Set by [`set_outcome`](crate::set_outcome) from inside the work; wins over a classifier.
+    pub(crate) outcome: Option<Outcome>,
+    finished: bool,
+}
+
+impl Running {
+    /// Records the duration with `outcome` (unless [`set_outcome`](crate::set_outcome) chose one)
+    /// and stops counting the operation as active. Only the first call records.
+    pub(crate) fn finish(&mut self, outcome: Outcome) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
+        let outcome = self.outcome.unwrap_or(outcome);
+        let shared = &self.series.shared;
+        shared.duration.record(
+            millis(self.start.elapsed()),
+            &shared.outcome_attributes[self.series.index * OUTCOMES + outcome.index()],
+        );
+        self.series.cell().active.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Whether the outcome is already known, so no classifier needs to run.
+    pub(crate) fn outcome_chosen(&self) -> bool {
+        self.outcome.is_some()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.finish(Outcome::Cancelled);
+    }
+}
+
+fn millis(duration: std::time::Duration) -> f64 {
+    duration.as_secs_f64() * 1_000.0
+}

@@ -1,0 +1,173 @@
+//! [`ResourcesOperation`]: where the permit is taken and the wait is timed.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::PollSemaphore;
+use tower_service::Service;
+
+use crate::classify::ClassifyOutcome;
+use crate::future::ResponseFuture;
+use crate::metrics::{Running, Series, Waiting};
+use crate::scope;
+
+/// A service limited to a number of operations at once, made by
+/// [`ResourcesOperationLayer`](crate::ResourcesOperationLayer).
+///
+/// It behaves as tower's `ConcurrencyLimit`: `poll_ready` takes a permit (waiters are served
+/// first come, first served), `call` spends it, and the permit goes back when the response
+/// future completes or is dropped, or when a service holding an unused permit is dropped.
+/// A clone shares the limit but starts without a permit.
+pub struct ResourcesOperation<S, C> {
+    inner: S,
+    semaphore: PollSemaphore,
+    /// `None` when metrics are disabled: then nothing below is ever set.
+    series: Option<Series>,
+    classifier: C,
+    /// Set from the first `poll_ready` that has to wait until the permit comes.
+    waiting: Option<Waiting>,
+    /// A permit taken by `poll_ready` and not yet spent by `call`.
+    admitted: Option<Admitted>,
+}
+
+/// A permit and, when metrics are on, the operation it admitted.
+///
+/// Field order matters: the operation records its end before the permit goes back.
+#[derive(Debug)]
+pub(crate) struct Admitted {
+    pub(crate) running: Option<Running>,
+    pub(crate) _permit: OwnedSemaphorePermit,
+}
+
+impl<S, C> ResourcesOperation<S, C> {
+    pub(crate) fn new(
+        inner: S,
+        semaphore: Arc<Semaphore>,
+        series: Option<Series>,
+        classifier: C,
+    ) -> Self {
+        Self {
+            inner,
+            semaphore: PollSemaphore::new(semaphore),
+            series,
+            classifier,
+            waiting: None,
+            admitted: None,
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service; a permit this service held goes back.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, C, Request> Service<Request> for ResourcesOperation<S, C>
+where
+    S: Service<Request>,
+    C: ClassifyOutcome<S::Response, S::Error> + Clone,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, C>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        if self.admitted.is_none() {
+            let permit = match self.semaphore.poll_acquire(cx) {
+                Poll::Ready(Some(permit)) => permit,
+                Poll::Pending => {
+                    if self.waiting.is_none() {
+                        self.waiting = self.series.as_ref().map(Series::wait);
+                    }
+                    return Poll::Pending;
+                }
+                Poll::Ready(None) => {
+                    self.waiting = None;
+                    semaphore_closed()
+                }
+            };
+            let running = match &self.series {
+                Some(series) => Some(series.admit(self.waiting.take())),
+                None => None,
+            };
+            self.admitted = Some(Admitted {
+                running,
+                _permit: permit,
+            });
+        }
+
+        let ready = self.inner.poll_ready(cx);
+        if let Poll::Ready(Err(_)) = ready {
+            // The inner service failed before the operation could run: end it as an error and
+            // give the permit back, as the service will not be called.
+            if let Some(mut admitted) = self.admitted.take() {
+                if let Some(running) = admitted.running.as_mut() {
+                    running.finish(crate::Outcome::Error);
+                }
+            }
+        }
+        ready
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let mut admitted = self.admitted.take().expect(
+            "ResourcesOperation::call without a permit: poll_ready must return Ready(Ok(())) \
+             before each call (use tower::ServiceExt::ready or oneshot)",
+        );
+        let inner = &mut self.inner;
+        let future = match admitted.running.as_mut() {
+            None => inner.call(request),
+            Some(running) => scope::enter(running, || inner.call(request)),
+        };
+        ResponseFuture::new(future, admitted, self.classifier.clone())
+    }
+}
+
+/// Panics for a limit whose semaphore was closed. Kept out of line: it never happens in a
+/// healthy server, and its message is the whole diagnosis.
+#[cold]
+#[inline(never)]
+pub(crate) fn semaphore_closed() -> ! {
+    panic!(
+        "tower-resources-operation: the limit's semaphore was closed, so no permit can be \
+         taken; a semaphore given to with_semaphore (or resources_operation) must stay open \
+         while services use it"
+    )
+}
+
+impl<S: Clone, C: Clone> Clone for ResourcesOperation<S, C> {
+    /// Shares the limit and the metrics; the clone starts without a permit.
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            semaphore: self.semaphore.clone(),
+            series: self.series.clone(),
+            classifier: self.classifier.clone(),
+            waiting: None,
+            admitted: None,
+        }
+    }
+}
+
+impl<S: fmt::Debug, C> fmt::Debug for ResourcesOperation<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResourcesOperation")
+            .field("inner", &self.inner)
+            .field("metrics_enabled", &self.series.is_some())
+            .field("waiting", &self.waiting.is_some())
+            .field("has_permit", &self.admitted.is_some())
+            .finish()
+    }
+}

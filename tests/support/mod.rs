@@ -1,0 +1,182 @@
+//! A real OpenTelemetry SDK pipeline for tests: an in-memory exporter behind a periodic reader
+//! that never fires on its own, read back with `force_flush`.
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+use opentelemetry_sdk::metrics::{
+    InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
+};
+use tower_resources_operation::OperationMetrics;
+
+/// Attributes of one data point, as `key -> value` strings.
+pub type Attributes = BTreeMap<String, String>;
+
+/// One exported histogram data point.
+#[derive(Clone, Debug)]
+pub struct HistogramPoint {
+    pub attributes: Attributes,
+    pub count: u64,
+    pub sum: f64,
+    pub min: Option<f64>,
+    pub max: Option<f64>,
+    pub bounds: Vec<f64>,
+    pub bucket_counts: Vec<u64>,
+}
+
+/// One exported sum (up-down counter) data point.
+#[derive(Clone, Debug)]
+pub struct SumPoint {
+    pub attributes: Attributes,
+    pub value: i64,
+}
+
+/// What an instrument exported, owned.
+#[derive(Clone, Debug)]
+pub enum Data {
+    Histogram(Vec<HistogramPoint>),
+    Sum { monotonic: bool, points: Vec<SumPoint> },
+    Other(String),
+}
+
+/// One exported instrument.
+#[derive(Clone, Debug)]
+pub struct Exported {
+    pub name: String,
+    pub unit: String,
+    pub description: String,
+    pub data: Data,
+}
+
+/// A meter provider with an in-memory exporter, and the crate's metrics on one of its meters.
+pub struct Telemetry {
+    pub provider: SdkMeterProvider,
+    pub exporter: InMemoryMetricExporter,
+    pub metrics: OperationMetrics,
+}
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Telemetry {
+    pub fn new() -> Self {
+        let exporter = InMemoryMetricExporterBuilder::new().build();
+        let reader = PeriodicReader::builder(exporter.clone())
+            .with_interval(Duration::from_secs(3600))
+            .build();
+        let provider = SdkMeterProvider::builder().with_reader(reader).build();
+        let metrics = OperationMetrics::new(&provider.meter("tests"));
+        Self {
+            provider,
+            exporter,
+            metrics,
+        }
+    }
+
+    /// Every instrument as of now (cumulative).
+    pub fn collect(&self) -> Vec<Exported> {
+        self.exporter.reset();
+        self.provider.force_flush().expect("force_flush");
+        let exported = self
+            .exporter
+            .get_finished_metrics()
+            .expect("finished metrics");
+        let Some(last) = exported.last() else {
+            return Vec::new();
+        };
+        last.scope_metrics()
+            .flat_map(|scope| scope.metrics())
+            .map(|m| Exported {
+                name: m.name().to_owned(),
+                unit: m.unit().to_owned(),
+                description: m.description().to_owned(),
+                data: match m.data() {
+                    AggregatedMetrics::F64(MetricData::Histogram(h)) => Data::Histogram(
+                        h.data_points()
+                            .map(|p| HistogramPoint {
+                                attributes: attributes(p.attributes()),
+                                count: p.count(),
+                                sum: p.sum(),
+                                min: p.min(),
+                                max: p.max(),
+                                bounds: p.bounds().collect(),
+                                bucket_counts: p.bucket_counts().collect(),
+                            })
+                            .collect(),
+                    ),
+                    AggregatedMetrics::I64(MetricData::Sum(s)) => Data::Sum {
+                        monotonic: s.is_monotonic(),
+                        points: s
+                            .data_points()
+                            .map(|p| SumPoint {
+                                attributes: attributes(p.attributes()),
+                                value: p.value(),
+                            })
+                            .collect(),
+                    },
+                    other => Data::Other(format!("{other:?}")),
+                },
+            })
+            .collect()
+    }
+
+    /// The data points of histogram `name` (empty if it exported nothing).
+    pub fn histogram(&self, name: &str) -> Vec<HistogramPoint> {
+        self.collect()
+            .into_iter()
+            .filter(|m| m.name == name)
+            .flat_map(|m| match m.data {
+                Data::Histogram(points) => points,
+                other => panic!("{name} is not an f64 histogram: {other:?}"),
+            })
+            .collect()
+    }
+
+    /// The data points of the observable up-down counter `name`.
+    pub fn live(&self, name: &str) -> Vec<SumPoint> {
+        self.collect()
+            .into_iter()
+            .filter(|m| m.name == name)
+            .flat_map(|m| match m.data {
+                Data::Sum { points, .. } => points,
+                other => panic!("{name} is not an i64 sum: {other:?}"),
+            })
+            .collect()
+    }
+
+    /// Sum of the histogram's counts over points whose attributes include every pair in `filter`.
+    pub fn count(&self, name: &str, filter: &[(&str, &str)]) -> u64 {
+        self.histogram(name)
+            .iter()
+            .filter(|p| matches(&p.attributes, filter))
+            .map(|p| p.count)
+            .sum()
+    }
+
+    /// Sum of the live count over points whose attributes include every pair in `filter`.
+    pub fn live_value(&self, name: &str, filter: &[(&str, &str)]) -> i64 {
+        self.live(name)
+            .iter()
+            .filter(|p| matches(&p.attributes, filter))
+            .map(|p| p.value)
+            .sum()
+    }
+}
+
+/// Whether `attributes` include every `(key, value)` of `filter`.
+pub fn matches(attributes: &Attributes, filter: &[(&str, &str)]) -> bool {
+    filter
+        .iter()
+        .all(|(k, v)| attributes.get(*k).map(String::as_str) == Some(*v))
+}
+
+fn attributes<'a>(kvs: impl Iterator<Item = &'a opentelemetry::KeyValue>) -> Attributes {
+    kvs.map(|kv| (kv.key.to_string(), kv.value.to_string()))
+        .collect()
+}
