@@ -9,6 +9,10 @@ use std::error::Error;
 
 use crate::Outcome;
 
+mod http;
+
+pub use http::{GrpcClassifier, HttpClassifier};
+
 /// Maps the result of the inner service to an [`Outcome`].
 ///
 /// Implemented by [`DefaultClassifier`] and by every `Fn(Result<&Res, &Err>) -> Outcome`, so a
@@ -84,7 +88,14 @@ pub fn error_outcome(error: &(dyn Error + 'static)) -> Outcome {
         if is_timeout(error) {
             return Outcome::Timeout;
         }
-        next = error.source();
+        next = match error.downcast_ref::<std::io::Error>() {
+            // An `io::Error`'s `source` skips the error it wraps; step into that error itself.
+            Some(io) => match io.get_ref() {
+                Some(inner) => Some(inner as &(dyn Error + 'static)),
+                None => None,
+            },
+            None => error.source(),
+        };
     }
     Outcome::Error
 }

@@ -6,7 +6,10 @@ use std::sync::Arc;
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
-use crate::{DefaultClassifier, Executor, Operation, OperationMetrics, ResourcesOperation};
+use crate::{
+    DefaultClassifier, Executor, GrpcClassifier, HttpClassifier, Operation, OperationMetrics,
+    ResourcesOperation,
+};
 
 /// Limits the wrapped service to a number of operations at once, like tower's
 /// `ConcurrencyLimitLayer`, and reports how long each waited, how long it ran, and how it ended.
@@ -84,6 +87,35 @@ impl ResourcesOperationLayer {
             metrics: OperationMetrics::global(),
             classifier: DefaultClassifier,
         }
+    }
+}
+
+impl ResourcesOperationLayer<HttpClassifier> {
+    /// [`new`](ResourcesOperationLayer::new) with the [`HttpClassifier`], for services that
+    /// answer `http::Response`s (axum, hyper): `5xx` is `error`, `504`/`408` `timeout`, `499`
+    /// `cancelled`.
+    #[track_caller]
+    pub fn new_for_http(max: usize) -> Self {
+        ResourcesOperationLayer::new(max).classifier(HttpClassifier::new())
+    }
+
+    /// [`with_semaphore`](ResourcesOperationLayer::with_semaphore) with the [`HttpClassifier`].
+    pub fn with_semaphore_for_http(semaphore: Arc<Semaphore>) -> Self {
+        ResourcesOperationLayer::with_semaphore(semaphore).classifier(HttpClassifier::new())
+    }
+}
+
+impl ResourcesOperationLayer<GrpcClassifier> {
+    /// [`new`](ResourcesOperationLayer::new) with the [`GrpcClassifier`], for tonic services:
+    /// the outcome comes from the `grpc-status` of a trailers-only response.
+    #[track_caller]
+    pub fn new_for_grpc(max: usize) -> Self {
+        ResourcesOperationLayer::new(max).classifier(GrpcClassifier)
+    }
+
+    /// [`with_semaphore`](ResourcesOperationLayer::with_semaphore) with the [`GrpcClassifier`].
+    pub fn with_semaphore_for_grpc(semaphore: Arc<Semaphore>) -> Self {
+        ResourcesOperationLayer::with_semaphore(semaphore).classifier(GrpcClassifier)
     }
 }
 

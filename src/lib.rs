@@ -90,7 +90,10 @@ mod scoped;
 mod service;
 
 pub use attributes::{Executor, Operation, Outcome, ParseAttributeError};
-pub use classify::{error_outcome, ClassifyOutcome, DefaultClassifier, OperationOutput};
+pub use classify::{
+    error_outcome, ClassifyOutcome, DefaultClassifier, GrpcClassifier, HttpClassifier,
+    OperationOutput,
+};
 pub use future::ResponseFuture;
 pub use layer::{LimitTooLarge, ResourcesOperationLayer};
 pub use metrics::{OperationMetrics, METER_NAME};
@@ -137,3 +140,8 @@ pub const OPERATIONS: &[&str] = &["verify", "tool", "judge", "other"];
 pub const EXECUTORS: &[&str] = &["inline", "thread", "process", "subprocess", "other"];
 /// The values of [`OUTCOME_ATTRIBUTE`], one per [`Outcome`].
 pub const OUTCOMES: &[&str] = &["ok", "error", "timeout", "cancelled", "crashed"];
+
+/// The README's examples, run as doctests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

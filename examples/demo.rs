@@ -1,0 +1,427 @@
+//! The main job: an axum server whose two routes share a limit, a burst of requests, and what
+//! the metrics say about the limit.
+//!
+//! ```text
+//! cargo run --example demo
+//! ```
+//!
+//! It runs the same burst twice, against a limit of 2 and a limit of 16, on 127.0.0.1 with an
+//! in-memory OpenTelemetry exporter (no collector needed), and prints, per operation, the queue
+//! time next to the run time, and per outcome the count and run time.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::{StatusCode, Uri};
+use axum::routing::get;
+use axum::Router;
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+use opentelemetry_sdk::metrics::{
+    InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tower_resources_operation::{
+    set_outcome, Executor, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+};
+
+const VERIFY_REQUESTS: u32 = 32;
+const JUDGE_REQUESTS: u32 = 16;
+/// How long an impatient client waits before it hangs up.
+const CLIENT_PATIENCE: Duration = Duration::from_millis(400);
+/// How long the verifier may run before the handler gives up on it.
+const VERIFY_DEADLINE: Duration = Duration::from_millis(150);
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    println!(
+        "tower-resources-operation demo: /verify (verify, subprocess) and /judge (judge, inline)"
+    );
+    println!(
+        "share one limit; {} + {} requests arrive at once; every 8th client hangs up after {} ms.\n",
+        VERIFY_REQUESTS,
+        JUDGE_REQUESTS,
+        CLIENT_PATIENCE.as_millis()
+    );
+    for limit in [2, 8, 48] {
+        let report = run_burst(limit).await;
+        report.print();
+    }
+}
+
+/// The server: two routes, one semaphore, one layer per route with its own tags.
+fn app(limit: &Arc<Semaphore>, metrics: &OperationMetrics) -> Router {
+    let tagged = |operation, executor| {
+        ResourcesOperationLayer::with_semaphore_for_http(Arc::clone(limit))
+            .operation(operation)
+            .executor(executor)
+            .metrics(metrics.clone())
+    };
+    Router::new()
+        .route(
+            "/verify",
+            get(verify).layer(tagged(Operation::Verify, Executor::Subprocess)),
+        )
+        .route(
+            "/judge",
+            get(judge).layer(tagged(Operation::Judge, Executor::Inline)),
+        )
+}
+
+/// The request's `id` query parameter, which makes each request's work reproducible.
+fn request_id(uri: &Uri) -> u32 {
+    uri.query()
+        .and_then(|q| q.strip_prefix("id="))
+        .and_then(|id| id.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A verifier that usually takes 40 to 120 ms, sometimes fails, and sometimes runs past the
+/// handler's deadline, which the handler reports with `set_outcome`.
+async fn verify(uri: Uri) -> (StatusCode, &'static str) {
+    let id = request_id(&uri);
+    let work =
+        Duration::from_millis(40 + u64::from(id * 37 % 80) + if id % 9 == 0 { 200 } else { 0 });
+    match tokio::time::timeout(VERIFY_DEADLINE, tokio::time::sleep(work)).await {
+        Err(_) => {
+            set_outcome(Outcome::Timeout);
+            (
+                StatusCode::OK,
+                "verifier timed out; answer marked unverified\n",
+            )
+        }
+        Ok(()) if id % 11 == 0 => (StatusCode::INTERNAL_SERVER_ERROR, "verifier crashed\n"),
+        Ok(()) => (StatusCode::OK, "verified\n"),
+    }
+}
+
+/// A judge call of 20 to 60 ms.
+async fn judge(uri: Uri) -> &'static str {
+    let id = request_id(&uri);
+    tokio::time::sleep(Duration::from_millis(20 + u64::from(id * 13 % 40))).await;
+    "judged\n"
+}
+
+async fn run_burst(limit: usize) -> Report {
+    let telemetry = Telemetry::new();
+    let semaphore = Arc::new(Semaphore::new(limit));
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind 127.0.0.1");
+    let addr = listener.local_addr().expect("local addr");
+    let app = app(&semaphore, &telemetry.metrics);
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("server") });
+
+    let started = Instant::now();
+    let mut clients = Vec::new();
+    for id in 1..=VERIFY_REQUESTS {
+        clients.push(tokio::spawn(request(addr, "verify", id)));
+    }
+    for id in 1..=JUDGE_REQUESTS {
+        clients.push(tokio::spawn(request(addr, "judge", id)));
+    }
+
+    // Sample the live counts while the burst drains, as a scrape every 20 ms would.
+    let mut peak_queued = 0;
+    let mut peak_active = 0;
+    while clients.iter().any(|c| !c.is_finished()) {
+        let snapshot = telemetry.snapshot();
+        peak_queued = peak_queued.max(snapshot.live(QUEUED_INSTRUMENT));
+        peak_active = peak_active.max(snapshot.live(ACTIVE_INSTRUMENT));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut statuses: BTreeMap<String, u32> = BTreeMap::new();
+    for client in clients {
+        *statuses
+            .entry(client.await.expect("client task"))
+            .or_default() += 1;
+    }
+    let wall = started.elapsed();
+    // Let the server notice the clients that hung up, so their operations have ended.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let snapshot = telemetry.snapshot();
+    server.abort();
+
+    Report {
+        limit,
+        wall,
+        statuses,
+        peak_queued,
+        peak_active,
+        snapshot,
+    }
+}
+
+/// One client on its own connection; every 8th gives up after [`CLIENT_PATIENCE`].
+async fn request(addr: SocketAddr, route: &str, id: u32) -> String {
+    let send = async {
+        let mut stream = TcpStream::connect(addr).await?;
+        let head =
+            format!("GET /{route}?id={id} HTTP/1.1\r\nHost: demo\r\nConnection: close\r\n\r\n");
+        stream.write_all(head.as_bytes()).await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        let status = String::from_utf8_lossy(&response)
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or("?")
+            .to_owned();
+        Ok::<_, std::io::Error>(status)
+    };
+    if id % 8 == 0 {
+        match tokio::time::timeout(CLIENT_PATIENCE, send).await {
+            Ok(Ok(status)) => status,
+            Ok(Err(e)) => format!("io error: {e}"),
+            Err(_) => "hung up".to_owned(),
+        }
+    } else {
+        send.await.unwrap_or_else(|e| format!("io error: {e}"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading the metrics back: an in-memory exporter, flushed on demand.
+
+struct Telemetry {
+    provider: SdkMeterProvider,
+    exporter: InMemoryMetricExporter,
+    metrics: OperationMetrics,
+}
+
+impl Telemetry {
+    fn new() -> Self {
+        let exporter = InMemoryMetricExporterBuilder::new().build();
+        let reader = PeriodicReader::builder(exporter.clone())
+            .with_interval(Duration::from_secs(3600))
+            .build();
+        let provider = SdkMeterProvider::builder().with_reader(reader).build();
+        let metrics = OperationMetrics::new(&provider.meter("demo"));
+        Self {
+            provider,
+            exporter,
+            metrics,
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        self.exporter.reset();
+        self.provider.force_flush().expect("flush metrics");
+        let mut snapshot = Snapshot::default();
+        let exported = self.exporter.get_finished_metrics().expect("read metrics");
+        let Some(last) = exported.last() else {
+            return snapshot;
+        };
+        for metric in last.scope_metrics().flat_map(|s| s.metrics()) {
+            match metric.data() {
+                AggregatedMetrics::F64(MetricData::Histogram(h)) => {
+                    for point in h.data_points() {
+                        let key = key(point.attributes());
+                        snapshot.histograms.insert(
+                            (metric.name().to_owned(), key),
+                            Buckets {
+                                bounds: point.bounds().collect(),
+                                counts: point.bucket_counts().collect(),
+                                count: point.count(),
+                                sum: point.sum(),
+                                min: point.min().unwrap_or(0.0),
+                                max: point.max().unwrap_or(0.0),
+                            },
+                        );
+                    }
+                }
+                AggregatedMetrics::I64(MetricData::Sum(s)) => {
+                    let total = s.data_points().map(|p| p.value()).sum();
+                    snapshot.live.insert(metric.name().to_owned(), total);
+                }
+                _ => {}
+            }
+        }
+        snapshot
+    }
+}
+
+/// `(operation, executor, outcome)`; outcome is empty for the queue histogram.
+type SeriesKey = (String, String, String);
+
+fn key<'a>(attributes: impl Iterator<Item = &'a opentelemetry::KeyValue>) -> SeriesKey {
+    let mut key = SeriesKey::default();
+    for kv in attributes {
+        let value = kv.value.to_string();
+        match kv.key.as_str() {
+            OPERATION_ATTRIBUTE => key.0 = value,
+            EXECUTOR_ATTRIBUTE => key.1 = value,
+            OUTCOME_ATTRIBUTE => key.2 = value,
+            _ => {}
+        }
+    }
+    key
+}
+
+#[derive(Default)]
+struct Snapshot {
+    histograms: BTreeMap<(String, SeriesKey), Buckets>,
+    live: BTreeMap<String, i64>,
+}
+
+impl Snapshot {
+    fn live(&self, name: &str) -> i64 {
+        self.live.get(name).copied().unwrap_or(0)
+    }
+}
+
+struct Buckets {
+    bounds: Vec<f64>,
+    counts: Vec<u64>,
+    count: u64,
+    sum: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Buckets {
+    /// The `q` quantile, interpolated inside its bucket as Prometheus's `histogram_quantile`
+    /// does, then kept within the exported min and max (the seed's buckets are wide).
+    fn quantile(&self, q: f64) -> f64 {
+        self.interpolated(q).clamp(self.min, self.max)
+    }
+
+    fn interpolated(&self, q: f64) -> f64 {
+        let rank = q * self.count as f64;
+        let mut seen = 0u64;
+        for (i, &n) in self.counts.iter().enumerate() {
+            if n > 0 && (seen + n) as f64 >= rank {
+                let lower = if i == 0 { 0.0 } else { self.bounds[i - 1] };
+                let Some(&upper) = self.bounds.get(i) else {
+                    return lower; // the open top bucket: report its lower bound
+                };
+                return lower + (upper - lower) * ((rank - seen as f64) / n as f64);
+            }
+            seen += n;
+        }
+        0.0
+    }
+}
+
+struct Report {
+    limit: usize,
+    wall: Duration,
+    statuses: BTreeMap<String, u32>,
+    peak_queued: i64,
+    peak_active: i64,
+    snapshot: Snapshot,
+}
+
+impl Report {
+    fn print(&self) {
+        let s = &self.snapshot;
+        println!(
+            "== limit {}: burst drained in {} ms; peak active {} of {}, peak queued {}",
+            self.limit,
+            self.wall.as_millis(),
+            self.peak_active,
+            self.limit,
+            self.peak_queued
+        );
+        let statuses: Vec<String> = self
+            .statuses
+            .iter()
+            .map(|(k, v)| format!("{k} x{v}"))
+            .collect();
+        println!("   clients saw: {}", statuses.join(", "));
+        println!(
+            "   {:<7} {:<11} {:>8} {:>9} {:>9} | {:<9} {:>5} {:>8} {:>8}",
+            "op",
+            "executor",
+            "admitted",
+            "queue p50",
+            "queue p95",
+            "outcome",
+            "count",
+            "run p50",
+            "run p95"
+        );
+
+        let (mut queue_ms, mut run_ms, mut admitted, mut cancelled) = (0.0, 0.0, 0, 0);
+        for ((_, (op, ex, _)), queue) in s
+            .histograms
+            .iter()
+            .filter(|((n, _), _)| n == QUEUE_DURATION_INSTRUMENT)
+        {
+            queue_ms += queue.sum;
+            admitted += queue.count;
+            let runs = s
+                .histograms
+                .iter()
+                .filter(|((n, (o, e, _)), _)| n == DURATION_INSTRUMENT && o == op && e == ex);
+            for (i, ((_, (_, _, outcome)), run)) in runs.enumerate() {
+                run_ms += run.sum;
+                if outcome == Outcome::Cancelled.as_str() {
+                    cancelled += run.count;
+                }
+                let left = if i == 0 {
+                    let (p50, p95) = (ms(queue.quantile(0.5)), ms(queue.quantile(0.95)));
+                    format!("{op:<7} {ex:<11} {:>8} {p50:>9} {p95:>9}", queue.count)
+                } else {
+                    format!("{:48}", "")
+                };
+                let (p50, p95) = (ms(run.quantile(0.5)), ms(run.quantile(0.95)));
+                println!(
+                    "   {left} | {outcome:<9} {:>5} {p50:>8} {p95:>8}",
+                    run.count
+                );
+            }
+        }
+
+        let hung_up = u64::from(self.statuses.get("hung up").copied().unwrap_or(0));
+        if hung_up > 0 {
+            println!(
+                "   {hung_up} clients hung up: {} while running (cancelled), {} while still queued \
+                 (a wait given up records no sample)",
+                cancelled,
+                hung_up.saturating_sub(cancelled)
+            );
+        }
+        // Little's law: the average number of busy slots is the total run time over the wall time.
+        let busy = run_ms / self.wall.as_secs_f64() / 1_000.0;
+        let utilisation = busy / self.limit as f64;
+        let queue_per_run = queue_ms / run_ms.max(1e-9);
+        println!(
+            "   busy slots on average: {busy:.1} of {} ({:.0}%); mean queue time {} vs mean run time {}",
+            self.limit,
+            utilisation * 100.0,
+            ms(queue_ms / admitted.max(1) as f64),
+            ms(run_ms / admitted.max(1) as f64),
+        );
+        let verdict = if utilisation > 0.75 && queue_per_run > 1.0 {
+            format!(
+                "the limit binds. Every slot was busy and work queued {queue_per_run:.1}x as long as it ran. \
+                 If what it protects can take more, raise the limit; otherwise shed load."
+            )
+        } else if queue_per_run > 0.25 {
+            format!(
+                "the limit is close: work queued {:.0}% as long as it ran.",
+                queue_per_run * 100.0
+            )
+        } else {
+            format!(
+                "the limit does not bind: work queued {:.0}% as long as it ran; the run time is the whole story.",
+                queue_per_run * 100.0
+            )
+        };
+        println!("   what it says: {verdict}\n");
+    }
+}
+
+fn ms(value: f64) -> String {
+    if value >= 1_000.0 {
+        format!("{:.2} s", value / 1_000.0)
+    } else {
+        format!("{value:.0} ms")
+    }
+}

@@ -1,0 +1,208 @@
+//! Classifiers for HTTP and gRPC responses.
+
+use http::{HeaderMap, Response, StatusCode};
+
+use super::{any_error_outcome, ClassifyOutcome};
+use crate::Outcome;
+
+/// Lowest and highest status code an [`HttpClassifier`] can be told about.
+const FIRST_STATUS: u16 = 100;
+const LAST_STATUS: u16 = 999;
+const WORDS: usize = (LAST_STATUS - FIRST_STATUS) as usize / 64 + 1;
+
+/// Classifies `http::Response`s by status code.
+///
+/// - `504 Gateway Timeout` and `408 Request Timeout` are [`Outcome::Timeout`];
+/// - `499` (client closed the request) is [`Outcome::Cancelled`];
+/// - the error statuses, by default every `5xx`, are [`Outcome::Error`];
+/// - everything else is [`Outcome::Ok`];
+/// - an `Err` from the service is classified as [`DefaultClassifier`](crate::DefaultClassifier)
+///   does.
+///
+/// Which statuses count as errors can be changed; the three above keep their outcome.
+///
+/// ```
+/// use http::StatusCode;
+/// use tower_resources_operation::{ClassifyOutcome, HttpClassifier, Outcome};
+///
+/// let classifier = HttpClassifier::new().with_error_status(StatusCode::TOO_MANY_REQUESTS);
+/// let response = http::Response::builder().status(429).body(()).unwrap();
+/// let outcome =
+///     ClassifyOutcome::<_, std::convert::Infallible>::classify(&classifier, Ok(&response));
+/// assert_eq!(outcome, Outcome::Error);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpClassifier {
+    /// Bit `code - 100` is set for each status that counts as an error.
+    errors: [u64; WORDS],
+}
+
+impl Default for HttpClassifier {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HttpClassifier {
+    /// Every `5xx` is an error.
+    pub const fn new() -> Self {
+        Self { errors: [0; WORDS] }.with_error_range(500, 599)
+    }
+
+    /// Also counts `status` as an error.
+    pub const fn with_error_status(self, status: StatusCode) -> Self {
+        let code = status.as_u16();
+        self.with_error_range(code, code)
+    }
+
+    /// Also counts every `4xx` as an error (but `408` stays `timeout` and `499` `cancelled`).
+    pub const fn with_client_errors(self) -> Self {
+        self.with_error_range(400, 499)
+    }
+
+    /// Counts only `5xx` as errors again, undoing [`with_error_status`](Self::with_error_status)
+    /// and [`with_client_errors`](Self::with_client_errors).
+    pub const fn with_server_errors_only(self) -> Self {
+        Self::new()
+    }
+
+    /// Also counts every status from `first` to `last` (inclusive) as an error.
+    pub const fn with_error_range(mut self, first: u16, last: u16) -> Self {
+        let mut code = if first < FIRST_STATUS {
+            FIRST_STATUS
+        } else {
+            first
+        };
+        while code <= last && code <= LAST_STATUS {
+            let bit = (code - FIRST_STATUS) as usize;
+            self.errors[bit / 64] |= 1 << (bit % 64);
+            code += 1;
+        }
+        self
+    }
+
+    /// Whether `status` counts as an error (before the timeout and cancel rules apply).
+    pub const fn is_error(&self, status: StatusCode) -> bool {
+        let bit = (status.as_u16() - FIRST_STATUS) as usize;
+        self.errors[bit / 64] & (1 << (bit % 64)) != 0
+    }
+
+    /// The outcome of a response with `status`.
+    pub const fn classify_status(&self, status: StatusCode) -> Outcome {
+        match status.as_u16() {
+            408 | 504 => Outcome::Timeout,
+            499 => Outcome::Cancelled,
+            _ if self.is_error(status) => Outcome::Error,
+            _ => Outcome::Ok,
+        }
+    }
+}
+
+impl<B, E: 'static> ClassifyOutcome<Response<B>, E> for HttpClassifier {
+    fn classify(&self, result: Result<&Response<B>, &E>) -> Outcome {
+        match result {
+            Ok(response) => self.classify_status(response.status()),
+            Err(error) => any_error_outcome(error),
+        }
+    }
+}
+
+/// Classifies gRPC responses by the `grpc-status` header of a trailers-only response, which is
+/// how tonic answers a handler's `Err(Status)`.
+///
+/// `0` (OK) is [`Outcome::Ok`], `1` (CANCELLED) [`Outcome::Cancelled`], `4` (DEADLINE_EXCEEDED)
+/// [`Outcome::Timeout`], any other code [`Outcome::Error`]; no `grpc-status` header is `ok`.
+/// An `Err` from the service is classified as [`DefaultClassifier`](crate::DefaultClassifier)
+/// does.
+///
+/// The outcome is decided when the response head is ready. A status sent only in the trailers,
+/// after a body (a streaming call that fails midway, or a unary call whose handler returned `Ok`),
+/// is not seen: such a call counts as `ok`, and its run time ends with the head, not the body.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GrpcClassifier;
+
+impl GrpcClassifier {
+    /// The outcome of a response with these headers.
+    pub fn classify_headers(headers: &HeaderMap) -> Outcome {
+        match headers.get("grpc-status") {
+            None => Outcome::Ok,
+            Some(value) => match value.as_bytes() {
+                b"0" => Outcome::Ok,
+                b"1" => Outcome::Cancelled,
+                b"4" => Outcome::Timeout,
+                _ => Outcome::Error,
+            },
+        }
+    }
+}
+
+impl<B, E: 'static> ClassifyOutcome<Response<B>, E> for GrpcClassifier {
+    fn classify(&self, result: Result<&Response<B>, &E>) -> Outcome {
+        match result {
+            Ok(response) => Self::classify_headers(response.headers()),
+            Err(error) => any_error_outcome(error),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(classifier: HttpClassifier, status: u16) -> Outcome {
+        classifier.classify_status(StatusCode::from_u16(status).unwrap())
+    }
+
+    #[test]
+    fn default_http_rules() {
+        let c = HttpClassifier::new();
+        assert_eq!(outcome(c, 200), Outcome::Ok);
+        assert_eq!(outcome(c, 404), Outcome::Ok);
+        assert_eq!(outcome(c, 429), Outcome::Ok);
+        assert_eq!(outcome(c, 500), Outcome::Error);
+        assert_eq!(outcome(c, 503), Outcome::Error);
+        assert_eq!(outcome(c, 599), Outcome::Error);
+        assert_eq!(outcome(c, 504), Outcome::Timeout);
+        assert_eq!(outcome(c, 408), Outcome::Timeout);
+        assert_eq!(outcome(c, 499), Outcome::Cancelled);
+        assert_eq!(outcome(c, 600), Outcome::Ok);
+        assert_eq!(outcome(c, 999), Outcome::Ok);
+        assert_eq!(outcome(c, 100), Outcome::Ok);
+    }
+
+    #[test]
+    fn error_statuses_can_be_widened_and_reset() {
+        let c = HttpClassifier::new().with_error_status(StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(outcome(c, 429), Outcome::Error);
+        assert_eq!(outcome(c, 404), Outcome::Ok);
+        let c = HttpClassifier::new().with_client_errors();
+        assert_eq!(outcome(c, 404), Outcome::Error);
+        assert_eq!(outcome(c, 408), Outcome::Timeout);
+        assert_eq!(outcome(c, 499), Outcome::Cancelled);
+        assert_eq!(outcome(c.with_server_errors_only(), 404), Outcome::Ok);
+        let c = HttpClassifier::new().with_error_range(0, 2000);
+        assert_eq!(outcome(c, 100), Outcome::Error);
+        assert_eq!(outcome(c, 999), Outcome::Error);
+    }
+
+    #[test]
+    fn grpc_status_header_rules() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(GrpcClassifier::classify_headers(&headers), Outcome::Ok);
+        for (code, expected) in [
+            ("0", Outcome::Ok),
+            ("1", Outcome::Cancelled),
+            ("4", Outcome::Timeout),
+            ("2", Outcome::Error),
+            ("14", Outcome::Error),
+            ("garbage", Outcome::Error),
+        ] {
+            headers.insert("grpc-status", code.parse().unwrap());
+            assert_eq!(
+                GrpcClassifier::classify_headers(&headers),
+                expected,
+                "{code}"
+            );
+        }
+    }
+}

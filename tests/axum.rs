@@ -1,0 +1,302 @@
+//! The layer under `axum::serve`, on real sockets: the limit holds across connections (where
+//! tower's `ConcurrencyLimitLayer` does not), and what ran is what the metrics say.
+
+mod support;
+
+use std::io::ErrorKind;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::{get, MethodRouter};
+use axum::Router;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Barrier, Semaphore};
+
+use support::Telemetry;
+use tower_resources_operation::{
+    Executor, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
+};
+
+/// How long each handler holds its permit.
+const WORK: Duration = Duration::from_millis(100);
+/// A safety net so a broken limit fails the test instead of hanging it; not a performance bound.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// How many handlers run now, and the most that ever ran at once.
+#[derive(Debug, Default)]
+struct Load {
+    running: AtomicUsize,
+    max: AtomicUsize,
+}
+
+impl Load {
+    async fn work(&self) {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max.fetch_max(now, Ordering::SeqCst);
+        tokio::time::sleep(WORK).await;
+        self.running.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn max(&self) -> usize {
+        self.max.load(Ordering::SeqCst)
+    }
+}
+
+/// A GET route whose handler does one unit of `load`'s work.
+fn work_route(load: &Arc<Load>) -> MethodRouter {
+    let load = Arc::clone(load);
+    get(move || {
+        let load = Arc::clone(&load);
+        async move {
+            load.work().await;
+            "done"
+        }
+    })
+}
+
+/// Serves `router` on an ephemeral port of 127.0.0.1.
+async fn serve(router: Router) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    addr
+}
+
+/// Writes all of `bytes` to `stream`.
+async fn write_all(stream: &TcpStream, mut bytes: &[u8]) {
+    while !bytes.is_empty() {
+        stream.writable().await.unwrap();
+        match stream.try_write(bytes) {
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => panic!("write: {e}"),
+        }
+    }
+}
+
+/// Reads `stream` to its end.
+async fn read_to_end(stream: &TcpStream) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        stream.readable().await.unwrap();
+        match stream.try_read(&mut chunk) {
+            Ok(0) => return out,
+            Ok(n) => out.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => panic!("read: {e}"),
+        }
+    }
+}
+
+/// One GET per path, each on its own TCP connection, all connected first and then sent at once;
+/// returns each response's status line, in the order of `paths`.
+async fn get_all(addr: SocketAddr, paths: &[&'static str]) -> Vec<String> {
+    let barrier = Arc::new(Barrier::new(paths.len()));
+    let clients: Vec<_> = paths
+        .iter()
+        .map(|&path| {
+            let barrier = Arc::clone(&barrier);
+            tokio::spawn(async move {
+                let stream = TcpStream::connect(addr).await.unwrap();
+                barrier.wait().await;
+                let request =
+                    format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+                write_all(&stream, request.as_bytes()).await;
+                let response = String::from_utf8(read_to_end(&stream).await).unwrap();
+                response.lines().next().unwrap_or_default().to_owned()
+            })
+        })
+        .collect();
+
+    let mut statuses = Vec::with_capacity(clients.len());
+    for client in clients {
+        let status = tokio::time::timeout(DEADLINE, client)
+            .await
+            .expect("client hung")
+            .expect("client task failed");
+        statuses.push(status);
+    }
+    statuses
+}
+
+fn assert_all_ok(statuses: &[String]) {
+    for status in statuses {
+        assert_eq!(status, "HTTP/1.1 200 OK", "all: {statuses:?}");
+    }
+}
+
+/// Eight clients at once on `/work` of `router`, which limits to 2 through `layer` reporting as
+/// verify/thread: asserts that two ran at once, all answered 200, and what the metrics say.
+async fn eight_clients_run_two_at_a_time(telemetry: &Telemetry, load: &Load, addr: SocketAddr) {
+    let statuses = get_all(addr, &["/work"; 8]).await;
+
+    assert_all_ok(&statuses);
+    assert_eq!(load.max(), 2, "handlers that ran at once");
+
+    let series = [
+        (OPERATION_ATTRIBUTE, "verify"),
+        (EXECUTOR_ATTRIBUTE, "thread"),
+    ];
+    assert_eq!(telemetry.count(QUEUE_DURATION_INSTRUMENT, &series), 8);
+    let ok = [
+        (OPERATION_ATTRIBUTE, "verify"),
+        (EXECUTOR_ATTRIBUTE, "thread"),
+        (OUTCOME_ATTRIBUTE, "ok"),
+    ];
+    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &ok), 8);
+    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &series), 8);
+
+    // Six of the eight had to wait for a permit, for about one unit of work or more.
+    let queue = telemetry.histogram(QUEUE_DURATION_INSTRUMENT);
+    let [point] = queue.as_slice() else {
+        panic!("one queue series expected: {queue:?}")
+    };
+    assert!(point.sum > 0.0, "{point:?}");
+    assert!(point.max.unwrap() > 50.0, "{point:?}");
+    // Bucket 0 is (-inf, 1 ms]: the two admitted at once are there, the six waiters above it.
+    let waited = point.count - point.bucket_counts[0];
+    assert!(
+        waited >= 6,
+        "waiters with a queue time above 1 ms: {point:?}"
+    );
+
+    assert_eq!(telemetry.live_value(QUEUED_INSTRUMENT, &series), 0);
+    assert_eq!(telemetry.live_value(ACTIVE_INSTRUMENT, &series), 0);
+}
+
+fn verify_thread_limit_of_two(telemetry: &Telemetry) -> ResourcesOperationLayer {
+    ResourcesOperationLayer::new(2)
+        .operation(Operation::Verify)
+        .executor(Executor::Thread)
+        .metrics(telemetry.metrics.clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limit_on_router_layer_holds_across_connections() {
+    let telemetry = Telemetry::new();
+    let load = Arc::new(Load::default());
+    let router = Router::new()
+        .route("/work", work_route(&load))
+        .layer(verify_thread_limit_of_two(&telemetry));
+    let addr = serve(router).await;
+
+    eight_clients_run_two_at_a_time(&telemetry, &load, addr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limit_on_route_layer_holds_across_connections() {
+    let telemetry = Telemetry::new();
+    let load = Arc::new(Load::default());
+    let router = Router::new()
+        .route("/work", work_route(&load))
+        .route_layer(verify_thread_limit_of_two(&telemetry));
+    let addr = serve(router).await;
+
+    eight_clients_run_two_at_a_time(&telemetry, &load, addr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limit_on_method_router_layer_holds_across_connections() {
+    let telemetry = Telemetry::new();
+    let load = Arc::new(Load::default());
+    let router = Router::new().route(
+        "/work",
+        work_route(&load).layer(verify_thread_limit_of_two(&telemetry)),
+    );
+    let addr = serve(router).await;
+
+    eight_clients_run_two_at_a_time(&telemetry, &load, addr).await;
+}
+
+/// Documents the bug this crate exists for: tower's layer on `Router::layer` under
+/// `axum::serve` gets a semaphore per connection, so eight connections are not held to 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn towers_concurrency_limit_on_router_layer_is_per_connection() {
+    let load = Arc::new(Load::default());
+    let router = Router::new()
+        .route("/work", work_route(&load))
+        .layer(tower::limit::ConcurrencyLimitLayer::new(2));
+    let addr = serve(router).await;
+
+    let statuses = get_all(addr, &["/work"; 8]).await;
+
+    assert_all_ok(&statuses);
+    assert!(
+        load.max() > 2,
+        "tower's limit held across connections: max {}",
+        load.max()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_routes_with_layers_from_one_semaphore_share_its_cap() {
+    let telemetry = Telemetry::new();
+    let load = Arc::new(Load::default());
+    let slots = Arc::new(Semaphore::new(2));
+    let verify = ResourcesOperationLayer::with_semaphore(Arc::clone(&slots))
+        .operation(Operation::Verify)
+        .executor(Executor::Subprocess)
+        .metrics(telemetry.metrics.clone());
+    let judge = ResourcesOperationLayer::with_semaphore(Arc::clone(&slots))
+        .operation(Operation::Judge)
+        .executor(Executor::Inline)
+        .metrics(telemetry.metrics.clone());
+    let router = Router::new()
+        .route("/verify", work_route(&load).layer(verify))
+        .route("/judge", work_route(&load).layer(judge));
+    let addr = serve(router).await;
+
+    let paths = [
+        "/verify", "/judge", "/verify", "/judge", "/verify", "/judge", "/verify", "/judge",
+    ];
+    let statuses = get_all(addr, &paths).await;
+
+    assert_all_ok(&statuses);
+    assert_eq!(
+        load.max(),
+        2,
+        "handlers that ran at once across both routes"
+    );
+    assert_eq!(slots.available_permits(), 2);
+
+    let verify = [
+        (OPERATION_ATTRIBUTE, "verify"),
+        (EXECUTOR_ATTRIBUTE, "subprocess"),
+    ];
+    let judge = [
+        (OPERATION_ATTRIBUTE, "judge"),
+        (EXECUTOR_ATTRIBUTE, "inline"),
+    ];
+    for series in [verify, judge] {
+        let [(op_key, op), (ex_key, ex)] = series;
+        let ok = [(op_key, op), (ex_key, ex), (OUTCOME_ATTRIBUTE, "ok")];
+        assert_eq!(telemetry.count(DURATION_INSTRUMENT, &ok), 4, "{series:?}");
+        assert_eq!(
+            telemetry.count(DURATION_INSTRUMENT, &series),
+            4,
+            "{series:?}"
+        );
+        assert_eq!(
+            telemetry.count(QUEUE_DURATION_INSTRUMENT, &series),
+            4,
+            "{series:?}"
+        );
+
+        for instrument in [QUEUED_INSTRUMENT, ACTIVE_INSTRUMENT] {
+            let points = telemetry.live(instrument);
+            let reported: Vec<_> = points
+                .iter()
+                .filter(|p| support::matches(&p.attributes, &series))
+                .collect();
+            assert_eq!(reported.len(), 1, "{instrument} {series:?}: {points:?}");
+            assert_eq!(reported[0].value, 0, "{instrument} {series:?}");
+        }
+    }
+    // Nothing was recorded under any other series.
+    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &[]), 8);
+}

@@ -1,0 +1,360 @@
+//! The layer's readiness is tower's `ConcurrencyLimit`'s: mirrored from tower's own
+//! `tests/limit/concurrency.rs`, one behaviour per test, with and without metrics.
+
+mod support;
+
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use tokio::sync::Semaphore;
+use tokio_test::{assert_pending, assert_ready_ok};
+use tower::ServiceExt as _;
+use tower_test::{assert_request_eq, mock};
+
+use support::Telemetry;
+use tower_resources_operation::{
+    OperationMetrics, ResourcesOperationLayer, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+};
+
+/// A limit of `max` that records nothing, so no test depends on the global provider.
+fn quiet(max: usize) -> ResourcesOperationLayer {
+    ResourcesOperationLayer::new(max).metrics(OperationMetrics::disabled())
+}
+
+/// The text of a caught panic.
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(message) = payload.downcast_ref::<&'static str>() {
+        (*message).to_owned()
+    } else if let Some(message) = payload.downcast_ref::<String>() {
+        message.clone()
+    } else {
+        panic!("panic payload is neither &str nor String")
+    }
+}
+
+/// tower's `basic_service_limit_functionality_with_poll_ready`, through our layer reporting
+/// through `metrics`.
+async fn limit_of_two_admits_two_and_wakes_the_third_when_a_response_completes(
+    metrics: OperationMetrics,
+) {
+    let layer = ResourcesOperationLayer::new(2).metrics(metrics);
+    let (mut service, mut handle) = mock::spawn_layer::<&str, &str, _>(layer);
+
+    assert_ready_ok!(service.poll_ready());
+    let r1 = service.call("hello 1");
+
+    assert_ready_ok!(service.poll_ready());
+    let r2 = service.call("hello 2");
+
+    // Both permits are out: the third operation waits, and nothing wakes it yet.
+    assert_pending!(service.poll_ready());
+    assert!(!service.is_woken());
+
+    assert_request_eq!(handle, "hello 1").send_response("world 1");
+    assert_request_eq!(handle, "hello 2").send_response("world 2");
+    assert_pending!(handle.poll_request());
+
+    // A response that was sent but not yet polled to completion still holds its permit.
+    assert!(!service.is_woken());
+
+    assert_eq!(r1.await.unwrap(), "world 1");
+    assert!(service.is_woken());
+
+    assert_ready_ok!(service.poll_ready());
+    let r3 = service.call("hello 3");
+
+    assert_pending!(service.poll_ready());
+    assert!(!service.is_woken());
+
+    assert_eq!(r2.await.unwrap(), "world 2");
+    assert!(service.is_woken());
+
+    assert_request_eq!(handle, "hello 3").send_response("world 3");
+    assert_eq!(r3.await.unwrap(), "world 3");
+
+    // r2 and r3 have finished, so both permits are free again, the one this service took in
+    // its last poll_ready included.
+    assert_ready_ok!(service.poll_ready());
+    let mut other = service.clone();
+    assert_ready_ok!(other.poll_ready());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn limit_of_two_admits_two_calls_and_third_waits_unwoken_until_a_response_completes_with_metrics_disabled(
+) {
+    limit_of_two_admits_two_and_wakes_the_third_when_a_response_completes(
+        OperationMetrics::disabled(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn limit_of_two_admits_two_calls_and_third_waits_unwoken_until_a_response_completes_with_metrics_enabled(
+) {
+    let telemetry = Telemetry::new();
+    limit_of_two_admits_two_and_wakes_the_third_when_a_response_completes(
+        telemetry.metrics.clone(),
+    )
+    .await;
+
+    // The metrics were really on: three operations ran to `ok`, and five were admitted (the
+    // last two only reserved their permits, and their services were dropped: `cancelled`).
+    assert_eq!(
+        telemetry.count(DURATION_INSTRUMENT, &[(OUTCOME_ATTRIBUTE, "ok")]),
+        3
+    );
+    assert_eq!(telemetry.count(QUEUE_DURATION_INSTRUMENT, &[]), 5);
+    assert_eq!(
+        telemetry.count(DURATION_INSTRUMENT, &[(OUTCOME_ATTRIBUTE, "cancelled")]),
+        2
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn poll_ready_takes_the_permit_before_call() {
+    let layer = quiet(1);
+    let semaphore = Arc::clone(layer.semaphore());
+    let (mut s1, mut handle) = mock::spawn_layer::<&str, &str, _>(layer);
+    let mut s2 = s1.clone();
+
+    assert_eq!(semaphore.available_permits(), 1);
+    assert_ready_ok!(s1.poll_ready());
+    // Taken by poll_ready alone, with no call made.
+    assert_eq!(semaphore.available_permits(), 0);
+    assert_pending!(s2.poll_ready());
+
+    // Polling ready again does not take a second permit (there is none to take).
+    assert_ready_ok!(s1.poll_ready());
+
+    let r1 = s1.call("hello");
+    assert_eq!(semaphore.available_permits(), 0);
+    assert_request_eq!(handle, "hello").send_response("world");
+    assert_pending!(s2.poll_ready());
+
+    assert_eq!(r1.await.unwrap(), "world");
+    // The freed permit goes straight to the waiting s2.
+    assert!(s2.is_woken());
+    assert_ready_ok!(s2.poll_ready());
+    assert_eq!(semaphore.available_permits(), 0);
+    drop(s1);
+    drop(s2);
+    assert_eq!(semaphore.available_permits(), 1);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn waiters_are_served_first_come_first_served() {
+    let (mut s1, _handle) = mock::spawn_layer::<(), (), _>(quiet(1));
+    let mut s2 = s1.clone();
+    let mut s3 = s1.clone();
+
+    assert_ready_ok!(s1.poll_ready());
+
+    // s2 starts waiting before s3.
+    assert_pending!(s2.poll_ready());
+    assert_pending!(s3.poll_ready());
+
+    drop(s1);
+
+    // The freed permit goes to s2 only.
+    assert!(s2.is_woken());
+    assert!(!s3.is_woken());
+    assert_pending!(s3.poll_ready());
+    assert_ready_ok!(s2.poll_ready());
+
+    drop(s2);
+
+    assert!(s3.is_woken());
+    assert_ready_ok!(s3.poll_ready());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn clone_of_a_ready_service_starts_without_a_permit() {
+    let (mut s1, _handle) = mock::spawn_layer::<(), (), _>(quiet(1));
+
+    assert_ready_ok!(s1.poll_ready());
+
+    // The clone shares the limit, which s1's permit exhausts; it does not share s1's permit.
+    let mut s2 = s1.clone();
+    assert_pending!(s2.poll_ready());
+    assert!(!s2.is_woken());
+
+    drop(s1);
+    assert!(s2.is_woken());
+    assert_ready_ok!(s2.poll_ready());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn dropping_a_service_with_an_unused_permit_frees_it_and_wakes_the_waiter() {
+    let layer = quiet(1);
+    let semaphore = Arc::clone(layer.semaphore());
+    let (mut s1, _handle) = mock::spawn_layer::<(), (), _>(layer);
+    let mut s2 = s1.clone();
+
+    assert_ready_ok!(s1.poll_ready());
+    assert_pending!(s2.poll_ready());
+    assert!(!s2.is_woken());
+
+    drop(s1);
+
+    assert!(s2.is_woken());
+    assert_ready_ok!(s2.poll_ready());
+    drop(s2);
+    assert_eq!(semaphore.available_permits(), 1);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn permit_is_freed_when_the_response_future_completes_ok() {
+    let (mut s1, mut handle) = mock::spawn_layer::<&str, &str, _>(quiet(1));
+    let mut s2 = s1.clone();
+
+    assert_ready_ok!(s1.poll_ready());
+    let r1 = s1.call("hello");
+    assert_pending!(s2.poll_ready());
+
+    assert_request_eq!(handle, "hello").send_response("world");
+    assert_eq!(r1.await.unwrap(), "world");
+
+    assert!(s2.is_woken());
+    assert_ready_ok!(s2.poll_ready());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn permit_is_freed_when_the_response_future_errors() {
+    let (mut s1, mut handle) = mock::spawn_layer::<&str, (), _>(quiet(1));
+    let mut s2 = s1.clone();
+
+    assert_ready_ok!(s1.poll_ready());
+    let r1 = s1.call("hello");
+    assert_pending!(s2.poll_ready());
+
+    assert_request_eq!(handle, "hello").send_error("boom");
+    let error = r1.await.unwrap_err();
+    assert_eq!(error.to_string(), "boom");
+
+    assert!(s2.is_woken());
+    assert_ready_ok!(s2.poll_ready());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn permit_is_freed_when_the_response_future_is_dropped() {
+    let (mut s1, _handle) = mock::spawn_layer::<&str, (), _>(quiet(1));
+    let mut s2 = s1.clone();
+
+    assert_ready_ok!(s1.poll_ready());
+    let r1 = s1.call("hello");
+    assert_pending!(s2.poll_ready());
+
+    drop(r1);
+
+    assert!(s2.is_woken());
+    assert_ready_ok!(s2.poll_ready());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn limit_of_zero_is_never_ready() {
+    let (mut service, _handle) = mock::spawn_layer::<(), (), _>(quiet(0));
+
+    assert_pending!(service.poll_ready());
+    assert!(!service.is_woken());
+    assert_pending!(service.poll_ready());
+
+    // Neither does a clone get anything.
+    let mut clone = service.clone();
+    assert_pending!(clone.poll_ready());
+    assert!(!service.is_woken());
+}
+
+#[tokio::test(flavor = "current_thread")]
+#[should_panic(expected = "poll_ready")]
+async fn call_without_poll_ready_panics_saying_poll_ready_must_be_called() {
+    // An inner service that never panics itself, so the panic can only be the layer's.
+    let mut service = tower::ServiceBuilder::new()
+        .layer(quiet(1))
+        .service(tower::service_fn(|request: &'static str| async move {
+            Ok::<_, std::convert::Infallible>(request)
+        }));
+
+    drop(tower::Service::call(&mut service, "hello"));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn call_after_ready_does_not_panic() {
+    // The counterpart of the test above: the same service, driven properly, answers.
+    let service = tower::ServiceBuilder::new()
+        .layer(quiet(1))
+        .service(tower::service_fn(|request: &'static str| async move {
+            Ok::<_, std::convert::Infallible>(request)
+        }));
+
+    assert_eq!(service.oneshot("hello").await.unwrap(), "hello");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn closing_the_semaphore_wakes_a_waiter_to_a_panic_and_clears_its_queued_count() {
+    let telemetry = Telemetry::new();
+    let semaphore = Arc::new(Semaphore::new(1));
+    let layer = ResourcesOperationLayer::with_semaphore(Arc::clone(&semaphore))
+        .metrics(telemetry.metrics.clone());
+    let (mut s1, _handle) = mock::spawn_layer::<(), (), _>(layer);
+    let mut s2 = s1.clone();
+
+    assert_ready_ok!(s1.poll_ready());
+    assert_pending!(s2.poll_ready());
+    assert_eq!(telemetry.live_value(QUEUED_INSTRUMENT, &[]), 1);
+    assert!(!s2.is_woken());
+
+    semaphore.close();
+
+    // The waiter is not left hanging...
+    assert!(s2.is_woken());
+    // ...its next poll_ready panics and says why...
+    let payload = catch_unwind(AssertUnwindSafe(|| s2.poll_ready()))
+        .expect_err("poll_ready on a closed semaphore must panic");
+    let message = panic_message(&*payload);
+    assert!(
+        message.contains("semaphore was closed"),
+        "unexpected panic message: {message}"
+    );
+    // ...and it no longer counts as queued.
+    assert_eq!(telemetry.live_value(QUEUED_INSTRUMENT, &[]), 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+#[should_panic(expected = "semaphore was closed")]
+async fn fresh_service_on_a_closed_semaphore_panics_instead_of_hanging() {
+    let semaphore = Arc::new(Semaphore::new(1));
+    semaphore.close();
+    let layer =
+        ResourcesOperationLayer::with_semaphore(semaphore).metrics(OperationMetrics::disabled());
+    let (mut service, _handle) = mock::spawn_layer::<(), (), _>(layer);
+
+    let _ = service.poll_ready();
+}
+
+#[test]
+#[should_panic(expected = "MAX_PERMITS")]
+fn new_above_max_permits_panics_naming_max_permits() {
+    let _ = ResourcesOperationLayer::new(usize::MAX);
+}
+
+#[test]
+fn try_new_above_max_permits_is_an_error_naming_max_permits() {
+    let error = ResourcesOperationLayer::try_new(usize::MAX).unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("MAX_PERMITS"), "{message}");
+
+    let error = ResourcesOperationLayer::try_new(Semaphore::MAX_PERMITS + 1).unwrap_err();
+    assert!(error.to_string().contains("MAX_PERMITS"), "{error}");
+}
+
+#[test]
+fn try_new_at_max_permits_is_ok() {
+    let layer = ResourcesOperationLayer::try_new(Semaphore::MAX_PERMITS)
+        .expect("Semaphore::MAX_PERMITS is a valid limit");
+    assert_eq!(
+        layer.semaphore().available_permits(),
+        Semaphore::MAX_PERMITS
+    );
+}
