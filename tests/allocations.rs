@@ -1,0 +1,146 @@
+//! No heap allocation per operation in steady state, with metrics disabled or enabled.
+//!
+//! A counting global allocator counts the allocations made by this thread while operations run
+//! on a current-thread runtime (a count, not a time). The first operations are a warm-up: the
+//! SDK allocates the first time it sees an attribute set, and tokio sets up its thread state.
+
+mod support;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::convert::Infallible;
+use std::future::{ready, Ready};
+use std::task::{Context, Poll};
+
+use tower::{Layer, Service, ServiceExt};
+use tower_resources_operation::{
+    set_outcome, Executor, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
+};
+
+/// Counts allocations of the current thread, so other test threads do not disturb the count.
+struct CountingAllocator;
+
+thread_local! {
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+// SAFETY: every call goes straight to the system allocator; counting touches only a `const`
+// thread-local `Cell<u64>`, which never allocates.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+        System.alloc(layout)
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+        System.alloc_zeroed(layout)
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+        System.realloc(ptr, layout, new_size)
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+fn allocations() -> u64 {
+    ALLOCATIONS.with(Cell::get)
+}
+
+#[derive(Clone, Copy)]
+struct Noop;
+
+impl Service<u32> for Noop {
+    type Response = u32;
+    type Error = Infallible;
+    type Future = Ready<Result<u32, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: u32) -> Self::Future {
+        if request % 3 == 0 {
+            set_outcome(Outcome::Timeout);
+        }
+        ready(Ok(request))
+    }
+}
+
+const WARM_UP: u32 = 100;
+const MEASURED: u32 = 1_000;
+
+/// Allocations made by `MEASURED` operations after `WARM_UP`, in both the reused-service and
+/// the `clone().oneshot()` patterns.
+fn steady_state_allocations(metrics: OperationMetrics) -> u64 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let layer = ResourcesOperationLayer::new(4)
+        .operation(Operation::Tool)
+        .executor(Executor::Thread)
+        .metrics(metrics);
+    let mut service = layer.layer(Noop);
+    rt.block_on(async {
+        let mut run = |n: u32| {
+            let mut service = service.clone();
+            async move {
+                service.ready().await.unwrap().call(n).await.unwrap();
+                service.clone().oneshot(n).await.unwrap();
+            }
+        };
+        for n in 0..WARM_UP {
+            run(n).await;
+        }
+        let before = allocations();
+        for n in 0..MEASURED {
+            run(n).await;
+        }
+        let after = allocations();
+        // Keep the service alive across the measurement.
+        service.ready().await.unwrap();
+        after - before
+    })
+}
+
+#[test]
+fn no_allocation_per_operation_with_metrics_disabled() {
+    assert_eq!(steady_state_allocations(OperationMetrics::disabled()), 0);
+}
+
+#[test]
+fn no_allocation_per_operation_with_metrics_enabled() {
+    let telemetry = support::Telemetry::new();
+    assert_eq!(steady_state_allocations(telemetry.metrics.clone()), 0);
+    // The operations really were recorded: 2 per round, a third of them as timeouts.
+    let rounds = WARM_UP + MEASURED;
+    let multiples_of_3 = |end: u32| (0..end).filter(|n| n % 3 == 0).count() as u64;
+    let timeouts = 2 * (multiples_of_3(WARM_UP) + multiples_of_3(MEASURED));
+    let count = |outcome| {
+        telemetry.count(
+            tower_resources_operation::DURATION_INSTRUMENT,
+            &[
+                (tower_resources_operation::OPERATION_ATTRIBUTE, "tool"),
+                (tower_resources_operation::OUTCOME_ATTRIBUTE, outcome),
+            ],
+        )
+    };
+    assert_eq!(count("timeout"), timeouts);
+    assert_eq!(count("ok"), u64::from(2 * rounds) - timeouts);
+}
+
+#[test]
+fn the_counter_sees_allocations() {
+    // Guards the two tests above against a counter that never counts.
+    let before = allocations();
+    let boxed = std::hint::black_box(Box::new(7_u64));
+    assert_eq!(*boxed, 7);
+    assert!(allocations() > before);
+}
