@@ -19,8 +19,9 @@ macro_rules! bounded_attribute {
     ) => {
         $(#[$meta])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
         pub enum $name {
-            $( $(#[$variant_meta])* $variant, )+
+            $( $(#[$variant_meta])* #[cfg_attr(feature = "serde", serde(rename = $value))] $variant, )+
         }
 
         impl $name {

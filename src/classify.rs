@@ -134,7 +134,8 @@ pub(crate) fn any_error_outcome<E: 'static>(error: &E) -> Outcome {
 /// How [`resources_operation`](crate::resources_operation) reads the outcome of a future's output.
 ///
 /// `Result` is `ok` or, for `Err`, what [`DefaultClassifier`] says of the error; `()` is `ok`.
-/// Implement it for an output type of your own.
+/// Implement it for an output type of your own; it should not panic (if it does, the output
+/// still goes to the caller and the operation is recorded as `error`).
 pub trait OperationOutput {
     /// The outcome of an operation whose work returned `self`.
     fn outcome(&self) -> Outcome;

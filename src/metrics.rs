@@ -8,6 +8,8 @@
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+#[cfg(feature = "experimental-bound-instruments")]
+use opentelemetry::metrics::BoundHistogram;
 use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::KeyValue;
 use tokio::time::Instant;
@@ -138,6 +140,12 @@ struct Shared {
     series_attributes: Box<[[KeyValue; 2]]>,
     /// `[operation, executor, outcome]` for each series and outcome, in that order.
     outcome_attributes: Box<[[KeyValue; 3]]>,
+    /// The queue histogram bound to each series, bound on first use.
+    #[cfg(feature = "experimental-bound-instruments")]
+    bound_queue: Box<[OnceLock<BoundHistogram<f64>>]>,
+    /// The duration histogram bound to each series and outcome, bound on first use.
+    #[cfg(feature = "experimental-bound-instruments")]
+    bound_duration: Box<[OnceLock<BoundHistogram<f64>>]>,
 }
 
 impl Shared {
@@ -179,7 +187,33 @@ impl Shared {
             cells: Default::default(),
             series_attributes: series_attributes.into_boxed_slice(),
             outcome_attributes: outcome_attributes.into_boxed_slice(),
+            #[cfg(feature = "experimental-bound-instruments")]
+            bound_queue: (0..SERIES).map(|_| OnceLock::new()).collect(),
+            #[cfg(feature = "experimental-bound-instruments")]
+            bound_duration: (0..SERIES * OUTCOMES).map(|_| OnceLock::new()).collect(),
         }
+    }
+
+    /// Records a queue time for series `index`.
+    fn record_queue(&self, index: usize, ms: f64) {
+        #[cfg(feature = "experimental-bound-instruments")]
+        self.bound_queue[index]
+            .get_or_init(|| self.queue_duration.bind(&self.series_attributes[index]))
+            .record(ms);
+        #[cfg(not(feature = "experimental-bound-instruments"))]
+        self.queue_duration
+            .record(ms, &self.series_attributes[index]);
+    }
+
+    /// Records a run time for series `index` that ended with `outcome`.
+    fn record_duration(&self, index: usize, outcome: Outcome, ms: f64) {
+        let index = index * OUTCOMES + outcome.index();
+        #[cfg(feature = "experimental-bound-instruments")]
+        self.bound_duration[index]
+            .get_or_init(|| self.duration.bind(&self.outcome_attributes[index]))
+            .record(ms);
+        #[cfg(not(feature = "experimental-bound-instruments"))]
+        self.duration.record(ms, &self.outcome_attributes[index]);
     }
 
     /// Observes one live count per reported series. Runs in the SDK's collection; cannot panic.
@@ -225,9 +259,7 @@ impl Series {
             Some(waiting) => millis(start.saturating_duration_since(waiting.since)),
             None => 0.0,
         };
-        self.shared
-            .queue_duration
-            .record(queued_ms, &self.shared.series_attributes[self.index]);
+        self.shared.record_queue(self.index, queued_ms);
         self.cell().active.fetch_add(1, Ordering::Relaxed);
         Running {
             series: self.clone(),
@@ -270,11 +302,10 @@ impl Running {
             return;
         }
         let outcome = self.outcome.unwrap_or(outcome);
-        let shared = &self.series.shared;
-        shared.duration.record(
-            millis(self.start.elapsed()),
-            &shared.outcome_attributes[self.series.index * OUTCOMES + outcome.index()],
-        );
+        let elapsed = millis(self.start.elapsed());
+        self.series
+            .shared
+            .record_duration(self.series.index, outcome, elapsed);
         self.series.cell().active.fetch_sub(1, Ordering::Relaxed);
     }
 

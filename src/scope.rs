@@ -31,9 +31,11 @@ thread_local! {
 /// than its result shows: a handler that hit its own deadline and answers with a fallback sets
 /// [`Outcome::Timeout`]. The last call wins.
 ///
-/// Returns `false` and changes nothing outside an operation, when metrics are
-/// [disabled](crate::OperationMetrics::disabled), and in a task spawned from the work
-/// (`tokio::spawn` runs it elsewhere; set the outcome in the work that awaits it).
+/// Returns `false` and changes nothing outside an operation, and in a task spawned from the work
+/// (`tokio::spawn` runs it elsewhere; set the outcome in the work that awaits it). A limit whose
+/// metrics are [disabled](crate::OperationMetrics::disabled) is only a limit: inside it,
+/// `set_outcome` sets the outcome of the enabled operation around it, if there is one, and
+/// returns `false` otherwise.
 ///
 /// ```
 /// use tower_resources_operation::{set_outcome, Outcome};

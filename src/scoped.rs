@@ -1,6 +1,7 @@
 //! [`resources_operation`]: the seed's context manager, for work that is not a tower service.
 
 use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
@@ -115,7 +116,8 @@ where
         let outcome = if this.running.outcome_chosen() {
             Outcome::Ok // ignored: the chosen outcome wins in `finish`
         } else {
-            output.outcome()
+            // A panicking `outcome()` costs the operation its outcome, not the work's output.
+            catch_unwind(AssertUnwindSafe(|| output.outcome())).unwrap_or(Outcome::Error)
         };
         this.running.finish(outcome);
         Poll::Ready(output)

@@ -171,3 +171,9 @@ impl<S: fmt::Debug, C> fmt::Debug for ResourcesOperation<S, C> {
             .finish()
     }
 }
+
+#[cfg(feature = "tonic")]
+impl<S: tonic::server::NamedService, C> tonic::server::NamedService for ResourcesOperation<S, C> {
+    /// The wrapped gRPC service's name, so the layered service can go to tonic's `add_service`.
+    const NAME: &'static str = S::NAME;
+}

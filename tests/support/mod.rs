@@ -38,7 +38,10 @@ pub struct SumPoint {
 #[derive(Clone, Debug)]
 pub enum Data {
     Histogram(Vec<HistogramPoint>),
-    Sum { monotonic: bool, points: Vec<SumPoint> },
+    Sum {
+        monotonic: bool,
+        points: Vec<SumPoint>,
+    },
     Other(String),
 }
 
@@ -179,4 +182,57 @@ pub fn matches(attributes: &Attributes, filter: &[(&str, &str)]) -> bool {
 fn attributes<'a>(kvs: impl Iterator<Item = &'a opentelemetry::KeyValue>) -> Attributes {
     kvs.map(|kv| (kv.key.to_string(), kv.value.to_string()))
         .collect()
+}
+
+/// A provider with an in-memory exporter, as in [`Telemetry::new`], without the crate's metrics
+/// on it: for tests that make their own `OperationMetrics` (e.g. through the global provider).
+pub fn pipeline() -> (SdkMeterProvider, InMemoryMetricExporter) {
+    let exporter = InMemoryMetricExporterBuilder::new().build();
+    let reader = PeriodicReader::builder(exporter.clone())
+        .with_interval(Duration::from_secs(3600))
+        .build();
+    let provider = SdkMeterProvider::builder().with_reader(reader).build();
+    (provider, exporter)
+}
+
+impl Telemetry {
+    /// The points of histogram `name` whose attributes include every pair in `filter`.
+    pub fn points(&self, name: &str, filter: &[(&str, &str)]) -> Vec<HistogramPoint> {
+        self.histogram(name)
+            .into_iter()
+            .filter(|p| matches(&p.attributes, filter))
+            .collect()
+    }
+
+    /// Sum of the recorded values of histogram `name` over points matching `filter`.
+    pub fn sum(&self, name: &str, filter: &[(&str, &str)]) -> f64 {
+        self.points(name, filter).iter().map(|p| p.sum).sum()
+    }
+
+    /// Largest recorded value of histogram `name` over points matching `filter`.
+    pub fn max(&self, name: &str, filter: &[(&str, &str)]) -> Option<f64> {
+        self.points(name, filter)
+            .iter()
+            .filter_map(|p| p.max)
+            .reduce(f64::max)
+    }
+}
+
+/// Lets every task of a current-thread runtime run until it waits on something; under paused
+/// time no timer fires meanwhile, so the clock does not move.
+pub async fn settle() {
+    for _ in 0..32 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// The message of a panic payload (`&str` or `String`).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "<non-string panic payload>".to_owned()
+    }
 }

@@ -1,0 +1,553 @@
+//! How an operation behind the layer ends: the classifier, drops, panics and `set_outcome`.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use support::{panic_message, Telemetry};
+use tokio_test::{assert_pending, task};
+use tower::timeout::TimeoutLayer;
+use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
+use tower_resources_operation::{
+    set_outcome, ClassifyOutcome, Operation, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
+    DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+};
+
+/// Count of operations per outcome, over the duration points matching `filter`.
+fn outcomes_where(t: &Telemetry, filter: &[(&str, &str)]) -> BTreeMap<String, u64> {
+    t.points(DURATION_INSTRUMENT, filter)
+        .into_iter()
+        .map(|p| (p.attributes[OUTCOME_ATTRIBUTE].clone(), p.count))
+        .collect()
+}
+
+fn outcomes(t: &Telemetry) -> BTreeMap<String, u64> {
+    outcomes_where(t, &[])
+}
+
+fn only(outcome: &str) -> BTreeMap<String, u64> {
+    BTreeMap::from([(outcome.to_owned(), 1)])
+}
+
+fn layer(t: &Telemetry) -> ResourcesOperationLayer {
+    ResourcesOperationLayer::new(1).metrics(t.metrics.clone())
+}
+
+/// The limit is free again and nothing counts as active.
+fn assert_released(t: &Telemetry, layer: &ResourcesOperationLayer) {
+    assert_eq!(
+        layer.semaphore().available_permits(),
+        1,
+        "the permit is back"
+    );
+    assert_eq!(
+        t.live_value(ACTIVE_INSTRUMENT, &[]),
+        0,
+        "active is back to 0"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// DefaultClassifier
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn default_classifier_records_ok_for_an_ok_response() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(service_fn(|n: u32| async move { Ok::<_, BoxError>(n) }));
+    assert_eq!(svc.oneshot(5).await.unwrap(), 5);
+    assert_eq!(outcomes(&t), only("ok"));
+}
+
+#[tokio::test]
+async fn default_classifier_records_error_for_an_error() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(service_fn(|()| async {
+        Err::<(), BoxError>("boom".into())
+    }));
+    assert_eq!(svc.oneshot(()).await.unwrap_err().to_string(), "boom");
+    assert_eq!(outcomes(&t), only("error"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn default_classifier_records_timeout_for_towers_timeout_layer_inside() {
+    let t = Telemetry::new();
+    let svc = ServiceBuilder::new()
+        .layer(layer(&t))
+        .layer(TimeoutLayer::new(Duration::from_millis(100)))
+        .service(service_fn(|()| async {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            Ok::<_, BoxError>(())
+        }));
+    let error = svc.oneshot(()).await.unwrap_err();
+    assert!(error.is::<tower::timeout::error::Elapsed>());
+    assert_eq!(outcomes(&t), only("timeout"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn default_classifier_records_timeout_for_a_boxed_tokio_elapsed() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(service_fn(|()| async {
+        tokio::time::timeout(
+            Duration::from_millis(100),
+            tokio::time::sleep(Duration::from_secs(10)),
+        )
+        .await
+        .map_err(BoxError::from)
+    }));
+    let error = svc.oneshot(()).await.unwrap_err();
+    assert!(error.is::<tokio::time::error::Elapsed>());
+    assert_eq!(outcomes(&t), only("timeout"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn default_classifier_records_timeout_for_tokio_elapsed_as_the_error_type() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(service_fn(|()| async {
+        tokio::time::timeout(
+            Duration::from_millis(100),
+            tokio::time::sleep(Duration::from_secs(10)),
+        )
+        .await
+    }));
+    svc.oneshot(()).await.unwrap_err();
+    assert_eq!(outcomes(&t), only("timeout"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Custom classifiers
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn closure_classifier_decides_the_outcome() {
+    let t = Telemetry::new();
+    // Responses carry their own verdict: an odd number is a timeout, even though it is `Ok`.
+    let svc = layer(&t)
+        .classifier(|result: Result<&u32, &Infallible>| match result {
+            Ok(n) if n % 2 == 1 => Outcome::Timeout,
+            Ok(_) => Outcome::Ok,
+            Err(never) => match *never {},
+        })
+        .layer(service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }));
+
+    for n in [1, 2, 3] {
+        assert_eq!(svc.clone().oneshot(n).await.unwrap(), n);
+    }
+    assert_eq!(
+        outcomes(&t),
+        BTreeMap::from([("ok".to_owned(), 1), ("timeout".to_owned(), 2)])
+    );
+}
+
+/// Maps a "cancelled" response to `cancelled` and every error to `crashed`.
+#[derive(Clone)]
+struct Verdicts;
+
+impl ClassifyOutcome<&'static str, BoxError> for Verdicts {
+    fn classify(&self, result: Result<&&'static str, &BoxError>) -> Outcome {
+        match result {
+            Ok(&"cancelled") => Outcome::Cancelled,
+            Ok(_) => Outcome::Ok,
+            Err(_) => Outcome::Crashed,
+        }
+    }
+}
+
+#[tokio::test]
+async fn custom_classify_outcome_impl_decides_the_outcome() {
+    let t = Telemetry::new();
+    let svc =
+        layer(&t)
+            .classifier(Verdicts)
+            .layer(service_fn(|verdict: &'static str| async move {
+                if verdict == "fail" {
+                    Err::<&'static str, BoxError>("failed".into())
+                } else {
+                    Ok(verdict)
+                }
+            }));
+
+    assert_eq!(svc.clone().oneshot("fine").await.unwrap(), "fine");
+    assert_eq!(svc.clone().oneshot("cancelled").await.unwrap(), "cancelled");
+    assert!(svc.clone().oneshot("fail").await.is_err());
+    assert_eq!(
+        outcomes(&t),
+        BTreeMap::from([
+            ("cancelled".to_owned(), 1),
+            ("crashed".to_owned(), 1),
+            ("ok".to_owned(), 1),
+        ])
+    );
+}
+
+#[tokio::test]
+async fn panicking_classifier_keeps_the_response_and_records_error() {
+    let t = Telemetry::new();
+    let layer = layer(&t)
+        .classifier(|_: Result<&u32, &Infallible>| -> Outcome { panic!("classifier bug") });
+    let svc = layer.layer(service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }));
+
+    assert_eq!(
+        svc.oneshot(9).await.unwrap(),
+        9,
+        "the response still goes out"
+    );
+    assert_eq!(outcomes(&t), only("error"));
+    assert_eq!(layer.semaphore().available_permits(), 1);
+    assert_eq!(t.live_value(ACTIVE_INSTRUMENT, &[]), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cancellation
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn response_future_dropped_before_completion_is_cancelled() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let mut svc = layer.layer(service_fn(|()| {
+        std::future::pending::<Result<(), Infallible>>()
+    }));
+
+    let mut response = task::spawn(svc.ready().await.unwrap().call(()));
+    assert_pending!(response.poll());
+    assert!(outcomes(&t).is_empty(), "still running");
+    drop(response);
+
+    assert_eq!(outcomes(&t), only("cancelled"));
+    assert_released(&t, &layer);
+}
+
+#[tokio::test]
+async fn permit_taken_by_poll_ready_and_service_dropped_without_call_is_cancelled() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let mut svc = layer.layer(service_fn(|()| async { Ok::<_, Infallible>(()) }));
+
+    ServiceExt::<()>::ready(&mut svc).await.unwrap();
+    assert_eq!(layer.semaphore().available_permits(), 0);
+    drop(svc);
+
+    assert_eq!(outcomes(&t), only("cancelled"));
+    assert_released(&t, &layer);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Panics
+// ---------------------------------------------------------------------------------------------
+
+/// A service whose `call` panics with `call panicked: <request>`, after setting `outcome` if
+/// it has one.
+#[derive(Clone)]
+struct PanicsInCall {
+    outcome: Option<Outcome>,
+}
+
+impl Service<u32> for PanicsInCall {
+    type Response = ();
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<(), Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: u32) -> Self::Future {
+        if let Some(outcome) = self.outcome {
+            assert!(set_outcome(outcome));
+        }
+        panic!("call panicked: {request}")
+    }
+}
+
+#[tokio::test]
+async fn panic_in_inner_call_is_crashed_and_propagates_unchanged() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let mut svc = layer.layer(PanicsInCall { outcome: None });
+
+    svc.ready().await.unwrap();
+    let payload = catch_unwind(AssertUnwindSafe(|| svc.call(42))).unwrap_err();
+    assert_eq!(panic_message(&*payload), "call panicked: 42");
+
+    assert_eq!(outcomes(&t), only("crashed"));
+    assert_released(&t, &layer);
+}
+
+#[tokio::test]
+async fn panic_while_polling_the_inner_future_is_crashed_and_propagates_unchanged() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let svc = layer.layer(service_fn(|n: u32| async move {
+        tokio::task::yield_now().await;
+        if n > 0 {
+            panic!("future panicked: {n}");
+        }
+        Ok::<_, Infallible>(())
+    }));
+
+    let error = tokio::spawn(svc.oneshot(7)).await.unwrap_err();
+    assert!(error.is_panic());
+    assert_eq!(panic_message(&*error.into_panic()), "future panicked: 7");
+
+    assert_eq!(outcomes(&t), only("crashed"));
+    assert_released(&t, &layer);
+}
+
+// ---------------------------------------------------------------------------------------------
+// set_outcome
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn set_outcome_outside_any_operation_returns_false() {
+    assert!(!set_outcome(Outcome::Timeout));
+}
+
+#[tokio::test]
+async fn set_outcome_inside_an_operation_returns_true() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(service_fn(|()| async {
+        Ok::<_, Infallible>(set_outcome(Outcome::Ok))
+    }));
+    assert!(svc.oneshot(()).await.unwrap());
+}
+
+#[tokio::test]
+async fn set_outcome_in_a_task_spawned_from_the_work_returns_false_and_changes_nothing() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(service_fn(|()| async {
+        let spawned = tokio::spawn(async { set_outcome(Outcome::Timeout) })
+            .await
+            .unwrap();
+        Ok::<_, Infallible>(spawned)
+    }));
+    assert!(!svc.oneshot(()).await.unwrap());
+    assert_eq!(outcomes(&t), only("ok"));
+}
+
+#[tokio::test]
+async fn set_outcome_in_the_inner_future_wins_over_the_classifier() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(service_fn(|n: u32| async move {
+        tokio::task::yield_now().await;
+        assert!(set_outcome(Outcome::Timeout));
+        tokio::task::yield_now().await;
+        Ok::<_, Infallible>(n)
+    }));
+    assert_eq!(svc.oneshot(3).await.unwrap(), 3);
+    assert_eq!(outcomes(&t), only("timeout"));
+}
+
+#[tokio::test]
+async fn set_outcome_last_call_wins() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(service_fn(|()| async {
+        assert!(set_outcome(Outcome::Timeout));
+        tokio::task::yield_now().await;
+        assert!(set_outcome(Outcome::Cancelled));
+        Err::<(), BoxError>("boom".into())
+    }));
+    svc.oneshot(()).await.unwrap_err();
+    assert_eq!(outcomes(&t), only("cancelled"));
+}
+
+/// A service that sets an outcome in its synchronous `call` and then fails.
+#[derive(Clone)]
+struct SetsInCall;
+
+impl Service<u32> for SetsInCall {
+    type Response = ();
+    type Error = BoxError;
+    type Future = std::future::Ready<Result<(), BoxError>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: u32) -> Self::Future {
+        assert!(set_outcome(Outcome::Timeout));
+        std::future::ready(Err("boom".into()))
+    }
+}
+
+#[tokio::test]
+async fn set_outcome_in_the_inner_call_wins_over_the_classifier() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(SetsInCall);
+    svc.oneshot(1).await.unwrap_err();
+    assert_eq!(outcomes(&t), only("timeout"));
+}
+
+#[tokio::test]
+async fn set_outcome_before_a_panic_in_the_inner_future_wins_over_crashed() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let svc = layer.layer(service_fn(|()| async {
+        assert!(set_outcome(Outcome::Timeout));
+        tokio::task::yield_now().await;
+        if true {
+            panic!("after set_outcome");
+        }
+        Ok::<_, Infallible>(())
+    }));
+
+    let error = tokio::spawn(svc.oneshot(())).await.unwrap_err();
+    assert_eq!(panic_message(&*error.into_panic()), "after set_outcome");
+    assert_eq!(outcomes(&t), only("timeout"));
+    assert_released(&t, &layer);
+}
+
+#[tokio::test]
+async fn set_outcome_before_a_panic_in_the_inner_call_wins_over_crashed() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let mut svc = layer.layer(PanicsInCall {
+        outcome: Some(Outcome::Error),
+    });
+
+    svc.ready().await.unwrap();
+    let payload = catch_unwind(AssertUnwindSafe(|| svc.call(1))).unwrap_err();
+    assert_eq!(panic_message(&*payload), "call panicked: 1");
+    assert_eq!(outcomes(&t), only("error"));
+    assert_released(&t, &layer);
+}
+
+#[tokio::test]
+async fn set_outcome_before_the_response_future_is_dropped_wins_over_cancelled() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let mut svc = layer.layer(service_fn(|()| async {
+        assert!(set_outcome(Outcome::Timeout));
+        std::future::pending::<Result<(), Infallible>>().await
+    }));
+
+    let mut response = task::spawn(svc.ready().await.unwrap().call(()));
+    assert_pending!(response.poll());
+    drop(response);
+    assert_eq!(outcomes(&t), only("timeout"));
+    assert_released(&t, &layer);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_outcome_is_kept_when_the_work_moves_between_threads() {
+    let t = Telemetry::new();
+    let svc = layer(&t).layer(service_fn(|()| async {
+        assert!(set_outcome(Outcome::Timeout));
+        let mut threads = std::collections::HashSet::new();
+        for _ in 0..200 {
+            threads.insert(std::thread::current().id());
+            tokio::task::yield_now().await;
+        }
+        Ok::<_, Infallible>(threads.len())
+    }));
+    let tasks: Vec<_> = (0..4)
+        .map(|_| tokio::spawn(svc.clone().oneshot(())))
+        .collect();
+    for task in tasks {
+        task.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        outcomes(&t),
+        BTreeMap::from([("timeout".to_owned(), 4)]),
+        "each operation keeps the outcome it set, whichever thread polls it"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn nested_operations_each_keep_their_own_outcome() {
+    let t = Telemetry::new();
+    let inner = layer(&t).operation(Operation::Judge).layer(service_fn(
+        |set: Option<Outcome>| async move {
+            if let Some(outcome) = set {
+                assert!(set_outcome(outcome));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            Ok::<_, Infallible>(())
+        },
+    ));
+    let outer = layer(&t)
+        .operation(Operation::Verify)
+        .layer(service_fn(move |()| {
+            let inner = inner.clone();
+            async move {
+                // The outer operation's own choice, made before any inner operation runs.
+                assert!(set_outcome(Outcome::Error));
+                // One inner operation sets its own outcome, one sets none.
+                inner.clone().oneshot(Some(Outcome::Timeout)).await?;
+                inner.clone().oneshot(None).await?;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                Ok::<_, Infallible>(())
+            }
+        }));
+
+    outer.oneshot(()).await.unwrap();
+
+    assert_eq!(
+        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "verify")]),
+        only("error"),
+        "the outer operation keeps its own outcome"
+    );
+    assert_eq!(
+        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "judge")]),
+        BTreeMap::from([("ok".to_owned(), 1), ("timeout".to_owned(), 1)]),
+        "each inner operation has its own outcome"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn outer_operation_without_set_outcome_is_classified_after_an_inner_one_sets_its_own() {
+    let t = Telemetry::new();
+    let inner = layer(&t)
+        .operation(Operation::Tool)
+        .layer(service_fn(|()| async {
+            assert!(set_outcome(Outcome::Crashed));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            Ok::<_, Infallible>(())
+        }));
+    let outer = layer(&t)
+        .operation(Operation::Verify)
+        .layer(service_fn(move |()| {
+            let inner = inner.clone();
+            async move {
+                inner.oneshot(()).await.unwrap();
+                Err::<(), BoxError>("outer failed".into())
+            }
+        }));
+
+    outer.oneshot(()).await.unwrap_err();
+    assert_eq!(
+        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "tool")]),
+        only("crashed")
+    );
+    assert_eq!(
+        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "verify")]),
+        only("error"),
+        "the inner operation's set_outcome does not leak into the outer one"
+    );
+}
+
+#[tokio::test]
+async fn a_disabled_limit_is_transparent_to_set_outcome_of_the_enabled_operation_around_it() {
+    let t = Telemetry::new();
+    // The inner limit reports nothing: its work is part of the outer operation's work, so
+    // set_outcome there sets the outer operation's outcome, as if the inner limit were not there.
+    let inner = ResourcesOperationLayer::new(1)
+        .metrics(tower_resources_operation::OperationMetrics::disabled())
+        .layer(service_fn(|()| async {
+            Ok::<_, Infallible>(set_outcome(Outcome::Timeout))
+        }));
+    let outer = layer(&t)
+        .operation(Operation::Verify)
+        .layer(service_fn(move |()| inner.clone().oneshot(())));
+
+    let set = outer.oneshot(()).await.unwrap();
+    assert!(set, "the enclosing enabled operation takes the outcome");
+    assert_eq!(
+        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "verify")]),
+        only("timeout"),
+    );
+}

@@ -1,0 +1,483 @@
+//! `resources_operation`: the seed's context manager for work that is not a tower service; and
+//! parsing the attribute values.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::{panic_message, settle, Telemetry};
+use tokio::sync::{oneshot, Semaphore};
+use tokio_test::{assert_pending, assert_ready, task};
+use tower::BoxError;
+use tower_resources_operation::{
+    resources_operation, set_outcome, Executor, Operation, OperationMetrics, Outcome,
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+};
+
+const TOLERANCE_MS: f64 = 3.0;
+
+fn assert_close(actual: f64, expected: f64, what: &str) {
+    assert!(
+        (actual - expected).abs() <= TOLERANCE_MS,
+        "{what}: {actual} ms, expected {expected} ms (± {TOLERANCE_MS})"
+    );
+}
+
+/// Count of operations per outcome, over the duration points matching `filter`.
+fn outcomes_where(t: &Telemetry, filter: &[(&str, &str)]) -> BTreeMap<String, u64> {
+    t.points(DURATION_INSTRUMENT, filter)
+        .into_iter()
+        .map(|p| (p.attributes[OUTCOME_ATTRIBUTE].clone(), p.count))
+        .collect()
+}
+
+fn outcomes(t: &Telemetry) -> BTreeMap<String, u64> {
+    outcomes_where(t, &[])
+}
+
+fn only(outcome: &str) -> BTreeMap<String, u64> {
+    BTreeMap::from([(outcome.to_owned(), 1)])
+}
+
+fn live(t: &Telemetry) -> (i64, i64) {
+    (
+        t.live_value(QUEUED_INSTRUMENT, &[]),
+        t.live_value(ACTIVE_INSTRUMENT, &[]),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output and outcomes
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn returns_the_output_of_the_work() {
+    let t = Telemetry::new();
+    let limit = Semaphore::new(1);
+    let output: Result<&str, Infallible> = t
+        .metrics
+        .resources_operation(&limit, Operation::Verify, Executor::Inline, async {
+            Ok("verdict")
+        })
+        .await;
+    assert_eq!(output, Ok("verdict"));
+    let unit: () = t
+        .metrics
+        .resources_operation(&limit, Operation::Verify, Executor::Inline, async {})
+        .await;
+    assert_eq!(unit, ());
+    assert_eq!(
+        outcomes(&t),
+        BTreeMap::from([("ok".to_owned(), 2)]),
+        "a `()` output is ok too"
+    );
+    assert_eq!(limit.available_permits(), 1);
+}
+
+#[tokio::test]
+async fn ok_output_is_ok() {
+    let t = Telemetry::new();
+    let limit = Semaphore::new(1);
+    let output = t
+        .metrics
+        .resources_operation(&limit, Operation::Tool, Executor::Thread, async {
+            Ok::<_, BoxError>(1)
+        })
+        .await;
+    assert_eq!(output.unwrap(), 1);
+    assert_eq!(outcomes(&t), only("ok"));
+}
+
+#[tokio::test]
+async fn err_output_is_error() {
+    let t = Telemetry::new();
+    let limit = Semaphore::new(1);
+    let output = t
+        .metrics
+        .resources_operation(&limit, Operation::Tool, Executor::Thread, async {
+            Err::<(), BoxError>("boom".into())
+        })
+        .await;
+    assert_eq!(output.unwrap_err().to_string(), "boom");
+    assert_eq!(outcomes(&t), only("error"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn tokio_elapsed_error_output_is_timeout() {
+    let t = Telemetry::new();
+    let limit = Semaphore::new(1);
+    let output = t
+        .metrics
+        .resources_operation(
+            &limit,
+            Operation::Judge,
+            Executor::Process,
+            tokio::time::timeout(
+                Duration::from_millis(100),
+                tokio::time::sleep(Duration::from_secs(10)),
+            ),
+        )
+        .await;
+    assert!(output.is_err());
+    assert_eq!(outcomes(&t), only("timeout"));
+}
+
+#[tokio::test]
+async fn dropped_while_running_is_cancelled() {
+    let t = Telemetry::new();
+    let limit = Semaphore::new(1);
+    let mut op = task::spawn(t.metrics.resources_operation(
+        &limit,
+        Operation::Verify,
+        Executor::Subprocess,
+        std::future::pending::<Result<(), Infallible>>(),
+    ));
+    assert_pending!(op.poll());
+    assert_eq!(live(&t), (0, 1));
+    drop(op);
+
+    assert_eq!(outcomes(&t), only("cancelled"));
+    assert_eq!(live(&t), (0, 0));
+    assert_eq!(limit.available_permits(), 1);
+}
+
+#[tokio::test]
+async fn dropped_while_waiting_records_nothing_and_leaves_the_queue() {
+    let t = Telemetry::new();
+    let limit = Semaphore::new(1);
+    let held = limit.try_acquire().unwrap();
+
+    let mut op = task::spawn(t.metrics.resources_operation(
+        &limit,
+        Operation::Verify,
+        Executor::Subprocess,
+        async { Ok::<_, Infallible>(()) },
+    ));
+    assert_pending!(op.poll());
+    assert_eq!(live(&t), (1, 0), "it counts as queued while it waits");
+    drop(op);
+
+    assert_eq!(live(&t), (0, 0), "a dropped waiter leaves the queue");
+    assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
+    assert_eq!(t.count(DURATION_INSTRUMENT, &[]), 0);
+    drop(held);
+    assert_eq!(limit.available_permits(), 1);
+}
+
+#[tokio::test]
+async fn panic_in_the_work_is_crashed_and_propagates() {
+    let t = Telemetry::new();
+    let limit = Arc::new(Semaphore::new(1));
+    let (metrics, sem) = (t.metrics.clone(), limit.clone());
+    let error = tokio::spawn(async move {
+        metrics
+            .resources_operation(&sem, Operation::Tool, Executor::Inline, async {
+                tokio::task::yield_now().await;
+                if true {
+                    panic!("work panicked: {}", 3);
+                }
+                Ok::<_, Infallible>(())
+            })
+            .await
+    })
+    .await
+    .unwrap_err();
+
+    assert!(error.is_panic());
+    assert_eq!(panic_message(&*error.into_panic()), "work panicked: 3");
+    assert_eq!(outcomes(&t), only("crashed"));
+    assert_eq!(live(&t), (0, 0));
+    assert_eq!(limit.available_permits(), 1);
+}
+
+#[tokio::test]
+async fn set_outcome_inside_the_work_wins() {
+    let t = Telemetry::new();
+    let limit = Semaphore::new(1);
+    let output = t
+        .metrics
+        .resources_operation(&limit, Operation::Verify, Executor::Subprocess, async {
+            tokio::task::yield_now().await;
+            let set = set_outcome(Outcome::Timeout);
+            tokio::task::yield_now().await;
+            Ok::<_, Infallible>(set)
+        })
+        .await;
+    assert!(output.unwrap(), "set_outcome returns true inside the work");
+    assert_eq!(outcomes(&t), only("timeout"));
+}
+
+#[tokio::test]
+async fn set_outcome_inside_the_work_wins_over_an_error() {
+    let t = Telemetry::new();
+    let limit = Semaphore::new(1);
+    let output = t
+        .metrics
+        .resources_operation(&limit, Operation::Verify, Executor::Subprocess, async {
+            set_outcome(Outcome::Cancelled);
+            Err::<(), BoxError>("boom".into())
+        })
+        .await;
+    assert!(output.is_err());
+    assert_eq!(outcomes(&t), only("cancelled"));
+}
+
+#[tokio::test]
+async fn disabled_metrics_run_the_work_inside_the_limit_and_record_nothing() {
+    let limit = Semaphore::new(1);
+    let set = OperationMetrics::disabled()
+        .resources_operation(&limit, Operation::Verify, Executor::Inline, async {
+            assert_eq!(limit.available_permits(), 0, "inside the limit");
+            Ok::<_, Infallible>(set_outcome(Outcome::Timeout))
+        })
+        .await;
+    assert!(!set.unwrap(), "nothing to set when disabled");
+    assert_eq!(limit.available_permits(), 1);
+}
+
+#[tokio::test]
+async fn disabled_work_is_transparent_to_set_outcome_of_the_enabled_work_around_it() {
+    let t = Telemetry::new();
+    let (outer_limit, inner_limit) = (Semaphore::new(1), Semaphore::new(1));
+    let output = t
+        .metrics
+        .resources_operation(&outer_limit, Operation::Verify, Executor::Inline, async {
+            OperationMetrics::disabled()
+                .resources_operation(&inner_limit, Operation::Tool, Executor::Inline, async {
+                    Ok::<_, Infallible>(set_outcome(Outcome::Timeout))
+                })
+                .await
+        })
+        .await;
+    assert!(
+        output.unwrap(),
+        "the enclosing enabled operation takes the outcome"
+    );
+    assert_eq!(outcomes(&t), only("timeout"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The limit
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn waits_for_the_limit_and_records_the_wait() {
+    let t = Telemetry::new();
+    let limit = Arc::new(Semaphore::new(1));
+    let run = |operation: Operation, ms: u64| {
+        let (metrics, limit) = (t.metrics.clone(), limit.clone());
+        tokio::spawn(async move {
+            metrics
+                .resources_operation(&limit, operation, Executor::Inline, async move {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    Ok::<_, Infallible>(ms)
+                })
+                .await
+        })
+    };
+
+    let first = run(Operation::Verify, 300);
+    settle().await;
+    let second = run(Operation::Judge, 250);
+    settle().await;
+    assert_eq!(live(&t), (1, 1), "the second waits for the first");
+
+    assert_eq!(first.await.unwrap().unwrap(), 300);
+    assert_eq!(second.await.unwrap().unwrap(), 250);
+
+    let verify = [(OPERATION_ATTRIBUTE, "verify")];
+    let judge = [(OPERATION_ATTRIBUTE, "judge")];
+    assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &verify), 1);
+    assert_eq!(t.sum(QUEUE_DURATION_INSTRUMENT, &verify), 0.0);
+    assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &judge), 1);
+    assert_close(
+        t.sum(QUEUE_DURATION_INSTRUMENT, &judge),
+        300.0,
+        "second's wait",
+    );
+    assert_close(t.sum(DURATION_INSTRUMENT, &verify), 300.0, "first's run");
+    assert_close(t.sum(DURATION_INSTRUMENT, &judge), 250.0, "second's run");
+    assert_eq!(live(&t), (0, 0));
+}
+
+#[tokio::test]
+async fn an_arc_semaphore_works_as_the_limit() {
+    let t = Telemetry::new();
+    let limit: Arc<Semaphore> = Arc::new(Semaphore::new(2));
+    let output = t
+        .metrics
+        .resources_operation(&limit, Operation::Other, Executor::Other, async {
+            Ok::<_, Infallible>(limit.available_permits())
+        })
+        .await;
+    assert_eq!(output.unwrap(), 1, "one of the two permits was taken");
+    assert_eq!(limit.available_permits(), 2);
+    assert_eq!(outcomes(&t), only("ok"));
+}
+
+#[tokio::test]
+async fn a_semaphore_closed_before_the_call_panics_with_a_message() {
+    let t = Telemetry::new();
+    let limit = Arc::new(Semaphore::new(1));
+    limit.close();
+    let (metrics, sem) = (t.metrics.clone(), limit.clone());
+    let error = tokio::spawn(async move {
+        metrics
+            .resources_operation(&sem, Operation::Verify, Executor::Inline, async {
+                Ok::<_, Infallible>(())
+            })
+            .await
+    })
+    .await
+    .unwrap_err();
+
+    assert!(error.is_panic());
+    let message = panic_message(&*error.into_panic());
+    assert!(message.contains("semaphore was closed"), "{message}");
+    assert_eq!(live(&t), (0, 0));
+    assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
+}
+
+#[tokio::test]
+async fn a_semaphore_closed_while_waiting_wakes_the_waiter_to_a_panic_instead_of_hanging() {
+    let t = Telemetry::new();
+    let limit = Arc::new(Semaphore::new(1));
+    let held = limit.clone().try_acquire_owned().unwrap();
+    let (metrics, sem) = (t.metrics.clone(), limit.clone());
+    let waiter = tokio::spawn(async move {
+        metrics
+            .resources_operation(&sem, Operation::Verify, Executor::Inline, async {
+                Ok::<_, Infallible>(())
+            })
+            .await
+    });
+    settle().await;
+    assert_eq!(live(&t), (1, 0));
+
+    limit.close();
+    let error = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter is woken, not left hanging")
+        .unwrap_err();
+    assert!(error.is_panic());
+    let message = panic_message(&*error.into_panic());
+    assert!(message.contains("semaphore was closed"), "{message}");
+    assert_eq!(live(&t), (0, 0), "the waiter left the queue");
+    assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
+    drop(held);
+}
+
+#[tokio::test]
+async fn free_function_returns_the_output_and_limits() {
+    let limit = Semaphore::new(1);
+    let (release, rx) = oneshot::channel::<()>();
+
+    let mut first = task::spawn(resources_operation(
+        &limit,
+        Operation::Verify,
+        Executor::Subprocess,
+        async {
+            rx.await.unwrap();
+            Ok::<_, Infallible>("first")
+        },
+    ));
+    let mut second = task::spawn(resources_operation(
+        &limit,
+        Operation::Verify,
+        Executor::Subprocess,
+        async { Ok::<_, Infallible>("second") },
+    ));
+    assert_pending!(first.poll());
+    assert_pending!(second.poll());
+    assert_eq!(limit.available_permits(), 0);
+
+    release.send(()).unwrap();
+    assert!(first.is_woken());
+    assert_eq!(assert_ready!(first.poll()), Ok("first"));
+    assert!(second.is_woken(), "the freed permit wakes the waiter");
+    assert_eq!(assert_ready!(second.poll()), Ok("second"));
+    assert_eq!(limit.available_permits(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing attribute values
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn operation_parse_error_names_every_valid_value() {
+    let error = "verfy".parse::<Operation>().unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("verfy"), "{message}");
+    for valid in ["verify", "tool", "judge", "other"] {
+        assert!(message.contains(valid), "{message} lacks {valid}");
+    }
+    assert_eq!(error.attribute(), "operation");
+    assert_eq!(error.valid_values(), ["verify", "tool", "judge", "other"]);
+    assert_eq!("verify".parse::<Operation>(), Ok(Operation::Verify));
+}
+
+#[test]
+fn operation_lossy_parse_maps_unknown_names_to_other() {
+    assert_eq!(Operation::from_str_lossy("anything"), Operation::Other);
+    assert_eq!(Operation::from_str_lossy("Verify"), Operation::Other);
+    assert_eq!(Operation::from_str_lossy("judge"), Operation::Judge);
+}
+
+#[test]
+fn executor_parse_error_names_every_valid_value() {
+    let error = "threads".parse::<Executor>().unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("threads"), "{message}");
+    for valid in ["inline", "thread", "process", "subprocess", "other"] {
+        assert!(message.contains(valid), "{message} lacks {valid}");
+    }
+    assert_eq!(error.attribute(), "executor");
+    assert_eq!("subprocess".parse::<Executor>(), Ok(Executor::Subprocess));
+}
+
+#[test]
+fn executor_lossy_parse_maps_unknown_names_to_other() {
+    assert_eq!(Executor::from_str_lossy("anything"), Executor::Other);
+    assert_eq!(Executor::from_str_lossy(""), Executor::Other);
+    assert_eq!(Executor::from_str_lossy("thread"), Executor::Thread);
+}
+
+#[test]
+fn outcome_parse_error_lists_the_outcomes() {
+    let error = "timedout".parse::<Outcome>().unwrap_err();
+    let message = error.to_string();
+    for valid in ["ok", "error", "timeout", "cancelled", "crashed"] {
+        assert!(message.contains(valid), "{message} lacks {valid}");
+    }
+    assert_eq!(error.attribute(), "outcome");
+    assert_eq!("crashed".parse::<Outcome>(), Ok(Outcome::Crashed));
+}
+
+/// An output whose `OperationOutput` panics.
+struct Awkward(u8);
+
+impl tower_resources_operation::OperationOutput for Awkward {
+    fn outcome(&self) -> Outcome {
+        panic!("an OperationOutput that panics")
+    }
+}
+
+#[tokio::test]
+async fn a_panicking_operation_output_keeps_the_output_and_records_error() {
+    let t = Telemetry::new();
+    let limit = Semaphore::new(1);
+    let output = t
+        .metrics
+        .resources_operation(&limit, Operation::Tool, Executor::Inline, async {
+            Awkward(9)
+        })
+        .await;
+    assert_eq!(output.0, 9);
+    assert_eq!(outcomes(&t), only("error"));
+    assert_eq!(live(&t), (0, 0));
+    assert_eq!(limit.available_permits(), 1);
+}
