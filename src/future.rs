@@ -7,31 +7,40 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use pin_project_lite::pin_project;
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::classify::ClassifyOutcome;
-use crate::service::Admitted;
+use crate::metrics::Running;
 use crate::{scope, Outcome};
 
 pin_project! {
     /// The response future of [`ResourcesOperation`](crate::ResourcesOperation).
     ///
-    /// It holds the permit until the inner future completes; dropped earlier, it gives the
-    /// permit back and the operation ends as [`Outcome::Cancelled`].
+    /// It holds the permit until it is dropped, as tower's limit does. Dropped before the inner
+    /// future completed, the operation ends as [`Outcome::Cancelled`].
     pub struct ResponseFuture<F, C> {
         #[pin]
         inner: F,
-        // `None` once the inner future has completed and the permit has gone back.
-        admitted: Option<Admitted>,
+        // `None` when metrics are disabled, and once the operation has ended. Declared before
+        // the permit, so that a drop records `cancelled` before the permit goes back.
+        running: Option<Running>,
         classifier: C,
+        _permit: OwnedSemaphorePermit,
     }
 }
 
 impl<F, C> ResponseFuture<F, C> {
-    pub(crate) fn new(inner: F, admitted: Admitted, classifier: C) -> Self {
+    pub(crate) fn new(
+        inner: F,
+        running: Option<Running>,
+        permit: OwnedSemaphorePermit,
+        classifier: C,
+    ) -> Self {
         Self {
             inner,
-            admitted: Some(admitted),
+            running,
             classifier,
+            _permit: permit,
         }
     }
 }
@@ -45,25 +54,18 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
+        let Some(running) = this.running.as_mut() else {
+            return this.inner.poll(cx);
+        };
         let inner = this.inner;
-        let running = match this.admitted.as_mut() {
-            Some(admitted) => admitted.running.as_mut(),
-            None => None,
+        let result = ready!(scope::enter(running, || inner.poll(cx)));
+        let outcome = if running.outcome_chosen() {
+            Outcome::Ok // ignored: the chosen outcome wins in `finish`
+        } else {
+            classify(this.classifier, &result)
         };
-        let result = match running {
-            None => ready!(inner.poll(cx)),
-            Some(running) => {
-                let result = ready!(scope::enter(running, || inner.poll(cx)));
-                let outcome = if running.outcome_chosen() {
-                    Outcome::Ok // ignored: the chosen outcome wins in `finish`
-                } else {
-                    classify(this.classifier, &result)
-                };
-                running.finish(outcome);
-                result
-            }
-        };
-        *this.admitted = None;
+        running.finish(outcome);
+        *this.running = None;
         Poll::Ready(result)
     }
 }
@@ -77,7 +79,7 @@ fn classify<C: ClassifyOutcome<T, E>, T, E>(classifier: &C, result: &Result<T, E
 impl<F, C> fmt::Debug for ResponseFuture<F, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture")
-            .field("has_permit", &self.admitted.is_some())
+            .field("running", &self.running.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -11,34 +11,28 @@ use tower_service::Service;
 use crate::classify::ClassifyOutcome;
 use crate::future::ResponseFuture;
 use crate::metrics::{Running, Series, Waiting};
-use crate::scope;
+use crate::{scope, Outcome};
 
 /// A service limited to a number of operations at once, made by
 /// [`ResourcesOperationLayer`](crate::ResourcesOperationLayer).
 ///
 /// It behaves as tower's `ConcurrencyLimit`: `poll_ready` takes a permit (waiters are served
 /// first come, first served), `call` spends it, and the permit goes back when the response
-/// future completes or is dropped, or when a service holding an unused permit is dropped.
-/// A clone shares the limit but starts without a permit.
+/// future is dropped (which `.await` does once it completes), or when a service holding an unused
+/// permit is dropped. A clone shares the limit but starts without a permit.
 pub struct ResourcesOperation<S, C> {
     inner: S,
     semaphore: PollSemaphore,
-    /// `None` when metrics are disabled: then nothing below is ever set.
+    /// `None` when metrics are disabled: then `waiting` and `running` are never set.
     series: Option<Series>,
     classifier: C,
     /// Set from the first `poll_ready` that has to wait until the permit comes.
     waiting: Option<Waiting>,
+    /// The operation admitted by `permit`. Declared before it so that, dropped together, the
+    /// operation records its end (`cancelled`) before the permit goes back.
+    running: Option<Running>,
     /// A permit taken by `poll_ready` and not yet spent by `call`.
-    admitted: Option<Admitted>,
-}
-
-/// A permit and, when metrics are on, the operation it admitted.
-///
-/// Field order matters: the operation records its end before the permit goes back.
-#[derive(Debug)]
-pub(crate) struct Admitted {
-    pub(crate) running: Option<Running>,
-    pub(crate) _permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl<S, C> ResourcesOperation<S, C> {
@@ -54,7 +48,8 @@ impl<S, C> ResourcesOperation<S, C> {
             series,
             classifier,
             waiting: None,
-            admitted: None,
+            running: None,
+            permit: None,
         }
     }
 
@@ -84,7 +79,7 @@ where
     type Future = ResponseFuture<S::Future, C>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        if self.admitted.is_none() {
+        if self.permit.is_none() {
             let permit = match self.semaphore.poll_acquire(cx) {
                 Poll::Ready(Some(permit)) => permit,
                 Poll::Pending => {
@@ -98,40 +93,36 @@ where
                     semaphore_closed()
                 }
             };
-            let running = match &self.series {
-                Some(series) => Some(series.admit(self.waiting.take())),
-                None => None,
-            };
-            self.admitted = Some(Admitted {
-                running,
-                _permit: permit,
-            });
+            if let Some(series) = &self.series {
+                self.running = Some(series.admit(self.waiting.take()));
+            }
+            self.permit = Some(permit);
         }
 
         let ready = self.inner.poll_ready(cx);
         if let Poll::Ready(Err(_)) = ready {
             // The inner service failed before the operation could run: end it as an error and
             // give the permit back, as the service will not be called.
-            if let Some(mut admitted) = self.admitted.take() {
-                if let Some(running) = admitted.running.as_mut() {
-                    running.finish(crate::Outcome::Error);
-                }
+            if let Some(mut running) = self.running.take() {
+                running.finish(Outcome::Error);
             }
+            self.permit = None;
         }
         ready
     }
 
     fn call(&mut self, request: Request) -> Self::Future {
-        let mut admitted = self.admitted.take().expect(
+        let permit = self.permit.take().expect(
             "ResourcesOperation::call without a permit: poll_ready must return Ready(Ok(())) \
              before each call (use tower::ServiceExt::ready or oneshot)",
         );
+        let mut running = self.running.take();
         let inner = &mut self.inner;
-        let future = match admitted.running.as_mut() {
+        let future = match running.as_mut() {
             None => inner.call(request),
             Some(running) => scope::enter(running, || inner.call(request)),
         };
-        ResponseFuture::new(future, admitted, self.classifier.clone())
+        ResponseFuture::new(future, running, permit, self.classifier.clone())
     }
 }
 
@@ -156,7 +147,8 @@ impl<S: Clone, C: Clone> Clone for ResourcesOperation<S, C> {
             series: self.series.clone(),
             classifier: self.classifier.clone(),
             waiting: None,
-            admitted: None,
+            running: None,
+            permit: None,
         }
     }
 }
@@ -167,7 +159,7 @@ impl<S: fmt::Debug, C> fmt::Debug for ResourcesOperation<S, C> {
             .field("inner", &self.inner)
             .field("metrics_enabled", &self.series.is_some())
             .field("waiting", &self.waiting.is_some())
-            .field("has_permit", &self.admitted.is_some())
+            .field("has_permit", &self.permit.is_some())
             .finish()
     }
 }
