@@ -52,22 +52,42 @@ where
 {
     type Output = Result<T, E>;
 
+    #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let Some(running) = this.running.as_mut() else {
+        if this.running.is_none() {
             return this.inner.poll(cx);
-        };
-        let inner = this.inner;
-        let result = ready!(scope::enter(running, || inner.poll(cx)));
-        let outcome = if running.outcome_chosen() {
-            Outcome::Ok // ignored: the chosen outcome wins in `finish`
-        } else {
-            classify(this.classifier, &result)
-        };
-        running.finish(outcome);
-        *this.running = None;
-        Poll::Ready(result)
+        }
+        poll_running(this.inner, this.running, this.classifier, cx)
     }
+}
+
+/// `poll` for an operation that records metrics: the inner future is polled as the current
+/// operation, and the operation ends when it completes. Kept out of line so that the disabled
+/// path, which is tower's, stays small enough to inline.
+#[inline(never)]
+fn poll_running<F, C, T, E>(
+    inner: Pin<&mut F>,
+    slot: &mut Option<Running>,
+    classifier: &C,
+    cx: &mut Context<'_>,
+) -> Poll<Result<T, E>>
+where
+    F: Future<Output = Result<T, E>>,
+    C: ClassifyOutcome<T, E>,
+{
+    let Some(running) = slot.as_mut() else {
+        return inner.poll(cx);
+    };
+    let result = ready!(scope::enter(running, || inner.poll(cx)));
+    let outcome = if running.outcome_chosen() {
+        Outcome::Ok // ignored: the chosen outcome wins in `finish`
+    } else {
+        classify(classifier, &result)
+    };
+    running.finish(outcome);
+    *slot = None;
+    Poll::Ready(result)
 }
 
 /// Runs the classifier; a panicking classifier costs the operation its outcome, not its response.

@@ -297,6 +297,7 @@ pub(crate) struct Running {
 impl Running {
     /// Records the duration with `outcome` (unless [`set_outcome`](crate::set_outcome) chose one)
     /// and stops counting the operation as active. Only the first call records.
+    #[inline(never)]
     pub(crate) fn finish(&mut self, outcome: Outcome) {
         if std::mem::replace(&mut self.finished, true) {
             return;
@@ -316,8 +317,11 @@ impl Running {
 }
 
 impl Drop for Running {
+    #[inline]
     fn drop(&mut self) {
-        self.finish(Outcome::Cancelled);
+        if !self.finished {
+            self.finish(Outcome::Cancelled);
+        }
     }
 }
 

@@ -78,6 +78,7 @@ where
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, C>;
 
+    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         if self.permit.is_none() {
             let permit = match self.semaphore.poll_acquire(cx) {
@@ -111,19 +112,42 @@ where
         ready
     }
 
+    #[inline]
     fn call(&mut self, request: Request) -> Self::Future {
         let permit = self.permit.take().expect(
             "ResourcesOperation::call without a permit: poll_ready must return Ready(Ok(())) \
              before each call (use tower::ServiceExt::ready or oneshot)",
         );
-        let mut running = self.running.take();
-        let inner = &mut self.inner;
-        let future = match running.as_mut() {
-            None => inner.call(request),
-            Some(running) => scope::enter(running, || inner.call(request)),
-        };
-        ResponseFuture::new(future, running, permit, self.classifier.clone())
+        match self.running.take() {
+            None => ResponseFuture::new(
+                self.inner.call(request),
+                None,
+                permit,
+                self.classifier.clone(),
+            ),
+            Some(running) => {
+                call_running(&mut self.inner, running, request, permit, &self.classifier)
+            }
+        }
     }
+}
+
+/// `call` for an operation that records metrics: the inner call runs as the current operation.
+/// Kept out of line so that the disabled path, which is tower's, stays small enough to inline.
+#[inline(never)]
+fn call_running<S, C, Request>(
+    inner: &mut S,
+    mut running: Running,
+    request: Request,
+    permit: OwnedSemaphorePermit,
+    classifier: &C,
+) -> ResponseFuture<S::Future, C>
+where
+    S: Service<Request>,
+    C: Clone,
+{
+    let future = scope::enter(&mut running, || inner.call(request));
+    ResponseFuture::new(future, Some(running), permit, classifier.clone())
 }
 
 /// Panics for a limit whose semaphore was closed. Kept out of line: it never happens in a

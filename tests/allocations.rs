@@ -89,7 +89,7 @@ fn steady_state_allocations(metrics: OperationMetrics) -> u64 {
         .metrics(metrics);
     let mut service = layer.layer(Noop);
     rt.block_on(async {
-        let mut run = |n: u32| {
+        let run = |n: u32| {
             let mut service = service.clone();
             async move {
                 service.ready().await.unwrap().call(n).await.unwrap();
