@@ -21,6 +21,10 @@ use crate::{
 };
 
 const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
+const _: () = assert!(
+    SERIES <= u8::MAX as usize,
+    "a series index must fit in a u8"
+);
 const OUTCOMES: usize = Outcome::ALL.len();
 
 /// Name of the meter that [`OperationMetrics::global`] takes from the global provider.
@@ -117,7 +121,7 @@ impl OperationMetrics {
         }
         Some(Series {
             shared: Arc::clone(shared),
-            index,
+            index: index as u8,
         })
     }
 }
@@ -234,12 +238,13 @@ impl Shared {
 #[derive(Clone, Debug)]
 pub(crate) struct Series {
     shared: Arc<Shared>,
-    index: usize,
+    /// Position of (operation, executor) in the tables; fewer than 256 series by construction.
+    index: u8,
 }
 
 impl Series {
     fn cell(&self) -> &Cell {
-        &self.shared.cells[self.index]
+        &self.shared.cells[usize::from(self.index)]
     }
 
     /// The operation starts to wait for a permit: it counts as queued until the guard drops.
@@ -259,7 +264,7 @@ impl Series {
             Some(waiting) => millis(start.saturating_duration_since(waiting.since)),
             None => 0.0,
         };
-        self.shared.record_queue(self.index, queued_ms);
+        self.shared.record_queue(usize::from(self.index), queued_ms);
         self.cell().active.fetch_add(1, Ordering::Relaxed);
         Running {
             series: self.clone(),
@@ -306,7 +311,7 @@ impl Running {
         let elapsed = millis(self.start.elapsed());
         self.series
             .shared
-            .record_duration(self.series.index, outcome, elapsed);
+            .record_duration(usize::from(self.series.index), outcome, elapsed);
         self.series.cell().active.fetch_sub(1, Ordering::Relaxed);
     }
 

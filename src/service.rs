@@ -23,16 +23,33 @@ use crate::{scope, Outcome};
 pub struct ResourcesOperation<S, C> {
     inner: S,
     semaphore: PollSemaphore,
-    /// `None` when metrics are disabled: then `waiting` and `running` are never set.
-    series: Option<Series>,
     classifier: C,
-    /// Set from the first `poll_ready` that has to wait until the permit comes.
-    waiting: Option<Waiting>,
-    /// The operation admitted by `permit`. Declared before it so that, dropped together, the
-    /// operation records its end (`cancelled`) before the permit goes back.
-    running: Option<Running>,
+    /// `None` when metrics are disabled, so the disabled path checks one field. Declared before
+    /// `permit` so that, dropped together, an admitted operation records its end (`cancelled`)
+    /// before the permit goes back.
+    tracked: Option<Tracked>,
     /// A permit taken by `poll_ready` and not yet spent by `call`.
     permit: Option<OwnedSemaphorePermit>,
+}
+
+/// The metrics side of a service: its series and the operation it is preparing.
+#[derive(Debug)]
+struct Tracked {
+    series: Series,
+    /// Set from the first `poll_ready` that has to wait until the permit comes.
+    waiting: Option<Waiting>,
+    /// The operation admitted by the permit that `poll_ready` took.
+    running: Option<Running>,
+}
+
+impl Tracked {
+    fn new(series: Series) -> Self {
+        Self {
+            series,
+            waiting: None,
+            running: None,
+        }
+    }
 }
 
 impl<S, C> ResourcesOperation<S, C> {
@@ -45,10 +62,8 @@ impl<S, C> ResourcesOperation<S, C> {
         Self {
             inner,
             semaphore: PollSemaphore::new(semaphore),
-            series,
             classifier,
-            waiting: None,
-            running: None,
+            tracked: series.map(Tracked::new),
             permit: None,
         }
     }
@@ -84,18 +99,22 @@ where
             let permit = match self.semaphore.poll_acquire(cx) {
                 Poll::Ready(Some(permit)) => permit,
                 Poll::Pending => {
-                    if self.waiting.is_none() {
-                        self.waiting = self.series.as_ref().map(Series::wait);
+                    if let Some(tracked) = &mut self.tracked {
+                        if tracked.waiting.is_none() {
+                            tracked.waiting = Some(tracked.series.wait());
+                        }
                     }
                     return Poll::Pending;
                 }
                 Poll::Ready(None) => {
-                    self.waiting = None;
+                    if let Some(tracked) = &mut self.tracked {
+                        tracked.waiting = None;
+                    }
                     semaphore_closed()
                 }
             };
-            if let Some(series) = &self.series {
-                self.running = Some(series.admit(self.waiting.take()));
+            if let Some(tracked) = &mut self.tracked {
+                tracked.running = Some(tracked.series.admit(tracked.waiting.take()));
             }
             self.permit = Some(permit);
         }
@@ -104,7 +123,7 @@ where
         if let Poll::Ready(Err(_)) = ready {
             // The inner service failed before the operation could run: end it as an error and
             // give the permit back, as the service will not be called.
-            if let Some(mut running) = self.running.take() {
+            if let Some(mut running) = self.tracked.as_mut().and_then(|t| t.running.take()) {
                 running.finish(Outcome::Error);
             }
             self.permit = None;
@@ -118,7 +137,7 @@ where
             "ResourcesOperation::call without a permit: poll_ready must return Ready(Ok(())) \
              before each call (use tower::ServiceExt::ready or oneshot)",
         );
-        match self.running.take() {
+        match self.tracked.as_mut().and_then(|t| t.running.take()) {
             None => ResponseFuture::new(
                 self.inner.call(request),
                 None,
@@ -168,10 +187,11 @@ impl<S: Clone, C: Clone> Clone for ResourcesOperation<S, C> {
         Self {
             inner: self.inner.clone(),
             semaphore: self.semaphore.clone(),
-            series: self.series.clone(),
             classifier: self.classifier.clone(),
-            waiting: None,
-            running: None,
+            tracked: self
+                .tracked
+                .as_ref()
+                .map(|tracked| Tracked::new(tracked.series.clone())),
             permit: None,
         }
     }
@@ -181,8 +201,11 @@ impl<S: fmt::Debug, C> fmt::Debug for ResourcesOperation<S, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResourcesOperation")
             .field("inner", &self.inner)
-            .field("metrics_enabled", &self.series.is_some())
-            .field("waiting", &self.waiting.is_some())
+            .field("metrics_enabled", &self.tracked.is_some())
+            .field(
+                "waiting",
+                &self.tracked.as_ref().is_some_and(|t| t.waiting.is_some()),
+            )
             .field("has_permit", &self.permit.is_some())
             .finish()
     }
