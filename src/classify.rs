@@ -55,8 +55,31 @@ where
 /// tower's `BoxError` (and its source chain), `std::io::Error`, tower's and tokio's `Elapsed`
 /// themselves, and `Infallible`. An error type of your own is `error` unless it *is* one of
 /// those; classify it with a closure that calls [`error_outcome`] to look into its chain.
+///
+/// `Any` needs the error type to be `'static`. rustc cannot always prove that inside an async
+/// block (rust-lang/rust#110338): a layered service whose error is a `BoxError`, driven with
+/// `oneshot` inside `tokio::spawn(async move { .. })`, fails to compile with "higher-ranked
+/// lifetime error" (tower's own `Timeout` fails there too). Box the service
+/// (`tower::util::BoxCloneService`), spawn the `oneshot` future itself rather than an async block
+/// around it, or use [`ResultClassifier`], which has no bounds. axum and tonic handlers, whose
+/// errors are `Infallible`, are not affected.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultClassifier;
+
+/// `Ok` is [`Outcome::Ok`], `Err` is [`Outcome::Error`]: the [`DefaultClassifier`] without the
+/// timeout rule, and without its `'static` bound on the error type, so it compiles wherever
+/// tower's `ConcurrencyLimit` does.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ResultClassifier;
+
+impl<Res, Err> ClassifyOutcome<Res, Err> for ResultClassifier {
+    fn classify(&self, result: Result<&Res, &Err>) -> Outcome {
+        match result {
+            Ok(_) => Outcome::Ok,
+            Err(_) => Outcome::Error,
+        }
+    }
+}
 
 impl<Res, Err: 'static> ClassifyOutcome<Res, Err> for DefaultClassifier {
     fn classify(&self, result: Result<&Res, &Err>) -> Outcome {

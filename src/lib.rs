@@ -62,8 +62,19 @@
 //!   result: `Ok` is `ok`, `Err` is `error`, or `timeout` for tower's or tokio's `Elapsed`.
 //! - A response future dropped before it finished is `cancelled`, and so is a permit taken by
 //!   `poll_ready` but never used by `call`.
-//! - A panic in the inner `call` or while polling its future is `crashed`; the panic goes on.
+//! - A panic in the inner `poll_ready` (once the permit is taken), in `call` or while polling
+//!   its future is `crashed`; the panic goes on.
 //! - [`set_outcome`] inside the work wins over all of the above.
+//!
+//! # Cargo features
+//!
+//! - `tonic`: [`ResourcesOperation`] implements tonic's `NamedService`, so a layered gRPC
+//!   service can go to `Server::add_service`.
+//! - `serde`: [`Operation`], [`Executor`] and [`Outcome`] (de)serialize as the seed's strings.
+//! - `experimental-bound-instruments`: records through OpenTelemetry's bound instruments
+//!   (`Histogram::bind`), several times cheaper per record. Turn on `opentelemetry_sdk`'s
+//!   `experimental_metrics_bound_instruments` feature too: without it the SDK silently drops
+//!   every bound measurement.
 //!
 //! # Closed semaphores
 //!
@@ -92,7 +103,7 @@ mod service;
 pub use attributes::{Executor, Operation, Outcome, ParseAttributeError};
 pub use classify::{
     error_outcome, ClassifyOutcome, DefaultClassifier, GrpcClassifier, HttpClassifier,
-    OperationOutput,
+    OperationOutput, ResultClassifier,
 };
 pub use future::ResponseFuture;
 pub use layer::{LimitTooLarge, ResourcesOperationLayer};

@@ -119,7 +119,12 @@ where
             self.permit = Some(permit);
         }
 
-        let ready = self.inner.poll_ready(cx);
+        let inner = &mut self.inner;
+        let ready = match self.tracked.as_mut().and_then(|t| t.running.as_mut()) {
+            None => inner.poll_ready(cx),
+            // Admitted: a panic in the inner `poll_ready` ends the operation as `crashed`.
+            Some(running) => scope::enter(running, || inner.poll_ready(cx)),
+        };
         if let Poll::Ready(Err(_)) = ready {
             // The inner service failed before the operation could run: end it as an error and
             // give the permit back, as the service will not be called.

@@ -298,6 +298,38 @@ async fn panic_while_polling_the_inner_future_is_crashed_and_propagates_unchange
     assert_released(&t, &layer);
 }
 
+/// An inner service whose `poll_ready` panics, after the limit has already given a permit.
+#[derive(Clone)]
+struct PanicsInPollReady;
+
+impl Service<u32> for PanicsInPollReady {
+    type Response = ();
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<(), Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        panic!("poll_ready panicked")
+    }
+
+    fn call(&mut self, _: u32) -> Self::Future {
+        unreachable!("never ready")
+    }
+}
+
+#[tokio::test]
+async fn panic_in_inner_poll_ready_after_the_permit_is_crashed_and_propagates_unchanged() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let svc = layer.layer(PanicsInPollReady);
+
+    let error = tokio::spawn(svc.oneshot(1)).await.unwrap_err();
+    assert!(error.is_panic());
+    assert_eq!(panic_message(&*error.into_panic()), "poll_ready panicked");
+
+    assert_eq!(outcomes(&t), only("crashed"));
+    assert_released(&t, &layer);
+}
+
 // ---------------------------------------------------------------------------------------------
 // set_outcome
 // ---------------------------------------------------------------------------------------------
