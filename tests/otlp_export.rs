@@ -1,0 +1,204 @@
+//! The example's OTLP path (examples/axum.rs, `opentelemetry-otlp` over gRPC) against an
+//! in-process OTLP/gRPC receiver on 127.0.0.1: what a collector gets is the instruments under
+//! their OpenTelemetry names, units and attribute keys, with the seed's bucket boundaries.
+
+#[path = "../examples/axum.rs"]
+#[allow(dead_code)]
+mod app;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::{any_value, KeyValue};
+use opentelemetry_proto::tonic::metrics::v1::{metric, number_data_point, AggregationTemporality};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::Server;
+use tower_resources_operation::{
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, METER_NAME, OPERATION_ATTRIBUTE,
+    OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+};
+
+/// A safety net so a broken pipeline fails the test instead of hanging it.
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Hands every export it receives to the test.
+struct Receiver(mpsc::UnboundedSender<ExportMetricsServiceRequest>);
+
+#[tonic::async_trait]
+impl MetricsService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        let _ = self.0.send(request.into_inner());
+        Ok(tonic::Response::new(ExportMetricsServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+fn attributes(kvs: &[KeyValue]) -> BTreeMap<String, String> {
+    kvs.iter()
+        .map(|kv| {
+            let value = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                Some(any_value::Value::StringValue(s)) => s.clone(),
+                other => format!("{other:?}"),
+            };
+            (kv.key.clone(), value)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otlp_exporter_pushes_the_instruments_to_a_collector() {
+    let incoming = TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).expect("bind receiver");
+    let receiver = incoming.local_addr().expect("receiver addr");
+    let (exports, mut received) = mpsc::unbounded_channel();
+    tokio::spawn(
+        Server::builder()
+            .add_service(MetricsServiceServer::new(Receiver(exports)))
+            .serve_with_incoming(incoming),
+    );
+
+    let telemetry =
+        app::Telemetry::new(Some(format!("http://{receiver}"))).expect("telemetry with OTLP");
+    let config = app::Config {
+        verify_deadline: Duration::from_millis(50),
+        ..app::Config::default()
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind app");
+    let addr = listener.local_addr().expect("app addr");
+    let router = app::app(&config, &telemetry);
+    tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
+
+    let paths: Vec<String> = [
+        "/verify?ms=1",
+        "/verify?ms=1",
+        "/verify?ms=2000",
+        "/tool?ms=1",
+    ]
+    .map(String::from)
+    .to_vec();
+    let statuses = tokio::time::timeout(DEADLINE, app::burst(addr, &paths))
+        .await
+        .expect("load hung");
+    assert_eq!(statuses, [200, 200, 200, 200]);
+
+    // Push now rather than at the next interval; the reader blocks until the export returns.
+    let provider = telemetry.provider.clone();
+    tokio::time::timeout(
+        DEADLINE,
+        tokio::task::spawn_blocking(move || provider.force_flush()),
+    )
+    .await
+    .expect("flush hung")
+    .expect("flush task")
+    .expect("flush to the OTLP receiver");
+    // Exports are cumulative: the last one has everything.
+    let mut last = None;
+    while let Ok(export) = received.try_recv() {
+        last = Some(export);
+    }
+    let export = last.expect("the receiver got no export");
+
+    let scopes: Vec<_> = export
+        .resource_metrics
+        .iter()
+        .flat_map(|r| &r.scope_metrics)
+        .collect();
+    let [scope] = scopes.as_slice() else {
+        panic!("one scope expected: {scopes:?}")
+    };
+    assert_eq!(
+        scope.scope.as_ref().map(|s| s.name.as_str()),
+        Some(METER_NAME)
+    );
+
+    let mut names = Vec::new();
+    let mut runs: BTreeMap<(String, String, String), u64> = BTreeMap::new();
+    let mut queues: BTreeMap<String, u64> = BTreeMap::new();
+    for metric in &scope.metrics {
+        names.push(metric.name.clone());
+        match metric.data.as_ref().expect("data") {
+            metric::Data::Histogram(histogram) => {
+                assert_eq!(metric.unit, "ms", "{}", metric.name);
+                assert_eq!(
+                    histogram.aggregation_temporality,
+                    AggregationTemporality::Cumulative as i32
+                );
+                for point in &histogram.data_points {
+                    assert_eq!(
+                        point.explicit_bounds, OPERATION_BOUNDARIES_MS,
+                        "{}",
+                        metric.name
+                    );
+                    assert_eq!(point.bucket_counts.len(), OPERATION_BOUNDARIES_MS.len() + 1);
+                    assert_eq!(point.bucket_counts.iter().sum::<u64>(), point.count);
+                    let attrs = attributes(&point.attributes);
+                    let op = attrs[OPERATION_ATTRIBUTE].clone();
+                    if metric.name == DURATION_INSTRUMENT {
+                        let key = (
+                            op,
+                            attrs[EXECUTOR_ATTRIBUTE].clone(),
+                            attrs[OUTCOME_ATTRIBUTE].clone(),
+                        );
+                        runs.insert(key, point.count);
+                    } else {
+                        assert!(!attrs.contains_key(OUTCOME_ATTRIBUTE), "{attrs:?}");
+                        queues.insert(op, point.count);
+                    }
+                }
+            }
+            metric::Data::Sum(sum) => {
+                assert_eq!(metric.unit, "{operation}", "{}", metric.name);
+                assert!(!sum.is_monotonic, "{} is an up-down counter", metric.name);
+                let mut seen = Vec::new();
+                for point in &sum.data_points {
+                    assert_eq!(
+                        point.value,
+                        Some(number_data_point::Value::AsInt(0)),
+                        "{} {:?}",
+                        metric.name,
+                        attributes(&point.attributes)
+                    );
+                    seen.push(attributes(&point.attributes)[OPERATION_ATTRIBUTE].clone());
+                }
+                seen.sort();
+                assert_eq!(seen, ["judge", "tool", "verify"], "{}", metric.name);
+            }
+            other => panic!("{}: unexpected data {other:?}", metric.name),
+        }
+    }
+    names.sort();
+    let mut expected = [
+        ACTIVE_INSTRUMENT,
+        DURATION_INSTRUMENT,
+        QUEUED_INSTRUMENT,
+        QUEUE_DURATION_INSTRUMENT,
+    ];
+    expected.sort();
+    assert_eq!(names, expected);
+
+    let key =
+        |op: &str, ex: &str, outcome: &str| (op.to_owned(), ex.to_owned(), outcome.to_owned());
+    assert_eq!(
+        runs,
+        BTreeMap::from([
+            (key("tool", "thread", "ok"), 1),
+            (key("verify", "subprocess", "ok"), 2),
+            (key("verify", "subprocess", "timeout"), 1),
+        ])
+    );
+    assert_eq!(
+        queues,
+        BTreeMap::from([("tool".to_owned(), 1), ("verify".to_owned(), 3)])
+    );
+}

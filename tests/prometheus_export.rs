@@ -1,0 +1,449 @@
+//! The example's app (examples/axum.rs) in-process, read through its `/metrics` endpoint: the
+//! series as Prometheus sees them, from the real `opentelemetry-prometheus` exporter and the
+//! `prometheus` crate's text encoder.
+
+#[path = "../examples/axum.rs"]
+#[allow(dead_code)]
+mod app;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+use tokio::net::TcpListener;
+use tower_resources_operation::{OperationMetrics, METER_NAME, OPERATION_BOUNDARIES_MS};
+
+const OPERATION: &str = "nemo_gym_resources_operation";
+const EXECUTOR: &str = "nemo_gym_resources_executor";
+const OUTCOME: &str = "nemo_gym_resources_operation_outcome";
+const SCOPE: &str = "otel_scope_name";
+
+const QUEUE: &str = "gym_resources_operation_queue_duration_ms";
+const DURATION: &str = "gym_resources_operation_duration_ms";
+const QUEUED: &str = "gym_resources_operation_queued";
+const ACTIVE: &str = "gym_resources_operation_active";
+
+/// A safety net so a broken server fails the test instead of hanging it; not a performance bound.
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// One sample line of the text format.
+#[derive(Clone, Debug)]
+struct Sample {
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+impl Sample {
+    fn label(&self, key: &str) -> &str {
+        self.labels.get(key).map(String::as_str).unwrap_or("")
+    }
+
+    /// The labels other than `le`: which series of a histogram this bucket belongs to.
+    fn series(&self) -> BTreeMap<String, String> {
+        let mut labels = self.labels.clone();
+        labels.remove("le");
+        labels
+    }
+}
+
+/// The exposition: samples in order, and each family's `# TYPE`.
+#[derive(Debug, Default)]
+struct Exposition {
+    samples: Vec<Sample>,
+    types: BTreeMap<String, String>,
+}
+
+impl Exposition {
+    fn parse(text: &str) -> Self {
+        let mut exposition = Exposition::default();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+                exposition.types.insert(name.to_owned(), kind.to_owned());
+                continue;
+            }
+            if line.starts_with('#') {
+                continue;
+            }
+            exposition.samples.push(parse_sample(line));
+        }
+        exposition
+    }
+
+    fn named<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a Sample> + 'a {
+        self.samples.iter().filter(move |s| s.name == name)
+    }
+
+    /// The one sample named `name` whose labels include every pair of `filter`.
+    fn value(&self, name: &str, filter: &[(&str, &str)]) -> Option<f64> {
+        let matching: Vec<&Sample> = self
+            .named(name)
+            .filter(|s| filter.iter().all(|(k, v)| s.label(k) == *v))
+            .collect();
+        match matching.as_slice() {
+            [] => None,
+            [one] => Some(one.value),
+            many => panic!("{name} {filter:?}: {} samples: {many:?}", many.len()),
+        }
+    }
+}
+
+/// `name{k="v",...} value` (the labels are optional); label values may hold `\"`, `\\`, `\n`.
+fn parse_sample(line: &str) -> Sample {
+    let (name, rest) = match line.find(['{', ' ']) {
+        Some(i) => line.split_at(i),
+        None => panic!("no value on line {line:?}"),
+    };
+    let mut labels = BTreeMap::new();
+    let mut chars = rest.chars().peekable();
+    if chars.peek() == Some(&'{') {
+        chars.next();
+        loop {
+            match chars.peek() {
+                Some('}') => {
+                    chars.next();
+                    break;
+                }
+                Some(',') => {
+                    chars.next();
+                    continue;
+                }
+                None => panic!("unterminated labels on line {line:?}"),
+                _ => {}
+            }
+            let key: String = chars.by_ref().take_while(|&c| c != '=').collect();
+            assert_eq!(
+                chars.next(),
+                Some('"'),
+                "label value quote on line {line:?}"
+            );
+            let mut value = String::new();
+            loop {
+                match chars.next().expect("unterminated label value") {
+                    '"' => break,
+                    '\\' => match chars.next().expect("escape") {
+                        'n' => value.push('\n'),
+                        other => value.push(other),
+                    },
+                    c => value.push(c),
+                }
+            }
+            labels.insert(key, value);
+        }
+    }
+    let value: String = chars.collect();
+    let value = value.trim().split(' ').next().unwrap_or_default();
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        other => other
+            .parse()
+            .unwrap_or_else(|e| panic!("value {other:?} on line {line:?}: {e}")),
+    };
+    Sample {
+        name: name.to_owned(),
+        labels,
+        value,
+    }
+}
+
+async fn serve(router: axum::Router) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("local addr");
+    tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
+    addr
+}
+
+async fn scrape(addr: SocketAddr) -> (String, Exposition) {
+    let (status, body) =
+        tokio::time::timeout(DEADLINE, app::http_get(addr, "/metrics", "HTTP/1.1"))
+            .await
+            .expect("GET /metrics hung")
+            .expect("GET /metrics");
+    assert_eq!(status, 200, "{body}");
+    let exposition = Exposition::parse(&body);
+    (body, exposition)
+}
+
+/// The `le` values Prometheus should see: the seed's boundaries, then `+Inf`.
+fn expected_le() -> Vec<String> {
+    OPERATION_BOUNDARIES_MS
+        .iter()
+        .map(|b| b.to_string())
+        .chain(["+Inf".to_owned()])
+        .collect()
+}
+
+/// Checks every bucket series of histogram `family`: `le` in the seed's order, cumulative
+/// counts that never go down, `+Inf` equal to `_count`; returns `_count` per series.
+fn check_histogram(
+    exposition: &Exposition,
+    family: &str,
+) -> BTreeMap<BTreeMap<String, String>, f64> {
+    let mut buckets: BTreeMap<BTreeMap<String, String>, Vec<(String, f64)>> = BTreeMap::new();
+    for sample in exposition.named(&format!("{family}_bucket")) {
+        buckets
+            .entry(sample.series())
+            .or_default()
+            .push((sample.label("le").to_owned(), sample.value));
+    }
+    let mut counts = BTreeMap::new();
+    for (series, buckets) in &buckets {
+        let le: Vec<String> = buckets.iter().map(|(le, _)| le.clone()).collect();
+        assert_eq!(le, expected_le(), "{family} {series:?}");
+        for pair in buckets.windows(2) {
+            assert!(pair[0].1 <= pair[1].1, "{family} {series:?}: {buckets:?}");
+        }
+        let filter: Vec<(&str, &str)> = series
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let count = exposition
+            .value(&format!("{family}_count"), &filter)
+            .unwrap_or_else(|| panic!("{family}_count {series:?}"));
+        let sum = exposition
+            .value(&format!("{family}_sum"), &filter)
+            .unwrap_or_else(|| panic!("{family}_sum {series:?}"));
+        assert_eq!(buckets.last().unwrap().1, count, "{family} {series:?}");
+        assert!(sum >= 0.0, "{family} {series:?}: sum {sum}");
+        counts.insert(series.clone(), count);
+    }
+    // Every `_count` and `_sum` belongs to a series that has buckets.
+    for suffix in ["_count", "_sum"] {
+        for sample in exposition.named(&format!("{family}{suffix}")) {
+            assert!(
+                buckets.contains_key(&sample.labels),
+                "{}{suffix} without buckets: {sample:?}",
+                family
+            );
+        }
+    }
+    counts
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+/// Every limit of the app, as `(operation, executor)`.
+const SERIES: [(&str, &str); 3] = [
+    ("verify", "subprocess"),
+    ("judge", "inline"),
+    ("tool", "thread"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_every_outcome() {
+    let telemetry = app::Telemetry::new(None).expect("telemetry");
+    let config = app::Config {
+        shared_limit: 2,
+        tool_limit: 1,
+        verify_deadline: Duration::from_millis(100),
+    };
+    let addr = serve(app::app(&config, &telemetry)).await;
+
+    // Before any request: the live counts of every limit are there, at 0; no histogram yet.
+    let (body, before) = scrape(addr).await;
+    for (op, ex) in SERIES {
+        for gauge in [QUEUED, ACTIVE] {
+            assert_eq!(
+                before.value(gauge, &[(OPERATION, op), (EXECUTOR, ex)]),
+                Some(0.0),
+                "{gauge} {op}/{ex} before any request:\n{body}"
+            );
+        }
+    }
+    assert_eq!(before.named(&format!("{DURATION}_count")).count(), 0);
+
+    // The load: three verifies that pass, one past the handler's deadline (answered 200 with a
+    // fallback, outcome `timeout` through `set_outcome`), one that fails (500, `error`); a
+    // judge call that passes and one that fails; two tool runs.
+    let paths: Vec<String> = [
+        "/verify?ms=5",
+        "/verify?ms=5",
+        "/verify?ms=5",
+        "/verify?ms=5000",
+        "/verify?ms=5&fail=1",
+        "/judge?ms=5",
+        "/judge?ms=5&fail=1",
+        "/tool?ms=20",
+        "/tool?ms=20",
+    ]
+    .map(String::from)
+    .to_vec();
+    let statuses = tokio::time::timeout(DEADLINE, app::burst(addr, &paths))
+        .await
+        .expect("load hung");
+    assert_eq!(
+        statuses,
+        [200, 200, 200, 200, 500, 200, 500, 200, 200],
+        "{paths:?}"
+    );
+
+    let (body, after) = scrape(addr).await;
+
+    // Names: the instruments' names with dots as underscores and no unit suffix; histograms
+    // and gauges as such (observable up-down counters are gauges: no `_total`).
+    let ours: BTreeSet<&str> = after
+        .samples
+        .iter()
+        .map(|s| s.name.as_str())
+        .filter(|n| n.starts_with("gym_"))
+        .collect();
+    let expected: BTreeSet<String> = [QUEUE, DURATION]
+        .iter()
+        .flat_map(|h| ["_bucket", "_sum", "_count"].map(|s| format!("{h}{s}")))
+        .chain([QUEUED.to_owned(), ACTIVE.to_owned()])
+        .collect();
+    assert_eq!(
+        ours,
+        expected.iter().map(String::as_str).collect(),
+        "{body}"
+    );
+    assert!(!body.contains("milliseconds"), "unit suffix added:\n{body}");
+    assert!(
+        !body.contains("gym_resources_operation_queued_total"),
+        "{body}"
+    );
+    for (family, kind) in [
+        (QUEUE, "histogram"),
+        (DURATION, "histogram"),
+        (QUEUED, "gauge"),
+        (ACTIVE, "gauge"),
+    ] {
+        assert_eq!(
+            after.types.get(family).map(String::as_str),
+            Some(kind),
+            "{body}"
+        );
+    }
+
+    // Labels: the attribute keys with dots as underscores, plus the exporter's scope label.
+    for sample in after.samples.iter().filter(|s| s.name.starts_with("gym_")) {
+        let mut keys: BTreeSet<&str> = [OPERATION, EXECUTOR, SCOPE].into();
+        if sample.name.starts_with(DURATION) {
+            keys.insert(OUTCOME);
+        }
+        if sample.name.ends_with("_bucket") {
+            keys.insert("le");
+        }
+        let got: BTreeSet<&str> = sample.labels.keys().map(String::as_str).collect();
+        assert_eq!(got, keys, "{sample:?}");
+        assert_eq!(sample.label(SCOPE), METER_NAME, "{sample:?}");
+    }
+
+    // Buckets: the seed's boundaries; counts per outcome as the load produced them.
+    let queue = check_histogram(&after, QUEUE);
+    let run = check_histogram(&after, DURATION);
+    let scope = (SCOPE, METER_NAME);
+    assert_eq!(
+        queue,
+        BTreeMap::from([
+            (
+                labels(&[(OPERATION, "judge"), (EXECUTOR, "inline"), scope]),
+                2.0
+            ),
+            (
+                labels(&[(OPERATION, "tool"), (EXECUTOR, "thread"), scope]),
+                2.0
+            ),
+            (
+                labels(&[(OPERATION, "verify"), (EXECUTOR, "subprocess"), scope]),
+                5.0
+            ),
+        ]),
+        "{body}"
+    );
+    let run_of =
+        |op, ex, outcome| labels(&[(OPERATION, op), (EXECUTOR, ex), (OUTCOME, outcome), scope]);
+    assert_eq!(
+        run,
+        BTreeMap::from([
+            (run_of("judge", "inline", "error"), 1.0),
+            (run_of("judge", "inline", "ok"), 1.0),
+            (run_of("tool", "thread", "ok"), 2.0),
+            (run_of("verify", "subprocess", "error"), 1.0),
+            (run_of("verify", "subprocess", "ok"), 3.0),
+            (run_of("verify", "subprocess", "timeout"), 1.0),
+        ]),
+        "{body}"
+    );
+
+    // The timed-out verify ran until the handler's deadline (100 ms): nothing in the buckets
+    // up to 50 ms, and a sum of at least the deadline.
+    let timeout = [(OPERATION, "verify"), (OUTCOME, "timeout"), ("le", "50")];
+    assert_eq!(
+        after.value(&format!("{DURATION}_bucket"), &timeout),
+        Some(0.0)
+    );
+    let timeout_sum = after
+        .value(
+            &format!("{DURATION}_sum"),
+            &[(OPERATION, "verify"), (OUTCOME, "timeout")],
+        )
+        .unwrap();
+    assert!(timeout_sum >= 100.0, "timeout ran {timeout_sum} ms");
+    // The tool slept 20 ms on the blocking pool, twice.
+    let tool_sum = after
+        .value(&format!("{DURATION}_sum"), &[(OPERATION, "tool")])
+        .unwrap();
+    assert!(tool_sum >= 40.0, "tool ran {tool_sum} ms");
+
+    // Nothing waits or runs once every response is in.
+    for (op, ex) in SERIES {
+        for gauge in [QUEUED, ACTIVE] {
+            assert_eq!(
+                after.value(gauge, &[(OPERATION, op), (EXECUTOR, ex)]),
+                Some(0.0),
+                "{gauge} {op}/{ex}:\n{body}"
+            );
+        }
+    }
+}
+
+/// What `without_units()` is for: left at its default, the exporter appends the unit to the
+/// histograms' names (`ms` is `milliseconds`), so the dashboards' and alerts' series would not
+/// exist. An annotation unit like `{operation}` adds nothing either way.
+#[tokio::test]
+async fn the_exporters_default_appends_milliseconds_to_the_histogram_names() {
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .build()
+        .expect("exporter");
+    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+    let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
+    let limit = tower_resources_operation::ResourcesOperationLayer::new(1).metrics(metrics);
+    let service = tower::ServiceBuilder::new()
+        .layer(limit)
+        .service(tower::service_fn(|()| async {
+            Ok::<_, std::convert::Infallible>(())
+        }));
+    tower::ServiceExt::oneshot(service, ()).await.unwrap();
+
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .unwrap();
+    let names: BTreeSet<String> = Exposition::parse(&text)
+        .samples
+        .into_iter()
+        .map(|s| s.name)
+        .filter(|n| n.starts_with("gym_"))
+        .collect();
+    assert!(
+        names.contains("gym_resources_operation_duration_ms_milliseconds_bucket"),
+        "{names:?}"
+    );
+    assert!(
+        names.contains("gym_resources_operation_queue_duration_ms_milliseconds_count"),
+        "{names:?}"
+    );
+    assert!(names.contains(QUEUED), "{names:?}");
+    assert!(names.contains(ACTIVE), "{names:?}");
+}

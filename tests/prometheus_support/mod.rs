@@ -1,0 +1,160 @@
+//! Shared by the tests that use a real Prometheus (`prometheus`, `promtool`) and the dashboard
+//! files: finding the binaries, the `REQUIRE_PROMETHEUS=1` convention, temp dirs, free ports,
+//! and the dashboard's queries.
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Set to `1` (as CI does) to make a missing `prometheus`/`promtool` a failure, not a skip.
+pub const REQUIRE_VAR: &str = "REQUIRE_PROMETHEUS";
+
+/// The repository root (where Cargo.toml is).
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub const DASHBOARD: &str = "dashboards/grafana/resources-operations.json";
+pub const ALERTS: &str = "dashboards/prometheus/alerts.yml";
+pub const ALERT_TESTS: &str = "dashboards/prometheus/alerts.test.yml";
+
+/// `name` on `PATH`, if it is there.
+pub fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    path.metadata()
+        .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// `name` on `PATH`; if it is missing, `None` after a loud message, or a panic when
+/// `REQUIRE_PROMETHEUS=1`.
+pub fn require_binary(name: &str, test: &str) -> Option<PathBuf> {
+    if let Some(path) = find_on_path(name) {
+        return Some(path);
+    }
+    let required = std::env::var(REQUIRE_VAR).is_ok_and(|v| v.trim() == "1");
+    let message = format!(
+        "`{name}` is not on PATH, so {test} cannot run. Install it (Debian/Ubuntu: \
+         `apt-get install prometheus`, which ships `prometheus` and `promtool`)."
+    );
+    if required {
+        panic!("{REQUIRE_VAR}=1 and {message}");
+    }
+    eprintln!();
+    eprintln!("**********************************************************************");
+    eprintln!("SKIPPED: {message}");
+    eprintln!("(set {REQUIRE_VAR}=1 to make this a failure)");
+    eprintln!("**********************************************************************");
+    eprintln!();
+    None
+}
+
+/// A directory under the system temp dir, removed when dropped.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> Self {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        let path = std::env::temp_dir().join(format!("{prefix}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        Self(path)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A port on 127.0.0.1 that was free a moment ago: bound to port 0, read, released.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    listener.local_addr().expect("local addr").port()
+}
+
+/// Percent-encodes everything but RFC 3986's unreserved characters, for a query parameter.
+pub fn urlencode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 3);
+    for byte in text.bytes() {
+        match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(byte as char)
+            }
+            _ => out.push_str(&format!("%{byte:02X}")),
+        }
+    }
+    out
+}
+
+/// One query of a dashboard panel.
+#[derive(Clone, Debug)]
+pub struct PanelQuery {
+    pub panel: String,
+    pub ref_id: String,
+    pub expr: String,
+}
+
+/// Every panel of a dashboard, rows' nested panels included, in order.
+pub fn panels(dashboard: &serde_json::Value) -> Vec<&serde_json::Value> {
+    fn walk<'a>(panels: &'a serde_json::Value, out: &mut Vec<&'a serde_json::Value>) {
+        for panel in panels.as_array().into_iter().flatten() {
+            out.push(panel);
+            if let Some(nested) = panel.get("panels") {
+                walk(nested, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
+}
+
+/// Every `expr` of every panel target.
+pub fn panel_queries(dashboard: &serde_json::Value) -> Vec<PanelQuery> {
+    panels(dashboard)
+        .into_iter()
+        .flat_map(|panel| {
+            let title = panel["title"].as_str().unwrap_or("<untitled>").to_owned();
+            panel["targets"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(move |target| PanelQuery {
+                    panel: title.clone(),
+                    ref_id: target["refId"].as_str().unwrap_or("").to_owned(),
+                    expr: target["expr"].as_str().unwrap_or("").to_owned(),
+                })
+        })
+        .collect()
+}
+
+pub fn load_dashboard() -> serde_json::Value {
+    let path = root().join(DASHBOARD);
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
+}
+
+/// A panel's expression as Prometheus would get it from Grafana with every operation selected
+/// and a rate interval of `rate_interval`.
+pub fn substitute_grafana_variables(expr: &str, rate_interval: &str) -> String {
+    expr.replace("$__rate_interval", rate_interval)
+        .replace("${operation:regex}", ".*")
+        .replace("${operation}", ".*")
+        .replace("$operation", ".*")
+}
