@@ -50,27 +50,20 @@ impl OperationMetrics {
     /// Call it once per meter and clone the result; see the type's docs.
     pub fn new(meter: &Meter) -> Self {
         let shared = Arc::new(Shared::new(meter));
-
-        let queued = Arc::clone(&shared);
-        meter
-            .i64_observable_up_down_counter(QUEUED_INSTRUMENT)
-            .with_unit("{operation}")
-            .with_description("Operations waiting for the concurrency limit right now.")
-            .with_callback(move |observer| {
-                queued.observe(|cell| &cell.queued, |v, attrs| observer.observe(v, attrs))
-            })
-            .build();
-
-        let active = Arc::clone(&shared);
-        meter
-            .i64_observable_up_down_counter(ACTIVE_INSTRUMENT)
-            .with_unit("{operation}")
-            .with_description("Operations holding a permit of the concurrency limit right now.")
-            .with_callback(move |observer| {
-                active.observe(|cell| &cell.active, |v, attrs| observer.observe(v, attrs))
-            })
-            .build();
-
+        register_live_count(
+            meter,
+            &shared,
+            QUEUED_INSTRUMENT,
+            "Operations waiting for the concurrency limit right now.",
+            |cell| &cell.queued,
+        );
+        register_live_count(
+            meter,
+            &shared,
+            ACTIVE_INSTRUMENT,
+            "Operations holding a permit of the concurrency limit right now.",
+            |cell| &cell.active,
+        );
         Self {
             shared: Some(shared),
         }
@@ -124,6 +117,28 @@ impl OperationMetrics {
             index: index as u8,
         })
     }
+}
+
+/// Registers the observable up-down counter `name`, whose one callback reports `count` of every
+/// reported series of `shared`.
+fn register_live_count(
+    meter: &Meter,
+    shared: &Arc<Shared>,
+    name: &'static str,
+    description: &'static str,
+    count: fn(&Cell) -> &AtomicI64,
+) {
+    let shared = Arc::clone(shared);
+    meter
+        .i64_observable_up_down_counter(name)
+        .with_unit("{operation}")
+        .with_description(description)
+        .with_callback(move |observer| {
+            shared.observe(count, |value, attributes| {
+                observer.observe(value, attributes)
+            })
+        })
+        .build();
 }
 
 /// Live counts of one (operation, executor), on a cache line of its own.

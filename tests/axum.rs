@@ -5,7 +5,6 @@ mod support;
 
 use std::io::ErrorKind;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +13,7 @@ use axum::Router;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Barrier, Semaphore};
 
-use support::Telemetry;
+use support::{Load, Telemetry};
 use tower_resources_operation::{
     Executor, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
     EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
@@ -26,33 +25,13 @@ const WORK: Duration = Duration::from_millis(100);
 /// A safety net so a broken limit fails the test instead of hanging it; not a performance bound.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// How many handlers run now, and the most that ever ran at once.
-#[derive(Debug, Default)]
-struct Load {
-    running: AtomicUsize,
-    max: AtomicUsize,
-}
-
-impl Load {
-    async fn work(&self) {
-        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
-        self.max.fetch_max(now, Ordering::SeqCst);
-        tokio::time::sleep(WORK).await;
-        self.running.fetch_sub(1, Ordering::SeqCst);
-    }
-
-    fn max(&self) -> usize {
-        self.max.load(Ordering::SeqCst)
-    }
-}
-
 /// A GET route whose handler does one unit of `load`'s work.
 fn work_route(load: &Arc<Load>) -> MethodRouter {
     let load = Arc::clone(load);
     get(move || {
         let load = Arc::clone(&load);
         async move {
-            load.work().await;
+            load.work(WORK).await;
             "done"
         }
     })

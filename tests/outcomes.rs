@@ -14,19 +14,15 @@ use tower::timeout::TimeoutLayer;
 use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_resources_operation::{
     set_outcome, ClassifyOutcome, Operation, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+    OPERATION_ATTRIBUTE,
 };
 
-/// Count of operations per outcome, over the duration points matching `filter`.
 fn outcomes_where(t: &Telemetry, filter: &[(&str, &str)]) -> BTreeMap<String, u64> {
-    t.points(DURATION_INSTRUMENT, filter)
-        .into_iter()
-        .map(|p| (p.attributes[OUTCOME_ATTRIBUTE].clone(), p.count))
-        .collect()
+    t.outcomes(filter)
 }
 
 fn outcomes(t: &Telemetry) -> BTreeMap<String, u64> {
-    outcomes_where(t, &[])
+    t.outcomes(&[])
 }
 
 fn only(outcome: &str) -> BTreeMap<String, u64> {

@@ -14,8 +14,8 @@ use tokio_test::{assert_pending, assert_ready, task};
 use tower::BoxError;
 use tower_resources_operation::{
     resources_operation, set_outcome, Executor, Operation, OperationMetrics, Outcome,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
 };
 
 const TOLERANCE_MS: f64 = 3.0;
@@ -27,16 +27,8 @@ fn assert_close(actual: f64, expected: f64, what: &str) {
     );
 }
 
-/// Count of operations per outcome, over the duration points matching `filter`.
-fn outcomes_where(t: &Telemetry, filter: &[(&str, &str)]) -> BTreeMap<String, u64> {
-    t.points(DURATION_INSTRUMENT, filter)
-        .into_iter()
-        .map(|p| (p.attributes[OUTCOME_ATTRIBUTE].clone(), p.count))
-        .collect()
-}
-
 fn outcomes(t: &Telemetry) -> BTreeMap<String, u64> {
-    outcomes_where(t, &[])
+    t.outcomes(&[])
 }
 
 fn only(outcome: &str) -> BTreeMap<String, u64> {

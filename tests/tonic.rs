@@ -11,7 +11,6 @@ mod support;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,7 +29,7 @@ use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::{ServiceBuilder, ServiceExt as _};
 
-use support::Telemetry;
+use support::{Load, Telemetry};
 use tower_resources_operation::{
     Executor, GrpcClassifier, Operation, ResourcesOperation, ResourcesOperationLayer,
     ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
@@ -41,26 +40,6 @@ use tower_resources_operation::{
 const WORK: Duration = Duration::from_millis(100);
 /// A safety net so a broken limit fails the test instead of hanging it; not a performance bound.
 const DEADLINE: Duration = Duration::from_secs(60);
-
-/// How many handlers run now, and the most that ever ran at once.
-#[derive(Debug, Default)]
-struct Load {
-    running: AtomicUsize,
-    max: AtomicUsize,
-}
-
-impl Load {
-    async fn work(&self) {
-        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
-        self.max.fetch_max(now, Ordering::SeqCst);
-        tokio::time::sleep(WORK).await;
-        self.running.fetch_sub(1, Ordering::SeqCst);
-    }
-
-    fn max(&self) -> usize {
-        self.max.load(Ordering::SeqCst)
-    }
-}
 
 /// The handlers. `Check` does what the requested service name says:
 ///
@@ -93,7 +72,7 @@ impl Health for Backend {
     ) -> Result<Response<HealthCheckResponse>, Status> {
         match request.into_inner().service.as_str() {
             "ok" => {}
-            "slow" => self.load.work().await,
+            "slow" => self.load.work(WORK).await,
             "deadline" => return Err(Status::deadline_exceeded("the probe ran out of time")),
             "cancelled" => return Err(Status::cancelled("the probe was called off")),
             "internal" => return Err(Status::internal("the probe broke")),

@@ -204,6 +204,17 @@ impl Telemetry {
             .collect()
     }
 
+    /// Count of operations per outcome, over the duration points matching `filter`.
+    pub fn outcomes(&self, filter: &[(&str, &str)]) -> BTreeMap<String, u64> {
+        self.points(tower_resources_operation::DURATION_INSTRUMENT, filter)
+            .into_iter()
+            .map(|p| {
+                let outcome = &p.attributes[tower_resources_operation::OUTCOME_ATTRIBUTE];
+                (outcome.clone(), p.count)
+            })
+            .collect()
+    }
+
     /// Sum of the recorded values of histogram `name` over points matching `filter`.
     pub fn sum(&self, name: &str, filter: &[(&str, &str)]) -> f64 {
         self.points(name, filter).iter().map(|p| p.sum).sum()
@@ -234,5 +245,28 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "<non-string panic payload>".to_owned()
+    }
+}
+
+/// How many handlers run now, and the most that ever ran at once.
+#[derive(Debug, Default)]
+pub struct Load {
+    running: std::sync::atomic::AtomicUsize,
+    max: std::sync::atomic::AtomicUsize,
+}
+
+impl Load {
+    /// Counts as running for `how_long`.
+    pub async fn work(&self, how_long: Duration) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.running.fetch_add(1, SeqCst) + 1;
+        self.max.fetch_max(now, SeqCst);
+        tokio::time::sleep(how_long).await;
+        self.running.fetch_sub(1, SeqCst);
+    }
+
+    /// The most that ever ran at once.
+    pub fn max(&self) -> usize {
+        self.max.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
