@@ -393,6 +393,10 @@ fn contended(c: &mut Criterion) {
     let tower = ConcurrencyLimit::with_semaphore(YieldOnce, Arc::new(Semaphore::new(4)));
     let disabled = layer(4, OperationMetrics::disabled()).layer(YieldOnce);
     let enabled = layer(4, metrics).layer(YieldOnce);
+    let floor = floor::Floor {
+        inner: ConcurrencyLimit::new(YieldOnce, 4),
+        shared: floor::Shared::new(&meter),
+    };
 
     let mut group = c.benchmark_group("contended");
     group.bench_function("tower_limit", |b| {
@@ -403,6 +407,9 @@ fn contended(c: &mut Criterion) {
     });
     group.bench_function("layer_metrics", |b| {
         b.iter_custom(|iters| contended_run(&rt, enabled.clone(), iters))
+    });
+    group.bench_function("floor", |b| {
+        b.iter_custom(|iters| contended_run(&rt, floor.clone(), iters))
     });
     group.finish();
 }

@@ -263,17 +263,20 @@ impl Series {
     }
 
     /// The operation starts to wait for a permit: it counts as queued until the guard drops.
-    pub(crate) fn wait(&self) -> Waiting {
+    pub(crate) fn wait(&self) -> Waiting<'_> {
+        Waiting::new(self, self.start_waiting())
+    }
+
+    /// Counts one more operation as queued, and returns when it started to wait. The caller
+    /// takes it back with a [`Waiting`] made from that instant (see [`Waiting::new`]).
+    pub(crate) fn start_waiting(&self) -> Instant {
         self.cell().queued.fetch_add(1, Ordering::Relaxed);
-        Waiting {
-            series: self.clone(),
-            since: Instant::now(),
-        }
+        Instant::now()
     }
 
     /// The operation has its permit: records the queue time (0 when it never waited) and counts
     /// it as active until the returned guard finishes or drops.
-    pub(crate) fn admit(&self, waited: Option<Waiting>) -> Running {
+    pub(crate) fn admit(&self, waited: Option<Waiting<'_>>) -> Running {
         let start = Instant::now();
         let queued_ms = match waited {
             Some(waiting) => millis(start.saturating_duration_since(waiting.since)),
@@ -290,14 +293,22 @@ impl Series {
     }
 }
 
-/// Counts one operation as queued while it lives.
+/// Counts one operation as queued while it lives. It borrows its series, so a wait costs no
+/// reference count.
 #[derive(Debug)]
-pub(crate) struct Waiting {
-    series: Series,
+pub(crate) struct Waiting<'a> {
+    series: &'a Series,
     since: Instant,
 }
 
-impl Drop for Waiting {
+impl<'a> Waiting<'a> {
+    /// Takes over a wait that [`Series::start_waiting`] counted at `since`.
+    pub(crate) fn new(series: &'a Series, since: Instant) -> Self {
+        Self { series, since }
+    }
+}
+
+impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.series.cell().queued.fetch_sub(1, Ordering::Relaxed);
     }

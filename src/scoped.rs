@@ -74,7 +74,7 @@ impl OperationMetrics {
     {
         let series = self.series(operation, executor);
         let (_permit, running) = match limit.try_acquire() {
-            Ok(permit) => (permit, series.map(|series| series.admit(None))),
+            Ok(permit) => (permit, series.as_ref().map(|series| series.admit(None))),
             Err(TryAcquireError::NoPermits) => {
                 // Dropping this future while it waits drops `waiting`: the wait is taken back.
                 let waiting = series.as_ref().map(|series| series.wait());
@@ -82,7 +82,8 @@ impl OperationMetrics {
                     drop(waiting);
                     semaphore_closed()
                 };
-                (permit, series.map(|series| series.admit(waiting)))
+                let running = series.as_ref().map(|series| series.admit(waiting));
+                (permit, running)
             }
             Err(TryAcquireError::Closed) => semaphore_closed(),
         };

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tokio_util::sync::PollSemaphore;
 use tower_service::Service;
 
@@ -36,8 +37,8 @@ pub struct ResourcesOperation<S, C> {
 #[derive(Debug)]
 struct Tracked {
     series: Series,
-    /// Set from the first `poll_ready` that has to wait until the permit comes.
-    waiting: Option<Waiting>,
+    /// When the first `poll_ready` that had to wait was made; counted in `queued` while set.
+    waiting_since: Option<Instant>,
     /// The operation admitted by the permit that `poll_ready` took.
     running: Option<Running>,
 }
@@ -46,9 +47,38 @@ impl Tracked {
     fn new(series: Series) -> Self {
         Self {
             series,
-            waiting: None,
+            waiting_since: None,
             running: None,
         }
+    }
+
+    /// `poll_ready` has to wait: counts the operation as queued, from the first such call.
+    fn wait(&mut self) {
+        if self.waiting_since.is_none() {
+            self.waiting_since = Some(self.series.start_waiting());
+        }
+    }
+
+    /// The wait ends without a permit: takes the operation out of `queued`.
+    fn stop_waiting(&mut self) {
+        if let Some(since) = self.waiting_since.take() {
+            drop(Waiting::new(&self.series, since));
+        }
+    }
+
+    /// `poll_ready` took the permit: the operation is admitted.
+    fn admit(&mut self) {
+        let waited = self
+            .waiting_since
+            .take()
+            .map(|since| Waiting::new(&self.series, since));
+        self.running = Some(self.series.admit(waited));
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.stop_waiting();
     }
 }
 
@@ -100,21 +130,19 @@ where
                 Poll::Ready(Some(permit)) => permit,
                 Poll::Pending => {
                     if let Some(tracked) = &mut self.tracked {
-                        if tracked.waiting.is_none() {
-                            tracked.waiting = Some(tracked.series.wait());
-                        }
+                        tracked.wait();
                     }
                     return Poll::Pending;
                 }
                 Poll::Ready(None) => {
                     if let Some(tracked) = &mut self.tracked {
-                        tracked.waiting = None;
+                        tracked.stop_waiting();
                     }
                     semaphore_closed()
                 }
             };
             if let Some(tracked) = &mut self.tracked {
-                tracked.running = Some(tracked.series.admit(tracked.waiting.take()));
+                tracked.admit();
             }
             self.permit = Some(permit);
         }
@@ -209,7 +237,10 @@ impl<S: fmt::Debug, C> fmt::Debug for ResourcesOperation<S, C> {
             .field("metrics_enabled", &self.tracked.is_some())
             .field(
                 "waiting",
-                &self.tracked.as_ref().is_some_and(|t| t.waiting.is_some()),
+                &self
+                    .tracked
+                    .as_ref()
+                    .is_some_and(|t| t.waiting_since.is_some()),
             )
             .field("has_permit", &self.permit.is_some())
             .finish()
