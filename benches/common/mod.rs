@@ -1,0 +1,305 @@
+//! What the benchmarks share: the inner services, the peer-style layer, the floor, and the
+//! contended run.
+#![allow(dead_code, unreachable_pub)]
+
+use std::convert::Infallible;
+use std::future::{ready, Future, Ready};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use opentelemetry::metrics::{Histogram, Meter, MeterProvider as _, UpDownCounter};
+use opentelemetry::KeyValue;
+use opentelemetry_sdk::metrics::{InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider};
+use tower::limit::ConcurrencyLimit;
+use tower::{Service, ServiceExt};
+use tower_resources_operation::{
+    Executor, Operation, OperationMetrics, ResourcesOperationLayer, DURATION_INSTRUMENT,
+    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE,
+    QUEUE_DURATION_INSTRUMENT,
+};
+
+/// The cheapest inner service there is.
+#[derive(Clone, Copy)]
+pub struct Noop;
+
+impl Service<()> for Noop {
+    type Response = ();
+    type Error = Infallible;
+    type Future = Ready<Result<(), Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: ()) -> Self::Future {
+        ready(Ok(()))
+    }
+}
+
+/// An inner service that yields to the scheduler once, so the limit is held across a poll.
+#[derive(Clone, Copy)]
+pub struct YieldOnce;
+
+impl Service<()> for YieldOnce {
+    type Response = ();
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<(), Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: ()) -> Self::Future {
+        Box::pin(async {
+            tokio::task::yield_now().await;
+            Ok(())
+        })
+    }
+}
+
+pub fn sdk_meter() -> (SdkMeterProvider, Meter) {
+    let reader = PeriodicReader::builder(InMemoryMetricExporterBuilder::new().build())
+        .with_interval(Duration::from_secs(3600))
+        .build();
+    let provider = SdkMeterProvider::builder().with_reader(reader).build();
+    let meter = provider.meter("bench");
+    (provider, meter)
+}
+
+pub fn layer(max: usize, metrics: OperationMetrics) -> ResourcesOperationLayer {
+    ResourcesOperationLayer::new(max)
+        .operation(Operation::Verify)
+        .executor(Executor::Subprocess)
+        .metrics(metrics)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The naive peer-style layer and the floor, written here so they are measured the same way.
+
+pub mod naive {
+    use super::*;
+
+    /// Instruments as a typical OpenTelemetry middleware holds them.
+    #[derive(Clone)]
+    pub(crate) struct Instruments {
+        queued: UpDownCounter<i64>,
+        active: UpDownCounter<i64>,
+        queue: Histogram<f64>,
+        duration: Histogram<f64>,
+    }
+
+    impl Instruments {
+        pub(crate) fn new(meter: &Meter) -> Self {
+            Self {
+                queued: meter.i64_up_down_counter("naive.queued").build(),
+                active: meter.i64_up_down_counter("naive.active").build(),
+                queue: meter.f64_histogram("naive.queue").build(),
+                duration: meter.f64_histogram("naive.duration").build(),
+            }
+        }
+    }
+
+    fn attributes() -> [KeyValue; 2] {
+        [
+            KeyValue::new(OPERATION_ATTRIBUTE, "verify"),
+            KeyValue::new(EXECUTOR_ATTRIBUTE, "subprocess"),
+        ]
+    }
+
+    /// tower's limit with counters added and removed and attributes built on every call.
+    #[derive(Clone)]
+    pub(crate) struct Naive<S> {
+        pub(crate) inner: ConcurrencyLimit<S>,
+        pub(crate) instruments: Instruments,
+    }
+
+    impl<S: Service<()>> Service<()> for Naive<S>
+    where
+        S::Future: Unpin,
+    {
+        type Response = S::Response;
+        type Error = S::Error;
+        type Future = NaiveFuture<<ConcurrencyLimit<S> as Service<()>>::Future>;
+
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+            self.inner.poll_ready(cx)
+        }
+
+        fn call(&mut self, request: ()) -> Self::Future {
+            let i = &self.instruments;
+            // A peer counts the request as queued, then running, building attributes each time.
+            let waited = Instant::now();
+            i.queued.add(1, &attributes());
+            let future = self.inner.call(request);
+            i.queued.add(-1, &attributes());
+            i.queue
+                .record(waited.elapsed().as_secs_f64() * 1e3, &attributes());
+            i.active.add(1, &attributes());
+            NaiveFuture {
+                inner: future,
+                instruments: i.clone(),
+                start: Instant::now(),
+            }
+        }
+    }
+
+    pub(crate) struct NaiveFuture<F> {
+        inner: F,
+        instruments: Instruments,
+        start: Instant,
+    }
+
+    impl<F: Future<Output = Result<T, E>> + Unpin, T, E> Future for NaiveFuture<F> {
+        type Output = F::Output;
+
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+            let out = std::task::ready!(Pin::new(&mut self.inner).poll(cx));
+            let i = &self.instruments;
+            let outcome = if out.is_ok() { "ok" } else { "error" };
+            let [op, ex] = attributes();
+            i.duration.record(
+                self.start.elapsed().as_secs_f64() * 1e3,
+                &[op, ex, KeyValue::new(OUTCOME_ATTRIBUTE, outcome)],
+            );
+            i.active.add(-1, &attributes());
+            Poll::Ready(out)
+        }
+    }
+}
+
+pub mod floor {
+    use super::*;
+
+    /// Only the work nobody can avoid: tower's limit, two clock reads, two records with
+    /// pre-built attributes, four atomic adds.
+    pub(crate) struct Shared {
+        queue: Histogram<f64>,
+        duration: Histogram<f64>,
+        series: [KeyValue; 2],
+        ok: [KeyValue; 3],
+        queued: AtomicI64,
+        active: AtomicI64,
+    }
+
+    impl Shared {
+        pub(crate) fn new(meter: &Meter) -> Arc<Self> {
+            let histogram = |name| {
+                meter
+                    .f64_histogram(name)
+                    .with_unit("ms")
+                    .with_boundaries(OPERATION_BOUNDARIES_MS.to_vec())
+                    .build()
+            };
+            let op = KeyValue::new(OPERATION_ATTRIBUTE, "verify");
+            let ex = KeyValue::new(EXECUTOR_ATTRIBUTE, "subprocess");
+            Arc::new(Self {
+                queue: histogram(QUEUE_DURATION_INSTRUMENT),
+                duration: histogram(DURATION_INSTRUMENT),
+                series: [op.clone(), ex.clone()],
+                ok: [op, ex, KeyValue::new(OUTCOME_ATTRIBUTE, "ok")],
+                queued: AtomicI64::new(0),
+                active: AtomicI64::new(0),
+            })
+        }
+    }
+
+    #[derive(Clone)]
+    pub(crate) struct Floor<S> {
+        pub(crate) inner: ConcurrencyLimit<S>,
+        pub(crate) shared: Arc<Shared>,
+    }
+
+    impl<S: Service<()>> Service<()> for Floor<S>
+    where
+        S::Future: Unpin,
+    {
+        type Response = S::Response;
+        type Error = S::Error;
+        type Future = FloorFuture<<ConcurrencyLimit<S> as Service<()>>::Future>;
+
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+            self.inner.poll_ready(cx)
+        }
+
+        fn call(&mut self, request: ()) -> Self::Future {
+            let s = &self.shared;
+            s.queued.fetch_add(1, Ordering::Relaxed);
+            s.queued.fetch_sub(1, Ordering::Relaxed);
+            s.queue.record(0.0, &s.series);
+            s.active.fetch_add(1, Ordering::Relaxed);
+            FloorFuture {
+                inner: self.inner.call(request),
+                shared: Arc::clone(s),
+                start: Instant::now(),
+            }
+        }
+    }
+
+    pub(crate) struct FloorFuture<F> {
+        inner: F,
+        shared: Arc<Shared>,
+        start: Instant,
+    }
+
+    impl<F: Future + Unpin> Future for FloorFuture<F> {
+        type Output = F::Output;
+
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+            let out = std::task::ready!(Pin::new(&mut self.inner).poll(cx));
+            let s = &self.shared;
+            s.duration
+                .record(self.start.elapsed().as_secs_f64() * 1e3, &s.ok);
+            s.active.fetch_sub(1, Ordering::Relaxed);
+            Poll::Ready(out)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// Time per operation with 64 tasks through one limit of 4 on 2 workers.
+///
+/// Each sample gets a fresh runtime and runs long enough to reach a steady state: short samples
+/// on a runtime that is starting up measured up to 2x slower, and unevenly from case to case.
+pub fn contended_run<S>(service: S, iters: u64) -> Duration
+where
+    S: Service<()> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug,
+{
+    const TASKS: u64 = 64;
+    // At least this many operations per task and sample, so a sample measures the steady state
+    // rather than a runtime starting up; the time is scaled back to `iters` below.
+    const MIN_PER_TASK: u64 = 256;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    let elapsed = rt.block_on(async {
+        let per_task = iters.div_ceil(TASKS).max(MIN_PER_TASK);
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|_| {
+                let service = service.clone();
+                tokio::spawn(async move {
+                    for _ in 0..per_task {
+                        service.clone().oneshot(()).await.unwrap();
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        // Scale back to the number of operations criterion asked for.
+        start
+            .elapsed()
+            .mul_f64(iters as f64 / (per_task * TASKS) as f64)
+    });
+    // Wait for the workers to stop, so they do not compete with the next sample's.
+    drop(rt);
+    elapsed
+}
