@@ -579,3 +579,71 @@ async fn a_disabled_limit_is_transparent_to_set_outcome_of_the_enabled_operation
         only("timeout"),
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Constructors that pick a classifier
+// ---------------------------------------------------------------------------------------------
+
+/// A response that the HTTP classifier calls `timeout` (504) and the gRPC one `cancelled`
+/// (`grpc-status: 1`), so each constructor shows which classifier it picked.
+fn gateway_timeout_with_grpc_cancelled() -> http::Response<()> {
+    http::Response::builder()
+        .status(504)
+        .header("grpc-status", "1")
+        .body(())
+        .unwrap()
+}
+
+async fn outcome_through<C>(
+    t: &Telemetry,
+    layer: ResourcesOperationLayer<C>,
+) -> BTreeMap<String, u64>
+where
+    C: tower_resources_operation::ClassifyOutcome<http::Response<()>, Infallible> + Clone,
+{
+    let svc = layer
+        .metrics(t.metrics.clone())
+        .layer(service_fn(|()| async {
+            Ok::<_, Infallible>(gateway_timeout_with_grpc_cancelled())
+        }));
+    svc.oneshot(()).await.unwrap();
+    outcomes(t)
+}
+
+#[tokio::test]
+async fn new_for_http_and_with_semaphore_for_http_classify_by_status() {
+    let t = Telemetry::new();
+    assert_eq!(
+        outcome_through(&t, ResourcesOperationLayer::new_for_http(1)).await,
+        only("timeout")
+    );
+    let t = Telemetry::new();
+    let semaphore = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
+    assert_eq!(
+        outcome_through(
+            &t,
+            ResourcesOperationLayer::with_semaphore_for_http(semaphore)
+        )
+        .await,
+        only("timeout")
+    );
+}
+
+#[tokio::test]
+async fn new_for_grpc_and_with_semaphore_for_grpc_classify_by_grpc_status() {
+    let t = Telemetry::new();
+    assert_eq!(
+        outcome_through(&t, ResourcesOperationLayer::new_for_grpc(1)).await,
+        only("cancelled")
+    );
+    let t = Telemetry::new();
+    let semaphore = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
+    assert_eq!(
+        outcome_through(
+            &t,
+            ResourcesOperationLayer::with_semaphore_for_grpc(semaphore)
+        )
+        .await,
+        only("cancelled")
+    );
+}
