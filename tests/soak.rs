@@ -1,7 +1,8 @@
-//! Thousands of requests through a real axum server on 127.0.0.1, over raw keep-alive TCP
-//! connections, with a share of handlers panicking (caught by a layer outside the limit) and a
-//! share of clients hanging up mid-flight or while queued: what the server recorded is exactly
-//! what the clients caused, and the live counts and permits all come back.
+//! Thousands of requests through a real axum server on 127.0.0.1, from hyper HTTP/1.1 clients
+//! on keep-alive connections, with a share of handlers panicking (caught by a layer outside the
+//! limit) and a share of clients dropping their response mid-flight or while queued: what the
+//! server recorded is exactly what the clients caused, and the live counts and permits all come
+//! back.
 
 mod reliability;
 mod support;
@@ -15,13 +16,18 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::http::header::HOST;
 use axum::http::{Request, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Bytes;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch, Semaphore};
+use tokio::task::JoinHandle;
 use tower::{Layer, Service};
 
 use reliability::{assert_books, quiet_expected_panics, Books, Series, EXPECTED_PANIC};
@@ -154,34 +160,58 @@ fn series_layer(
         .metrics(telemetry.metrics.clone())
 }
 
-/// Sends one GET on a keep-alive connection and reads the response; returns status and body.
-async fn request(stream: &mut BufReader<TcpStream>, path: &str) -> (u16, String) {
-    let head = format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
-    stream.get_mut().write_all(head.as_bytes()).await.unwrap();
-    let mut line = String::new();
-    stream.read_line(&mut line).await.unwrap();
-    let status: u16 = line
-        .split(' ')
-        .nth(1)
-        .unwrap_or_else(|| panic!("status line {line:?}"))
-        .parse()
-        .unwrap();
-    let mut length = None;
-    loop {
-        line.clear();
-        stream.read_line(&mut line).await.unwrap();
-        if line == "\r\n" {
-            break;
-        }
-        if let Some((name, value)) = line.split_once(':') {
-            if name.eq_ignore_ascii_case("content-length") {
-                length = Some(value.trim().parse::<usize>().unwrap());
-            }
+/// A GET of `path`, as a hyper client sends it.
+fn get_request(path: &str) -> Request<Empty<Bytes>> {
+    Request::get(path)
+        .header(HOST, "127.0.0.1")
+        .body(Empty::new())
+        .unwrap()
+}
+
+/// One hyper HTTP/1.1 client connection to the server, kept alive across requests.
+struct Connection {
+    sender: SendRequest<Empty<Bytes>>,
+    /// Drives the connection; ends, dropping the socket, once the connection closes.
+    driver: JoinHandle<hyper::Result<()>>,
+}
+
+impl Connection {
+    async fn open(addr: SocketAddr) -> Self {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (sender, connection) = http1::handshake(TokioIo::new(stream)).await.unwrap();
+        Self {
+            sender,
+            driver: tokio::spawn(connection),
         }
     }
-    let mut body = vec![0; length.expect("no content-length")];
-    stream.read_exact(&mut body).await.unwrap();
-    (status, String::from_utf8(body).unwrap())
+
+    /// Sends a GET of `path` once the connection is ready for it; the response is not awaited:
+    /// dropping it before it comes makes hyper close the connection.
+    async fn send(
+        &mut self,
+        path: &str,
+    ) -> impl Future<Output = hyper::Result<hyper::Response<hyper::body::Incoming>>> {
+        self.sender.ready().await.unwrap();
+        self.sender.send_request(get_request(path))
+    }
+
+    /// Sends a GET of `path` and reads the whole response; returns status and body.
+    async fn get(&mut self, path: &str) -> (u16, String) {
+        let response = self.send(path).await.await.unwrap();
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    /// Lets go of the connection and waits until it has closed cleanly.
+    async fn closed(self) {
+        drop(self.sender);
+        tokio::time::timeout(DEADLINE, self.driver)
+            .await
+            .expect("a client connection never closed")
+            .unwrap()
+            .unwrap();
+    }
 }
 
 /// Polls `condition` every 10 ms until it holds, for at most [`DEADLINE`]: hyper notices closed
@@ -261,7 +291,7 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
     let clients: Vec<_> = (0..CONNECTIONS)
         .map(|c| {
             tokio::spawn(async move {
-                let mut stream = BufReader::new(TcpStream::connect(addr).await.unwrap());
+                let mut connection = Connection::open(addr).await;
                 let mut statuses: HashMap<u16, u64> = HashMap::new();
                 for i in 0..REQUESTS_PER_CONNECTION {
                     let (path, expected) = match (i + c) % 20 {
@@ -269,16 +299,18 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
                         1 => ("/fail", (503, "fail")),
                         _ => ("/ok", (200, "ok")),
                     };
-                    let (status, body) = request(&mut stream, path).await;
+                    let (status, body) = connection.get(path).await;
                     assert_eq!((status, body.as_str()), expected, "{path}");
                     *statuses.entry(status).or_default() += 1;
                 }
+                connection.closed().await;
                 statuses
             })
         })
         .collect();
 
-    // Clients that hang up once their handler has started (it never ends by itself).
+    // Clients that drop their response once its handler has started (it never ends by itself),
+    // on a connection of its own, which hyper then closes.
     let abandoners: Vec<_> = (0..ABANDONERS)
         .map(|a| {
             let signals = Arc::clone(&signals);
@@ -291,21 +323,23 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
                         .lock()
                         .unwrap()
                         .insert(id, started_tx);
-                    let mut stream = TcpStream::connect(addr).await.unwrap();
-                    let head = format!("GET /abandon/{id} HTTP/1.1\r\nHost: x\r\n\r\n");
-                    stream.write_all(head.as_bytes()).await.unwrap();
+                    let mut connection = Connection::open(addr).await;
+                    let response = connection.send(&format!("/abandon/{id}")).await;
                     started_rx.await.unwrap();
-                    drop(stream);
+                    drop(response);
+                    connection.closed().await;
                 }
             })
         })
         .collect();
 
-    // Clients that hang up while queued behind the holder of /held's only permit: they must
-    // leave no trace but their wait, which is taken back.
+    // Clients that drop their response while queued behind the holder of /held's only permit:
+    // they must leave no trace but their wait, which is taken back.
     let holder = tokio::spawn(async move {
-        let mut stream = BufReader::new(TcpStream::connect(addr).await.unwrap());
-        request(&mut stream, "/held").await
+        let mut connection = Connection::open(addr).await;
+        let answer = connection.get("/held").await;
+        connection.closed().await;
+        answer
     });
     tokio::time::timeout(DEADLINE, holder_rx)
         .await
@@ -313,18 +347,18 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
         .unwrap();
     let mut queued = Vec::new();
     for _ in 0..GIVEN_UP_IN_QUEUE {
-        let mut stream = TcpStream::connect(addr).await.unwrap();
-        stream
-            .write_all(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        queued.push(stream);
+        let mut connection = Connection::open(addr).await;
+        let response = connection.send("/held").await;
+        queued.push((connection, response));
     }
     eventually("every /held request queued", || {
         live(&telemetry, QUEUED_INSTRUMENT, HELD) == GIVEN_UP_IN_QUEUE as i64
     })
     .await;
-    drop(queued);
+    for (connection, response) in queued {
+        drop(response);
+        connection.closed().await;
+    }
     eventually("the given-up waits taken back", || {
         live(&telemetry, QUEUED_INSTRUMENT, HELD) == 0
     })
