@@ -170,41 +170,27 @@ where
             "ResourcesOperation::call without a permit: poll_ready must return Ready(Ok(())) \
              before each call (use tower::ServiceExt::ready or oneshot)",
         );
-        match self.tracked.as_mut().and_then(|t| t.running.take()) {
-            None => ResponseFuture::new(
-                self.inner.call(request),
-                None,
-                permit,
-                self.classifier.clone(),
-            ),
-            Some(running) => {
-                call_running(&mut self.inner, running, request, permit, &self.classifier)
-            }
-        }
+        let mut running = self.tracked.as_mut().and_then(|t| t.running.take());
+        let future = match running.as_mut() {
+            None => self.inner.call(request),
+            Some(running) => call_in_scope(&mut self.inner, running, request),
+        };
+        ResponseFuture::new(future, running, permit, self.classifier.clone())
     }
 }
 
-/// `call` for an operation that records metrics: the inner call runs as the current operation.
-/// Kept out of line so that the disabled path, which is tower's, stays small enough to inline.
+/// The inner `call` of an operation that records metrics, run as the current operation. Kept
+/// out of line so that the disabled path, which is tower's, stays small enough to inline.
 #[inline(never)]
-fn call_running<S, C, Request>(
-    inner: &mut S,
-    mut running: Running,
-    request: Request,
-    permit: OwnedSemaphorePermit,
-    classifier: &C,
-) -> ResponseFuture<S::Future, C>
+fn call_in_scope<S, Request>(inner: &mut S, running: &mut Running, request: Request) -> S::Future
 where
     S: Service<Request>,
-    C: Clone,
 {
-    let future = scope::enter(&mut running, || inner.call(request));
-    ResponseFuture::new(future, Some(running), permit, classifier.clone())
+    scope::enter(running, || inner.call(request))
 }
 
 /// Panics for a limit whose semaphore was closed. Kept out of line: it never happens in a
 /// healthy server, and its message is the whole diagnosis.
-#[cold]
 #[inline(never)]
 pub(crate) fn semaphore_closed() -> ! {
     panic!(
