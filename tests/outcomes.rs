@@ -594,56 +594,30 @@ fn gateway_timeout_with_grpc_cancelled() -> http::Response<()> {
         .unwrap()
 }
 
-async fn outcome_through<C>(
-    t: &Telemetry,
-    layer: ResourcesOperationLayer<C>,
-) -> BTreeMap<String, u64>
+/// The outcomes a layer records for one [`gateway_timeout_with_grpc_cancelled`] response.
+async fn outcome_through<C>(layer: ResourcesOperationLayer<C>) -> BTreeMap<String, u64>
 where
     C: tower_resources_operation::ClassifyOutcome<http::Response<()>, Infallible> + Clone,
 {
+    let t = Telemetry::new();
     let svc = layer
         .metrics(t.metrics.clone())
         .layer(service_fn(|()| async {
             Ok::<_, Infallible>(gateway_timeout_with_grpc_cancelled())
         }));
     svc.oneshot(()).await.unwrap();
-    outcomes(t)
+    outcomes(&t)
 }
 
 #[tokio::test]
-async fn new_for_http_and_with_semaphore_for_http_classify_by_status() {
-    let t = Telemetry::new();
-    assert_eq!(
-        outcome_through(&t, ResourcesOperationLayer::new_for_http(1)).await,
-        only("timeout")
-    );
-    let t = Telemetry::new();
-    let semaphore = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
-    assert_eq!(
-        outcome_through(
-            &t,
-            ResourcesOperationLayer::with_semaphore_for_http(semaphore)
-        )
-        .await,
-        only("timeout")
-    );
-}
-
-#[tokio::test]
-async fn new_for_grpc_and_with_semaphore_for_grpc_classify_by_grpc_status() {
-    let t = Telemetry::new();
-    assert_eq!(
-        outcome_through(&t, ResourcesOperationLayer::new_for_grpc(1)).await,
-        only("cancelled")
-    );
-    let t = Telemetry::new();
-    let semaphore = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
-    assert_eq!(
-        outcome_through(
-            &t,
-            ResourcesOperationLayer::with_semaphore_for_grpc(semaphore)
-        )
-        .await,
-        only("cancelled")
-    );
+async fn the_http_constructors_classify_by_status_and_the_grpc_ones_by_grpc_status() {
+    let semaphore = || std::sync::Arc::new(tokio::sync::Semaphore::new(1));
+    let http = ResourcesOperationLayer::new_for_http(1);
+    assert_eq!(outcome_through(http).await, only("timeout"));
+    let http = ResourcesOperationLayer::with_semaphore_for_http(semaphore());
+    assert_eq!(outcome_through(http).await, only("timeout"));
+    let grpc = ResourcesOperationLayer::new_for_grpc(1);
+    assert_eq!(outcome_through(grpc).await, only("cancelled"));
+    let grpc = ResourcesOperationLayer::with_semaphore_for_grpc(semaphore());
+    assert_eq!(outcome_through(grpc).await, only("cancelled"));
 }
