@@ -40,7 +40,8 @@
 //! # }
 //! ```
 //!
-//! With axum, put one layer on each route (`.route_layer(...)` or `MethodRouter::layer`); give
+//! With axum, put a layer on each route's handler (`get(handler).layer(...)`) to tag that route,
+//! or one on the whole `Router` (`.route_layer(...)`) for one limit across its routes; give
 //! routes that share a cap layers made [`with_semaphore`](ResourcesOperationLayer::with_semaphore)
 //! from one semaphore. Because the semaphore lives in the layer value, the limit holds across
 //! connections, unlike tower's `ConcurrencyLimitLayer` under `axum::serve`.
