@@ -15,6 +15,15 @@ use tower_resources_operation::{
     ResourcesOperationLayer, ResultClassifier, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE,
 };
 
+/// The inner service of these tests: echoes its request, and fails with a `BoxError` on 0.
+async fn zero_fails(n: u32) -> Result<u32, BoxError> {
+    if n == 0 {
+        Err("zero".into())
+    } else {
+        Ok(n)
+    }
+}
+
 fn count(telemetry: &support::Telemetry, outcome: &str) -> u64 {
     telemetry.count(DURATION_INSTRUMENT, &[(OUTCOME_ATTRIBUTE, outcome)])
 }
@@ -24,13 +33,7 @@ async fn a_default_classified_service_with_boxed_errors_can_be_spawned_directly(
     let telemetry = support::Telemetry::new();
     let service = ResourcesOperationLayer::new(1)
         .metrics(telemetry.metrics.clone())
-        .layer(service_fn(|n: u32| async move {
-            if n == 0 {
-                Err::<u32, BoxError>("zero".into())
-            } else {
-                Ok(n)
-            }
-        }));
+        .layer(service_fn(zero_fails));
     let ok = tokio::spawn(service.clone().oneshot(5));
     let err = tokio::spawn(service.oneshot(0));
     assert_eq!(ok.await.unwrap().unwrap(), 5);
@@ -47,13 +50,7 @@ async fn the_result_classifier_compiles_inside_spawned_async_blocks_with_boxed_e
     let service = ResourcesOperationLayer::new(1)
         .classifier(ResultClassifier)
         .metrics(telemetry.metrics.clone())
-        .layer(service_fn(|n: u32| async move {
-            if n == 0 {
-                Err::<u32, BoxError>("zero".into())
-            } else {
-                Ok(n)
-            }
-        }));
+        .layer(service_fn(zero_fails));
     let tower = tower::limit::ConcurrencyLimitLayer::new(1)
         .layer(service_fn(|n: u32| async move { Ok::<_, BoxError>(n) }));
     let ours = service.clone();
