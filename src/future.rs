@@ -21,9 +21,9 @@ pin_project! {
     pub struct ResponseFuture<F, C> {
         #[pin]
         inner: F,
-        // `None` when metrics are disabled, and once the operation has ended. Declared before
+        // Empty when metrics are disabled, and once the operation has ended. Declared before
         // the permit, so that a drop records `cancelled` before the permit goes back.
-        running: Option<Running>,
+        running: Running,
         classifier: C,
         _permit: OwnedSemaphorePermit,
     }
@@ -32,7 +32,7 @@ pin_project! {
 impl<F, C> ResponseFuture<F, C> {
     pub(crate) fn new(
         inner: F,
-        running: Option<Running>,
+        running: Running,
         permit: OwnedSemaphorePermit,
         classifier: C,
     ) -> Self {
@@ -55,7 +55,7 @@ where
     #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        if this.running.is_none() {
+        if !this.running.is_recording() {
             return this.inner.poll(cx);
         }
         poll_running(this.inner, this.running, this.classifier, cx)
@@ -68,7 +68,7 @@ where
 #[inline(never)]
 fn poll_running<F, C, T, E>(
     inner: Pin<&mut F>,
-    slot: &mut Option<Running>,
+    running: &mut Running,
     classifier: &C,
     cx: &mut Context<'_>,
 ) -> Poll<Result<T, E>>
@@ -76,17 +76,13 @@ where
     F: Future<Output = Result<T, E>>,
     C: ClassifyOutcome<T, E>,
 {
-    let Some(running) = slot.as_mut() else {
-        return inner.poll(cx);
-    };
     let result = ready!(scope::enter(running, || inner.poll(cx)));
-    let outcome = if running.outcome_chosen() {
+    let outcome = if running.chosen_outcome().is_some() {
         Outcome::Ok // ignored: the chosen outcome wins in `finish`
     } else {
         classify(classifier, &result)
     };
     running.finish(outcome);
-    *slot = None;
     Poll::Ready(result)
 }
 
@@ -99,7 +95,7 @@ fn classify<C: ClassifyOutcome<T, E>, T, E>(classifier: &C, result: &Result<T, E
 impl<F, C> fmt::Debug for ResponseFuture<F, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture")
-            .field("running", &self.running.is_some())
+            .field("running", &self.running.is_recording())
             .finish_non_exhaustive()
     }
 }

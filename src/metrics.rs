@@ -21,10 +21,6 @@ use crate::{
 };
 
 const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
-const _: () = assert!(
-    SERIES <= u8::MAX as usize,
-    "a series index must fit in a u8"
-);
 const OUTCOMES: usize = Outcome::ALL.len();
 
 /// Name of the meter that [`OperationMetrics::global`] takes from the global provider.
@@ -112,10 +108,10 @@ impl OperationMetrics {
         if !cell.reported.load(Ordering::Relaxed) {
             cell.reported.store(true, Ordering::Relaxed);
         }
-        Some(Series {
+        Some(Series(Arc::new(SeriesShared {
             shared: Arc::clone(shared),
-            index: index as u8,
-        })
+            index,
+        })))
     }
 }
 
@@ -152,6 +148,7 @@ struct Cell {
 
 #[derive(Debug)]
 struct Shared {
+    clock: Clock,
     queue_duration: Histogram<f64>,
     duration: Histogram<f64>,
     cells: [Cell; SERIES],
@@ -201,6 +198,7 @@ impl Shared {
         }
 
         Self {
+            clock: Clock::new(),
             queue_duration,
             duration,
             cells: Default::default(),
@@ -250,16 +248,22 @@ impl Shared {
 }
 
 /// One (operation, executor) of one [`OperationMetrics`]: what a service records through.
+///
+/// One pointer, so that a [`Running`] fits in two registers and costs the disabled path, which
+/// carries an empty one, next to nothing to move.
 #[derive(Clone, Debug)]
-pub(crate) struct Series {
+pub(crate) struct Series(Arc<SeriesShared>);
+
+#[derive(Debug)]
+struct SeriesShared {
     shared: Arc<Shared>,
-    /// Position of (operation, executor) in the tables; fewer than 256 series by construction.
-    index: u8,
+    /// Position of (operation, executor) in the tables.
+    index: usize,
 }
 
 impl Series {
     fn cell(&self) -> &Cell {
-        &self.shared.cells[usize::from(self.index)]
+        &self.0.shared.cells[self.0.index]
     }
 
     /// The operation starts to wait for a permit: it counts as queued until the guard drops.
@@ -267,28 +271,31 @@ impl Series {
         Waiting::new(self, self.start_waiting())
     }
 
-    /// Counts one more operation as queued, and returns when it started to wait. The caller
-    /// takes it back with a [`Waiting`] made from that instant (see [`Waiting::new`]).
-    pub(crate) fn start_waiting(&self) -> Instant {
+    /// Counts one more operation as queued, and returns when it started to wait, in
+    /// nanoseconds on this series' clock. The caller takes it back with a [`Waiting`] made from
+    /// that time (see [`Waiting::new`]).
+    pub(crate) fn start_waiting(&self) -> u64 {
         self.cell().queued.fetch_add(1, Ordering::Relaxed);
-        Instant::now()
+        self.now()
+    }
+
+    fn now(&self) -> u64 {
+        self.0.shared.clock.nanos(Instant::now())
     }
 
     /// The operation has its permit: records the queue time (0 when it never waited) and counts
     /// it as active until the returned guard finishes or drops.
     pub(crate) fn admit(&self, waited: Option<Waiting<'_>>) -> Running {
-        let start = Instant::now();
+        let start = self.now();
         let queued_ms = match waited {
-            Some(waiting) => millis(start.saturating_duration_since(waiting.since)),
+            Some(waiting) => millis(start.saturating_sub(waiting.since)),
             None => 0.0,
         };
-        self.shared.record_queue(usize::from(self.index), queued_ms);
+        self.0.shared.record_queue(self.0.index, queued_ms);
         self.cell().active.fetch_add(1, Ordering::Relaxed);
         Running {
-            series: self.clone(),
-            start,
-            outcome: None,
-            finished: false,
+            stamp: Stamp::new(start),
+            series: Some(self.clone()),
         }
     }
 }
@@ -298,12 +305,13 @@ impl Series {
 #[derive(Debug)]
 pub(crate) struct Waiting<'a> {
     series: &'a Series,
-    since: Instant,
+    /// Nanoseconds on the series' clock.
+    since: u64,
 }
 
 impl<'a> Waiting<'a> {
     /// Takes over a wait that [`Series::start_waiting`] counted at `since`.
-    pub(crate) fn new(series: &'a Series, since: Instant) -> Self {
+    pub(crate) fn new(series: &'a Series, since: u64) -> Self {
         Self { series, since }
     }
 }
@@ -316,46 +324,159 @@ impl Drop for Waiting<'_> {
 
 /// One admitted operation: counts as active, and records its duration exactly once, with the
 /// outcome given to [`Running::finish`], or `cancelled` if it is dropped first.
+///
+/// Once recorded it is empty, and [`Running::EMPTY`] is the one a service with disabled metrics
+/// carries: two words, the first of them null, so that path only moves and tests a pointer.
 #[derive(Debug)]
 pub(crate) struct Running {
-    series: Series,
-    start: Instant,
-    /// Set by [`set_outcome`](crate::set_outcome) from inside the work; wins over a classifier.
-    pub(crate) outcome: Option<Outcome>,
-    finished: bool,
+    /// `None` once recorded, or when there is nothing to record.
+    series: Option<Series>,
+    stamp: Stamp,
 }
 
 impl Running {
-    /// Records the duration with `outcome` (unless [`set_outcome`](crate::set_outcome) chose one)
-    /// and stops counting the operation as active. Only the first call records.
-    #[inline(never)]
-    pub(crate) fn finish(&mut self, outcome: Outcome) {
-        if std::mem::replace(&mut self.finished, true) {
-            return;
-        }
-        let outcome = self.outcome.unwrap_or(outcome);
-        let elapsed = millis(self.start.elapsed());
-        self.series
-            .shared
-            .record_duration(usize::from(self.series.index), outcome, elapsed);
-        self.series.cell().active.fetch_sub(1, Ordering::Relaxed);
+    /// Nothing to record.
+    pub(crate) const EMPTY: Self = Self {
+        series: None,
+        stamp: Stamp(0),
+    };
+
+    /// Whether the duration is still to be recorded.
+    #[inline]
+    pub(crate) fn is_recording(&self) -> bool {
+        self.series.is_some()
     }
 
-    /// Whether the outcome is already known, so no classifier needs to run.
-    pub(crate) fn outcome_chosen(&self) -> bool {
-        self.outcome.is_some()
+    /// Records the duration with `outcome` (unless [`set_outcome`](crate::set_outcome) chose one)
+    /// and stops counting the operation as active. Only the first call records.
+    #[inline]
+    pub(crate) fn finish(&mut self, outcome: Outcome) {
+        if let Some(series) = self.series.take() {
+            record_end(series, self.stamp, outcome);
+        }
     }
+
+    /// The outcome [`set_outcome`](crate::set_outcome) chose, if it did.
+    pub(crate) fn chosen_outcome(&self) -> Option<Outcome> {
+        self.stamp.outcome()
+    }
+
+    /// Keeps the outcome [`set_outcome`](crate::set_outcome) chose, to win over a classifier.
+    pub(crate) fn choose_outcome(&mut self, outcome: Option<Outcome>) {
+        self.stamp = self.stamp.with_outcome(outcome);
+    }
+}
+
+/// Records the end of an operation admitted at `stamp`. Out of line, so that what inlines into
+/// the request path is only the test for an empty [`Running`].
+#[inline(never)]
+fn record_end(series: Series, stamp: Stamp, outcome: Outcome) {
+    let outcome = stamp.outcome().unwrap_or(outcome);
+    let elapsed = series.now().saturating_sub(stamp.nanos());
+    series
+        .0
+        .shared
+        .record_duration(series.0.index, outcome, millis(elapsed));
+    series.cell().active.fetch_sub(1, Ordering::Relaxed);
 }
 
 impl Drop for Running {
     #[inline]
     fn drop(&mut self) {
-        if !self.finished {
-            self.finish(Outcome::Cancelled);
-        }
+        self.finish(Outcome::Cancelled);
     }
 }
 
-fn millis(duration: std::time::Duration) -> f64 {
-    duration.as_secs_f64() * 1_000.0
+/// When an operation started, as nanoseconds on its metrics' [`Clock`], and the outcome chosen
+/// for it so far, in one word.
+#[derive(Clone, Copy, Debug)]
+struct Stamp(u64);
+
+impl Stamp {
+    /// Low bits: 0 for no outcome chosen, else 1 + the outcome's index.
+    const OUTCOME_BITS: u32 = 3;
+    const OUTCOME_MASK: u64 = (1 << Self::OUTCOME_BITS) - 1;
+
+    fn new(nanos: u64) -> Self {
+        Self(nanos << Self::OUTCOME_BITS)
+    }
+
+    fn nanos(self) -> u64 {
+        self.0 >> Self::OUTCOME_BITS
+    }
+
+    fn outcome(self) -> Option<Outcome> {
+        let code = (self.0 & Self::OUTCOME_MASK) as usize;
+        code.checked_sub(1).map(|index| Outcome::ALL[index])
+    }
+
+    fn with_outcome(self, outcome: Option<Outcome>) -> Self {
+        let code = outcome.map_or(0, |outcome| outcome.index() as u64 + 1);
+        Self((self.0 & !Self::OUTCOME_MASK) | code)
+    }
+}
+
+const _: () = assert!(
+    OUTCOMES < (1 << Stamp::OUTCOME_BITS),
+    "every outcome code must fit in a stamp"
+);
+
+/// Turns instants into nanoseconds from an origin set well before the metrics were made.
+///
+/// The origin is [`Clock::LEAD`] before the first reading, so that an instant read on a paused
+/// tokio clock that runs behind the one the metrics were made under still counts from the
+/// origin. Sixty-one bits of nanoseconds leave some seventy years after it.
+#[derive(Debug)]
+struct Clock {
+    origin: Instant,
+}
+
+impl Clock {
+    const LEAD: std::time::Duration = std::time::Duration::from_secs(366 * 24 * 60 * 60);
+
+    fn new() -> Self {
+        let now = Instant::now();
+        Self {
+            origin: now.checked_sub(Self::LEAD).unwrap_or(now),
+        }
+    }
+
+    fn nanos(&self, instant: Instant) -> u64 {
+        let since = instant.saturating_duration_since(self.origin);
+        // 2^61 ns is 73 years: saturate rather than wrap past it.
+        u64::try_from(since.as_nanos())
+            .unwrap_or(u64::MAX)
+            .min(u64::MAX >> Stamp::OUTCOME_BITS)
+    }
+}
+
+/// Nanoseconds as the milliseconds the histograms take.
+fn millis(nanos: u64) -> f64 {
+    nanos as f64 / 1e6
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stamp_keeps_its_time_and_outcome_apart() {
+        let stamp = Stamp::new(u64::MAX >> Stamp::OUTCOME_BITS);
+        assert_eq!(stamp.outcome(), None);
+        for outcome in Outcome::ALL {
+            let chosen = stamp.with_outcome(Some(*outcome));
+            assert_eq!(chosen.outcome(), Some(*outcome));
+            assert_eq!(chosen.nanos(), stamp.nanos());
+            assert_eq!(chosen.with_outcome(None).outcome(), None);
+        }
+    }
+
+    #[test]
+    fn the_clock_counts_from_before_it_was_made() {
+        let before = Instant::now();
+        let clock = Clock::new();
+        assert!(clock.nanos(before) > 0);
+        let later = before + std::time::Duration::from_millis(5);
+        assert_eq!(clock.nanos(later) - clock.nanos(before), 5_000_000);
+    }
 }

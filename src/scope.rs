@@ -59,7 +59,9 @@ pub fn set_outcome(outcome: Outcome) -> bool {
 /// current operation. If `work` panics, the operation ends as [`Outcome::Crashed`] and the panic
 /// goes on unchanged.
 pub(crate) fn enter<R>(running: &mut Running, work: impl FnOnce() -> R) -> R {
-    let Ok(previous) = CURRENT.try_with(|slot| slot.replace(Slot::Inside(running.outcome))) else {
+    let Ok(previous) =
+        CURRENT.try_with(|slot| slot.replace(Slot::Inside(running.chosen_outcome())))
+    else {
         // The thread is being torn down: run the work without a slot rather than fail it.
         return work();
     };
@@ -83,7 +85,7 @@ struct Scope<'a> {
 impl Drop for Scope<'_> {
     fn drop(&mut self) {
         if let Ok(Slot::Inside(outcome)) = CURRENT.try_with(|slot| slot.replace(self.previous)) {
-            self.running.outcome = outcome;
+            self.running.choose_outcome(outcome);
         }
         if !self.returned {
             self.running.finish(Outcome::Crashed);

@@ -114,7 +114,7 @@ where
         let this = self.project();
         let work = this.work;
         let output = ready!(scope::enter(this.running, || work.poll(cx)));
-        let outcome = if this.running.outcome_chosen() {
+        let outcome = if this.running.chosen_outcome().is_some() {
             Outcome::Ok // ignored: the chosen outcome wins in `finish`
         } else {
             // A panicking `outcome()` costs the operation its outcome, not the work's output.

@@ -2,10 +2,9 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::Instant;
 use tokio_util::sync::PollSemaphore;
 use tower_service::Service;
 
@@ -38,9 +37,9 @@ pub struct ResourcesOperation<S, C> {
 struct Tracked {
     series: Series,
     /// When the first `poll_ready` that had to wait was made; counted in `queued` while set.
-    waiting_since: Option<Instant>,
-    /// The operation admitted by the permit that `poll_ready` took.
-    running: Option<Running>,
+    waiting_since: Option<u64>,
+    /// The operation admitted by the permit that `poll_ready` took; empty until then.
+    running: Running,
 }
 
 impl Tracked {
@@ -48,7 +47,7 @@ impl Tracked {
         Self {
             series,
             waiting_since: None,
-            running: None,
+            running: Running::EMPTY,
         }
     }
 
@@ -72,7 +71,53 @@ impl Tracked {
             .waiting_since
             .take()
             .map(|since| Waiting::new(&self.series, since));
-        self.running = Some(self.series.admit(waited));
+        self.running = self.series.admit(waited);
+    }
+
+    /// `poll_ready` of a service that records metrics: the wait is counted and timed, and the
+    /// inner `poll_ready` runs as the admitted operation. Kept out of line so that the disabled
+    /// path, which is tower's, stays small enough to inline.
+    #[inline(never)]
+    fn poll_ready<S, Request>(
+        &mut self,
+        semaphore: &mut PollSemaphore,
+        permit: &mut Option<OwnedSemaphorePermit>,
+        inner: &mut S,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), S::Error>>
+    where
+        S: Service<Request>,
+    {
+        if permit.is_none() {
+            match semaphore.poll_acquire(cx) {
+                Poll::Ready(Some(acquired)) => {
+                    self.admit();
+                    *permit = Some(acquired);
+                }
+                Poll::Pending => {
+                    self.wait();
+                    return Poll::Pending;
+                }
+                Poll::Ready(None) => {
+                    self.stop_waiting();
+                    semaphore_closed()
+                }
+            }
+        }
+
+        let ready = if self.running.is_recording() {
+            // A panic in the inner `poll_ready` ends the operation as `crashed`.
+            scope::enter(&mut self.running, || inner.poll_ready(cx))
+        } else {
+            inner.poll_ready(cx)
+        };
+        if let Poll::Ready(Err(_)) = ready {
+            // The inner service failed before the operation could run: end it as an error and
+            // give the permit back, as the service will not be called.
+            self.running.finish(Outcome::Error);
+            *permit = None;
+        }
+        ready
     }
 }
 
@@ -125,40 +170,19 @@ where
 
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        if self.permit.is_none() {
-            let permit = match self.semaphore.poll_acquire(cx) {
-                Poll::Ready(Some(permit)) => permit,
-                Poll::Pending => {
-                    if let Some(tracked) = &mut self.tracked {
-                        tracked.wait();
-                    }
-                    return Poll::Pending;
-                }
-                Poll::Ready(None) => {
-                    if let Some(tracked) = &mut self.tracked {
-                        tracked.stop_waiting();
-                    }
-                    semaphore_closed()
-                }
-            };
-            if let Some(tracked) = &mut self.tracked {
-                tracked.admit();
-            }
-            self.permit = Some(permit);
+        if let Some(tracked) = &mut self.tracked {
+            return tracked.poll_ready(&mut self.semaphore, &mut self.permit, &mut self.inner, cx);
         }
-
-        let inner = &mut self.inner;
-        let ready = match self.tracked.as_mut().and_then(|t| t.running.as_mut()) {
-            None => inner.poll_ready(cx),
-            // Admitted: a panic in the inner `poll_ready` ends the operation as `crashed`.
-            Some(running) => scope::enter(running, || inner.poll_ready(cx)),
-        };
-        if let Poll::Ready(Err(_)) = ready {
-            // The inner service failed before the operation could run: end it as an error and
-            // give the permit back, as the service will not be called.
-            if let Some(mut running) = self.tracked.as_mut().and_then(|t| t.running.take()) {
-                running.finish(Outcome::Error);
+        // Metrics disabled: tower's limit, and nothing else.
+        if self.permit.is_none() {
+            match ready!(self.semaphore.poll_acquire(cx)) {
+                Some(permit) => self.permit = Some(permit),
+                None => semaphore_closed(),
             }
+        }
+        let ready = self.inner.poll_ready(cx);
+        if let Poll::Ready(Err(_)) = ready {
+            // The service will not be called: give the permit back.
             self.permit = None;
         }
         ready
@@ -170,10 +194,14 @@ where
             "ResourcesOperation::call without a permit: poll_ready must return Ready(Ok(())) \
              before each call (use tower::ServiceExt::ready or oneshot)",
         );
-        let mut running = self.tracked.as_mut().and_then(|t| t.running.take());
-        let future = match running.as_mut() {
-            None => self.inner.call(request),
-            Some(running) => call_in_scope(&mut self.inner, running, request),
+        let mut running = match &mut self.tracked {
+            Some(tracked) => std::mem::replace(&mut tracked.running, Running::EMPTY),
+            None => Running::EMPTY,
+        };
+        let future = if running.is_recording() {
+            call_in_scope(&mut self.inner, &mut running, request)
+        } else {
+            self.inner.call(request)
         };
         ResponseFuture::new(future, running, permit, self.classifier.clone())
     }
