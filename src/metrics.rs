@@ -254,7 +254,10 @@ impl Shared {
 #[derive(Clone, Debug)]
 pub(crate) struct Series(Arc<SeriesShared>);
 
+/// Aligned to a cache line: its reference count changes on every operation, from every core,
+/// and must not share a line with whatever was allocated next to it.
 #[derive(Debug)]
+#[repr(align(64))]
 struct SeriesShared {
     shared: Arc<Shared>,
     /// Position of (operation, executor) in the tables.

@@ -1,6 +1,7 @@
 //! [`ResourcesOperation`]: where the permit is taken and the wait is timed.
 
 use std::fmt;
+use std::num::NonZeroU64;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
@@ -37,7 +38,7 @@ pub struct ResourcesOperation<S, C> {
 struct Tracked {
     series: Series,
     /// When the first `poll_ready` that had to wait was made; counted in `queued` while set.
-    waiting_since: Option<u64>,
+    waiting_since: Option<NonZeroU64>,
     /// The operation admitted by the permit that `poll_ready` took; empty until then.
     running: Running,
 }
@@ -54,14 +55,15 @@ impl Tracked {
     /// `poll_ready` has to wait: counts the operation as queued, from the first such call.
     fn wait(&mut self) {
         if self.waiting_since.is_none() {
-            self.waiting_since = Some(self.series.start_waiting());
+            let since = self.series.start_waiting();
+            self.waiting_since = Some(NonZeroU64::new(since).unwrap_or(NonZeroU64::MIN));
         }
     }
 
     /// The wait ends without a permit: takes the operation out of `queued`.
     fn stop_waiting(&mut self) {
         if let Some(since) = self.waiting_since.take() {
-            drop(Waiting::new(&self.series, since));
+            drop(Waiting::new(&self.series, since.get()));
         }
     }
 
@@ -70,7 +72,7 @@ impl Tracked {
         let waited = self
             .waiting_since
             .take()
-            .map(|since| Waiting::new(&self.series, since));
+            .map(|since| Waiting::new(&self.series, since.get()));
         self.running = self.series.admit(waited);
     }
 
