@@ -20,46 +20,14 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{contended_run, floor, layer, naive, sdk_meter, Noop, YieldOnce};
+use common::{contended_run, floor, layer, naive, oneshot, reused, sdk_meter, Noop, YieldOnce};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
 use tower::limit::{ConcurrencyLimit, ConcurrencyLimitLayer};
-use tower::{Layer, Service, ServiceExt};
+use tower::Layer;
 use tower_resources_operation::OperationMetrics;
-
-/// Time per operation of a reused service: `ready` then `call`, awaited.
-fn reused<S>(rt: &Runtime, mut service: S, iters: u64) -> Duration
-where
-    S: Service<()>,
-    S::Error: std::fmt::Debug,
-{
-    rt.block_on(async {
-        let start = Instant::now();
-        for _ in 0..iters {
-            let ready = service.ready().await.unwrap();
-            ready.call(()).await.unwrap();
-        }
-        start.elapsed()
-    })
-}
-
-/// Time per operation of `clone().oneshot()`, as hyper and axum drive a service per request.
-fn oneshot<S>(rt: &Runtime, service: S, iters: u64) -> Duration
-where
-    S: Service<()> + Clone,
-    S::Error: std::fmt::Debug,
-{
-    rt.block_on(async {
-        let start = Instant::now();
-        for _ in 0..iters {
-            service.clone().oneshot(()).await.unwrap();
-        }
-        start.elapsed()
-    })
-}
 
 fn uncontended(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -1,5 +1,5 @@
 //! What the benchmarks share: the inner services, the peer-style layer, the floor, and the
-//! contended run.
+//! ways to drive a service: reused, `clone().oneshot()`, and the contended run.
 #![allow(dead_code, unreachable_pub)]
 
 use std::convert::Infallible;
@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use opentelemetry::metrics::{Histogram, Meter, MeterProvider as _, UpDownCounter};
 use opentelemetry::KeyValue;
 use opentelemetry_sdk::metrics::{InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider};
+use tokio::runtime::Runtime;
 use tower::limit::ConcurrencyLimit;
 use tower::{Service, ServiceExt};
 use tower_resources_operation::{
@@ -259,6 +260,37 @@ pub mod floor {
 }
 
 // ---------------------------------------------------------------------------------------------
+
+/// Time per operation of a reused service: `ready` then `call`, awaited.
+pub fn reused<S>(rt: &Runtime, mut service: S, iters: u64) -> Duration
+where
+    S: Service<()>,
+    S::Error: std::fmt::Debug,
+{
+    rt.block_on(async {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let ready = service.ready().await.unwrap();
+            ready.call(()).await.unwrap();
+        }
+        start.elapsed()
+    })
+}
+
+/// Time per operation of `clone().oneshot()`, as hyper and axum drive a service per request.
+pub fn oneshot<S>(rt: &Runtime, service: S, iters: u64) -> Duration
+where
+    S: Service<()> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    rt.block_on(async {
+        let start = Instant::now();
+        for _ in 0..iters {
+            service.clone().oneshot(()).await.unwrap();
+        }
+        start.elapsed()
+    })
+}
 
 /// Time per operation with 64 tasks through one limit of 4 on 2 workers.
 ///

@@ -1,0 +1,195 @@
+//! The ratios of the performance targets (issue 4), measured in interleaved rounds so they hold on a
+//! shared machine.
+//!
+//! ```text
+//! cargo bench --bench interleaved
+//! cargo bench --bench interleaved --features experimental-bound-instruments
+//! ```
+//!
+//! Criterion (`cargo bench --bench overhead`) measures one case after the other; on a virtual
+//! machine whose neighbours come and go, the machine's speed drifts between cases, by a few
+//! percent over seconds uncontended and by up to 2x contended, and the drift lands in the
+//! ratios. Here every round runs each case once, in turn, and the report is the median time
+//! per case and, for each ratio a target is about, the median of its per-round values.
+//!
+//! - uncontended: a current-thread runtime and a no-op inner service, driven reused
+//!   (`ready` + `call`) and as `clone().oneshot()` (hyper, axum);
+//! - contended: a 2-worker runtime, 64 tasks through one limit of 4, an inner service that
+//!   yields once.
+//!
+//! The cases are those of `overhead`: tower's limit, this layer with metrics disabled and on,
+//! the floor (tower's limit plus only the unavoidable metrics work) and, uncontended, the naive
+//! peer-style layer.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{contended_run, floor, layer, naive, oneshot, reused, sdk_meter, Noop, YieldOnce};
+use tokio::runtime::Runtime;
+use tokio::sync::Semaphore;
+use tower::limit::ConcurrencyLimit;
+use tower::{Layer, Service};
+use tower_resources_operation::OperationMetrics;
+
+const ROUNDS: usize = 31;
+/// Operations per case and round, uncontended (some 10 ms of tower's limit).
+const UNCONTENDED_OPERATIONS: u64 = 200_000;
+/// Operations per case and round, contended: 64 tasks x 1,000.
+const CONTENDED_OPERATIONS: u64 = 64_000;
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// A case: its name and how to run it for a number of operations.
+type Case<'a> = (&'static str, Box<dyn FnMut(u64) -> Duration + 'a>);
+
+/// Runs every case once per round, `ROUNDS` times, and prints the median ns per operation of
+/// each case, then the median per-round ratio of each pair `(case, reference)` in `ratios`.
+fn report(title: &str, operations: u64, cases: &mut [Case<'_>], ratios: &[(&str, &str)]) {
+    let mut times = vec![Vec::with_capacity(ROUNDS); cases.len()];
+    for _ in 0..ROUNDS {
+        for (case, (_, run)) in cases.iter_mut().enumerate() {
+            times[case].push(run(operations).as_nanos() as f64 / operations as f64);
+        }
+    }
+    let index = |name: &str| cases.iter().position(|(n, _)| *n == name).unwrap();
+
+    println!("\n{title}; {ROUNDS} interleaved rounds");
+    for (case, (name, _)) in cases.iter().enumerate() {
+        println!(
+            "  {name:<16} {:>8.1} ns/op",
+            median(&mut times[case].clone())
+        );
+    }
+    for (case, reference) in ratios {
+        let (c, r) = (index(case), index(reference));
+        let mut per_round: Vec<f64> = (0..ROUNDS).map(|i| times[c][i] / times[r][i]).collect();
+        println!(
+            "  {:<34} {:>6.3}x",
+            format!("{case} / {reference}"),
+            median(&mut per_round)
+        );
+    }
+}
+
+/// The uncontended cases, driven by `drive` (reused or oneshot).
+fn uncontended<D>(title: &str, rt: &Runtime, drive: D)
+where
+    D: Fn(&Runtime, Box<dyn ServiceClone>, u64) -> Duration,
+{
+    let (_provider, meter) = sdk_meter();
+    let tower = ConcurrencyLimit::new(Noop, 64);
+    let disabled = layer(64, OperationMetrics::disabled()).layer(Noop);
+    let enabled = layer(64, OperationMetrics::new(&meter)).layer(Noop);
+    let floor = floor::Floor {
+        inner: ConcurrencyLimit::new(Noop, 64),
+        shared: floor::Shared::new(&meter),
+    };
+    let naive = naive::Naive {
+        inner: ConcurrencyLimit::new(Noop, 64),
+        instruments: naive::Instruments::new(&meter),
+    };
+    let drive = &drive;
+    report(
+        title,
+        UNCONTENDED_OPERATIONS,
+        &mut [
+            (
+                "tower_limit",
+                Box::new(|n| drive(rt, Box::new(tower.clone()), n)),
+            ),
+            (
+                "layer_disabled",
+                Box::new(|n| drive(rt, Box::new(disabled.clone()), n)),
+            ),
+            (
+                "layer_metrics",
+                Box::new(|n| drive(rt, Box::new(enabled.clone()), n)),
+            ),
+            ("floor", Box::new(|n| drive(rt, Box::new(floor.clone()), n))),
+            (
+                "naive_peer",
+                Box::new(|n| drive(rt, Box::new(naive.clone()), n)),
+            ),
+        ],
+        &[
+            ("layer_disabled", "tower_limit"),
+            ("layer_metrics", "floor"),
+            ("naive_peer", "layer_metrics"),
+        ],
+    );
+}
+
+/// A service of any case, so one driver takes them all; the driver monomorphises on the
+/// concrete type through `run`, so no dynamic call is measured.
+trait ServiceClone {
+    fn reused(self: Box<Self>, rt: &Runtime, iters: u64) -> Duration;
+    fn oneshot(self: Box<Self>, rt: &Runtime, iters: u64) -> Duration;
+}
+
+impl<S> ServiceClone for S
+where
+    S: Service<()> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    fn reused(self: Box<Self>, rt: &Runtime, iters: u64) -> Duration {
+        reused(rt, *self, iters)
+    }
+
+    fn oneshot(self: Box<Self>, rt: &Runtime, iters: u64) -> Duration {
+        oneshot(rt, *self, iters)
+    }
+}
+
+fn main() {
+    // `cargo test --benches` runs bench targets with `--test`-like arguments; only measure when
+    // asked to (cargo bench passes `--bench`).
+    if !std::env::args().any(|arg| arg == "--bench") {
+        return;
+    }
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    uncontended("uncontended, reused ready + call", &rt, |rt, s, n| {
+        s.reused(rt, n)
+    });
+    uncontended("uncontended, clone().oneshot()", &rt, |rt, s, n| {
+        s.oneshot(rt, n)
+    });
+
+    let (_provider, meter) = sdk_meter();
+    let tower = ConcurrencyLimit::with_semaphore(YieldOnce, Arc::new(Semaphore::new(4)));
+    let disabled = layer(4, OperationMetrics::disabled()).layer(YieldOnce);
+    let enabled = layer(4, OperationMetrics::new(&meter)).layer(YieldOnce);
+    let floor = floor::Floor {
+        inner: ConcurrencyLimit::new(YieldOnce, 4),
+        shared: floor::Shared::new(&meter),
+    };
+    report(
+        "contended: 2 workers, 64 tasks, limit 4, inner service yields once",
+        CONTENDED_OPERATIONS,
+        &mut [
+            ("tower_limit", Box::new(|n| contended_run(tower.clone(), n))),
+            (
+                "layer_disabled",
+                Box::new(|n| contended_run(disabled.clone(), n)),
+            ),
+            (
+                "layer_metrics",
+                Box::new(|n| contended_run(enabled.clone(), n)),
+            ),
+            ("floor", Box::new(|n| contended_run(floor.clone(), n))),
+        ],
+        &[
+            ("layer_disabled", "tower_limit"),
+            ("layer_metrics", "tower_limit"),
+            ("floor", "tower_limit"),
+            ("layer_metrics", "floor"),
+        ],
+    );
+}
