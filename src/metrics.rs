@@ -426,15 +426,17 @@ const _: () = assert!(
 
 /// Turns instants into nanoseconds from an origin set well before the metrics were made.
 ///
-/// The origin is [`Clock::LEAD`] before the first reading, so that an instant read on a paused
-/// tokio clock that runs behind the one the metrics were made under still counts from the
-/// origin. Sixty-one bits of nanoseconds leave some seventy years after it.
+/// The origin is a year ([`Clock::LEAD`]) before the clock is made, where the platform's
+/// instants reach that far back, so that an instant read on a paused tokio clock that runs
+/// behind the one the metrics were made under (tests) still counts from the origin. Sixty-one
+/// bits of nanoseconds leave some seventy years after it.
 #[derive(Debug)]
 struct Clock {
     origin: Instant,
 }
 
 impl Clock {
+    /// How far before its making the clock's origin is set.
     const LEAD: std::time::Duration = std::time::Duration::from_secs(366 * 24 * 60 * 60);
 
     fn new() -> Self {
