@@ -79,7 +79,7 @@ fn report(title: &str, operations: u64, cases: &mut [Case<'_>], ratios: &[(&str,
 /// The uncontended cases, driven by `drive` (reused or oneshot).
 fn uncontended<D>(title: &str, rt: &Runtime, drive: D)
 where
-    D: Fn(&Runtime, Box<dyn ServiceClone>, u64) -> Duration,
+    D: Fn(&Runtime, Box<dyn AnyCase>, u64) -> Duration,
 {
     let (_provider, meter) = sdk_meter();
     let tower = ConcurrencyLimit::new(Noop, 64);
@@ -124,14 +124,14 @@ where
     );
 }
 
-/// A service of any case, so one driver takes them all; the driver monomorphises on the
-/// concrete type through `run`, so no dynamic call is measured.
-trait ServiceClone {
+/// A service of any case, so one closure drives them all. Each method runs the generic driver
+/// on the concrete type, so the one dynamic call is per round, not per operation.
+trait AnyCase {
     fn reused(self: Box<Self>, rt: &Runtime, iters: u64) -> Duration;
     fn oneshot(self: Box<Self>, rt: &Runtime, iters: u64) -> Duration;
 }
 
-impl<S> ServiceClone for S
+impl<S> AnyCase for S
 where
     S: Service<()> + Clone,
     S::Error: std::fmt::Debug,
