@@ -40,15 +40,22 @@ const UNCONTENDED_OPERATIONS: u64 = 200_000;
 const CONTENDED_OPERATIONS: u64 = 64_000;
 
 fn median(values: &mut [f64]) -> f64 {
+    quartiles(values)[1]
+}
+
+/// The first quartile, the median and the third quartile of `values`.
+fn quartiles(values: &mut [f64]) -> [f64; 3] {
     values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    let at = |quarter: usize| values[(values.len() - 1) * quarter / 4];
+    [at(1), at(2), at(3)]
 }
 
 /// A case: its name and how to run it for a number of operations.
 type Case<'a> = (&'static str, Box<dyn FnMut(u64) -> Duration + 'a>);
 
 /// Runs every case once per round, `ROUNDS` times, and prints the median ns per operation of
-/// each case, then the median per-round ratio of each pair `(case, reference)` in `ratios`.
+/// each case, then the median per-round ratio of each pair `(case, reference)` in `ratios`,
+/// with its quartiles: how far the machine moved that ratio from one round to the next.
 fn report(title: &str, operations: u64, cases: &mut [Case<'_>], ratios: &[(&str, &str)]) {
     let mut times = vec![Vec::with_capacity(ROUNDS); cases.len()];
     for _ in 0..ROUNDS {
@@ -68,10 +75,10 @@ fn report(title: &str, operations: u64, cases: &mut [Case<'_>], ratios: &[(&str,
     for (case, reference) in ratios {
         let (c, r) = (index(case), index(reference));
         let mut per_round: Vec<f64> = (0..ROUNDS).map(|i| times[c][i] / times[r][i]).collect();
+        let [low, mid, high] = quartiles(&mut per_round);
         println!(
-            "  {:<34} {:>6.3}x",
+            "  {:<34} {mid:>6.3}x   (quartiles {low:.3} to {high:.3})",
             format!("{case} / {reference}"),
-            median(&mut per_round)
         );
     }
 }
