@@ -58,6 +58,7 @@ pub fn set_outcome(outcome: Outcome) -> bool {
 /// Runs `work` (one call or one poll of the operation's inner work) with `running` as the
 /// current operation. If `work` panics, the operation ends as [`Outcome::Crashed`] and the panic
 /// goes on unchanged.
+#[inline]
 pub(crate) fn enter<R>(running: &mut Running, work: impl FnOnce() -> R) -> R {
     let Ok(previous) =
         CURRENT.try_with(|slot| slot.replace(Slot::Inside(running.chosen_outcome())))
@@ -65,30 +66,32 @@ pub(crate) fn enter<R>(running: &mut Running, work: impl FnOnce() -> R) -> R {
         // The thread is being torn down: run the work without a slot rather than fail it.
         return work();
     };
-    let mut scope = Scope {
-        running,
-        previous,
-        returned: false,
-    };
+    let unwinding = Unwinding { running, previous };
     let output = work();
-    scope.returned = true;
+    // `work` returned: leave the scope here, in line, and disarm the guard.
+    leave(unwinding.running, unwinding.previous);
+    std::mem::forget(unwinding);
     output
 }
 
-struct Scope<'a> {
-    running: &'a mut Running,
-    previous: Slot,
-    /// False while `work` runs: dropping the scope then means `work` is unwinding.
-    returned: bool,
+/// Gives the thread's slot back to the operation around this one, keeping the outcome that the
+/// work chose, if it did.
+#[inline]
+fn leave(running: &mut Running, previous: Slot) {
+    if let Ok(Slot::Inside(outcome)) = CURRENT.try_with(|slot| slot.replace(previous)) {
+        running.choose_outcome(outcome);
+    }
 }
 
-impl Drop for Scope<'_> {
+/// Dropped only while `work` unwinds: leaves the scope and ends the operation as crashed.
+struct Unwinding<'a> {
+    running: &'a mut Running,
+    previous: Slot,
+}
+
+impl Drop for Unwinding<'_> {
     fn drop(&mut self) {
-        if let Ok(Slot::Inside(outcome)) = CURRENT.try_with(|slot| slot.replace(self.previous)) {
-            self.running.choose_outcome(outcome);
-        }
-        if !self.returned {
-            self.running.finish(Outcome::Crashed);
-        }
+        leave(self.running, self.previous);
+        self.running.finish(Outcome::Crashed);
     }
 }
