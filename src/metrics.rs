@@ -5,6 +5,7 @@
 //! fixed table of atomics for the live counts, read by one callback per observable instrument.
 //! The request path then only reads the clock, adds to atomics and records with a pre-built slice.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -294,7 +295,7 @@ impl Series {
             Some(waiting) => millis(start.saturating_sub(waiting.since)),
             None => 0.0,
         };
-        self.0.shared.record_queue(self.0.index, queued_ms);
+        guarded(|| self.0.shared.record_queue(self.0.index, queued_ms));
         self.cell().active.fetch_add(1, Ordering::Relaxed);
         Running {
             stamp: Stamp::new(start),
@@ -372,15 +373,30 @@ impl Running {
 
 /// Records the end of an operation admitted at `stamp`. Out of line, so that what inlines into
 /// the request path is only the test for an empty [`Running`].
+///
+/// `extern "C"` because such a function cannot unwind, and the compiler knows it: a drop that
+/// may call this one then needs no unwinding path of its own, stays as small as tower's, and
+/// inlines like it (the response future's drop, on every request, metrics on or off). A panic
+/// in the meter is caught inside, as it must be anyway: metrics never panic into a request.
 #[inline(never)]
-fn record_end(series: Series, stamp: Stamp, outcome: Outcome) {
+#[allow(improper_ctypes_definitions)] // only Rust calls it: the ABI is here for "cannot unwind"
+extern "C" fn record_end(series: Series, stamp: Stamp, outcome: Outcome) {
+    series.cell().active.fetch_sub(1, Ordering::Relaxed);
     let outcome = stamp.outcome().unwrap_or(outcome);
     let elapsed = series.now().saturating_sub(stamp.nanos());
-    series
-        .0
-        .shared
-        .record_duration(series.0.index, outcome, millis(elapsed));
-    series.cell().active.fetch_sub(1, Ordering::Relaxed);
+    // `series` moves in, so that its drop runs inside the guard too.
+    guarded(move || {
+        series
+            .0
+            .shared
+            .record_duration(series.0.index, outcome, millis(elapsed))
+    });
+}
+
+/// Runs `record`, a call into the meter: a meter that panics costs its measurement, not the
+/// request that made it.
+fn guarded(record: impl FnOnce()) {
+    let _ = catch_unwind(AssertUnwindSafe(record));
 }
 
 impl Drop for Running {
@@ -410,7 +426,8 @@ impl Stamp {
 
     fn outcome(self) -> Option<Outcome> {
         let code = (self.0 & Self::OUTCOME_MASK) as usize;
-        code.checked_sub(1).map(|index| Outcome::ALL[index])
+        code.checked_sub(1)
+            .and_then(|index| Outcome::ALL.get(index).copied())
     }
 
     fn with_outcome(self, outcome: Option<Outcome>) -> Self {

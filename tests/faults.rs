@@ -1,20 +1,23 @@
 //! Faults in the metrics pipeline never reach requests: with the meter provider shut down or
-//! dropped mid-run, or an exporter that fails or hangs, every request still gets its own
-//! response and the limit still holds.
+//! dropped mid-run, an exporter that fails or hangs, or a meter that panics when it records,
+//! every request still gets its own response and the limit still holds.
 
 mod reliability;
 mod support;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry::metrics::{
+    Histogram, HistogramBuilder, InstrumentProvider, Meter, MeterProvider as _, SyncInstrument,
+};
+use opentelemetry::KeyValue;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::metrics::data::ResourceMetrics;
 use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider, Temporality};
-use tower::{service_fn, Layer as _, ServiceExt as _};
+use tower::{service_fn, Layer as _, Service as _, ServiceExt as _};
 
 use reliability::Load;
 use tower_resources_operation::{Executor, Operation, OperationMetrics, ResourcesOperationLayer};
@@ -223,4 +226,97 @@ async fn requests_keep_their_answers_and_the_limit_while_an_export_hangs() {
     })
     .await
     .unwrap();
+}
+
+/// A meter whose histograms panic on every record once `panicking` is set, and count the
+/// records they were asked for.
+#[derive(Debug, Default)]
+struct PanickingMeter {
+    panicking: AtomicBool,
+    records: AtomicUsize,
+}
+
+impl PanickingMeter {
+    fn record(&self) {
+        self.records.fetch_add(1, Ordering::SeqCst);
+        if self.panicking.load(Ordering::SeqCst) {
+            panic!("this meter panics when it records");
+        }
+    }
+}
+
+struct PanickingHistogram(Arc<PanickingMeter>);
+
+impl SyncInstrument<f64> for PanickingHistogram {
+    fn measure(&self, _value: f64, _attributes: &[KeyValue]) {
+        self.0.record();
+    }
+
+    #[cfg(feature = "experimental-bound-instruments")]
+    fn bind(
+        &self,
+        _attributes: &[KeyValue],
+    ) -> Box<dyn opentelemetry::metrics::BoundSyncInstrument<f64> + Send + Sync> {
+        Box::new(PanickingHistogram(Arc::clone(&self.0)))
+    }
+}
+
+#[cfg(feature = "experimental-bound-instruments")]
+impl opentelemetry::metrics::BoundSyncInstrument<f64> for PanickingHistogram {
+    fn measure(&self, _value: f64) {
+        self.0.record();
+    }
+}
+
+struct PanickingProvider(Arc<PanickingMeter>);
+
+impl InstrumentProvider for PanickingProvider {
+    fn f64_histogram(&self, _builder: HistogramBuilder<'_, Histogram<f64>>) -> Histogram<f64> {
+        Histogram::new(Arc::new(PanickingHistogram(Arc::clone(&self.0))))
+    }
+}
+
+fn panicking_meter() -> (Arc<PanickingMeter>, Meter) {
+    let state = Arc::new(PanickingMeter::default());
+    let meter = Meter::new(Arc::new(PanickingProvider(Arc::clone(&state))));
+    (state, meter)
+}
+
+#[tokio::test]
+async fn a_meter_that_panics_costs_its_measurements_not_the_requests() {
+    let (state, meter) = panicking_meter();
+    state.panicking.store(true, Ordering::SeqCst);
+    let layer = ResourcesOperationLayer::new(1).metrics(OperationMetrics::new(&meter));
+
+    // Answered: the queue time and the run time each panic in the meter.
+    let service = layer.layer(service_fn(|n: u32| async move {
+        Ok::<_, std::convert::Infallible>(n + 1)
+    }));
+    for n in 0..5 {
+        assert_eq!(service.clone().oneshot(n).await.unwrap(), n + 1);
+    }
+    assert_eq!(state.records.load(Ordering::SeqCst), 10);
+
+    // Waited for the permit: the wait is timed too, and its record panics as well.
+    let mut holder = layer.layer(service_fn(|()| std::future::pending::<Result<(), ()>>()));
+    let held = holder.ready().await.unwrap().call(());
+    let waiter = tokio::spawn(service.clone().oneshot(7));
+    tokio::task::yield_now().await;
+    // Cancelled: dropping the future records `cancelled`, which panics in the meter, inside a
+    // drop, where a panic would be worst.
+    drop(held);
+    assert_eq!(waiter.await.expect("the waiter panicked").unwrap(), 8);
+    assert_eq!(state.records.load(Ordering::SeqCst), 14);
+    assert_eq!(layer.semaphore().available_permits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_keep_their_answers_and_the_limit_when_the_meter_starts_panicking_mid_run() {
+    let (state, meter) = panicking_meter();
+    run_through_fault(layer(OperationMetrics::new(&meter)), || {
+        state.panicking.store(true, Ordering::SeqCst);
+    })
+    .await;
+    // Every request was measured: a queue time and a run time each.
+    assert_eq!(state.records.load(Ordering::SeqCst), 2 * REQUESTS);
 }
