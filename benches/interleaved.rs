@@ -19,14 +19,18 @@
 //!
 //! The cases are those of `overhead`: tower's limit, this layer with metrics disabled and on,
 //! the floor (tower's limit plus only the unavoidable metrics work) and, uncontended, the naive
-//! peer-style layer.
+//! peer-style layer. Contended, one more: the floor with lock-free histograms in place of the
+//! SDK's, to show what the contended floor would be if the SDK took no lock per record.
 
 mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{contended_run, floor, layer, naive, oneshot, reused, sdk_meter, Noop, YieldOnce};
+use common::{
+    contended_run, floor, layer, lock_free_floor, naive, oneshot, reused, sdk_meter, Noop,
+    YieldOnce,
+};
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
 use tower::limit::ConcurrencyLimit;
@@ -177,6 +181,10 @@ fn main() {
         inner: ConcurrencyLimit::new(YieldOnce, 4),
         shared: floor::Shared::new(&meter),
     };
+    let lock_free = floor::Floor {
+        inner: ConcurrencyLimit::new(YieldOnce, 4),
+        shared: lock_free_floor::Shared::new(),
+    };
     report(
         "contended: 2 workers, 64 tasks, limit 4, inner service yields once",
         CONTENDED_OPERATIONS,
@@ -191,12 +199,21 @@ fn main() {
                 Box::new(|n| contended_run(enabled.clone(), n)),
             ),
             ("floor", Box::new(|n| contended_run(floor.clone(), n))),
+            (
+                "lock_free_floor",
+                Box::new(|n| contended_run(lock_free.clone(), n)),
+            ),
         ],
         &[
             ("layer_disabled", "tower_limit"),
             ("layer_metrics", "tower_limit"),
             ("floor", "tower_limit"),
             ("layer_metrics", "floor"),
+            ("lock_free_floor", "tower_limit"),
         ],
     );
+    // The lock-free floor's histograms really counted every operation of every round.
+    let recorded = lock_free.shared.duration.0.count();
+    assert_eq!(recorded, lock_free.shared.queue.0.count());
+    assert!(recorded >= ROUNDS as u64 * CONTENDED_OPERATIONS);
 }

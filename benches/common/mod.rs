@@ -174,8 +174,15 @@ pub mod naive {
 pub mod floor {
     use super::*;
 
-    /// Only the work nobody can avoid: tower's limit, two clock reads, two records with
-    /// pre-built attributes, four atomic adds.
+    /// What the floor records through: two histograms of one series and its live counts.
+    pub(crate) trait Record: Send + Sync + 'static {
+        fn queue(&self, ms: f64);
+        fn duration(&self, ms: f64);
+        fn queued(&self) -> &AtomicI64;
+        fn active(&self) -> &AtomicI64;
+    }
+
+    /// The SDK's histograms, recorded with pre-built attributes.
     pub(crate) struct Shared {
         queue: Histogram<f64>,
         duration: Histogram<f64>,
@@ -207,19 +214,47 @@ pub mod floor {
         }
     }
 
-    #[derive(Clone)]
-    pub(crate) struct Floor<S> {
-        pub(crate) inner: ConcurrencyLimit<S>,
-        pub(crate) shared: Arc<Shared>,
+    impl Record for Shared {
+        fn queue(&self, ms: f64) {
+            self.queue.record(ms, &self.series);
+        }
+
+        fn duration(&self, ms: f64) {
+            self.duration.record(ms, &self.ok);
+        }
+
+        fn queued(&self) -> &AtomicI64 {
+            &self.queued
+        }
+
+        fn active(&self) -> &AtomicI64 {
+            &self.active
+        }
     }
 
-    impl<S: Service<()>> Service<()> for Floor<S>
+    /// Only the work nobody can avoid: tower's limit, two clock reads, two records with
+    /// pre-built attributes, four atomic adds.
+    pub(crate) struct Floor<S, R = Shared> {
+        pub(crate) inner: ConcurrencyLimit<S>,
+        pub(crate) shared: Arc<R>,
+    }
+
+    impl<S: Clone, R> Clone for Floor<S, R> {
+        fn clone(&self) -> Self {
+            Self {
+                inner: self.inner.clone(),
+                shared: Arc::clone(&self.shared),
+            }
+        }
+    }
+
+    impl<S: Service<()>, R: Record> Service<()> for Floor<S, R>
     where
         S::Future: Unpin,
     {
         type Response = S::Response;
         type Error = S::Error;
-        type Future = FloorFuture<<ConcurrencyLimit<S> as Service<()>>::Future>;
+        type Future = FloorFuture<<ConcurrencyLimit<S> as Service<()>>::Future, R>;
 
         fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
             self.inner.poll_ready(cx)
@@ -227,10 +262,10 @@ pub mod floor {
 
         fn call(&mut self, request: ()) -> Self::Future {
             let s = &self.shared;
-            s.queued.fetch_add(1, Ordering::Relaxed);
-            s.queued.fetch_sub(1, Ordering::Relaxed);
-            s.queue.record(0.0, &s.series);
-            s.active.fetch_add(1, Ordering::Relaxed);
+            s.queued().fetch_add(1, Ordering::Relaxed);
+            s.queued().fetch_sub(1, Ordering::Relaxed);
+            s.queue(0.0);
+            s.active().fetch_add(1, Ordering::Relaxed);
             FloorFuture {
                 inner: self.inner.call(request),
                 shared: Arc::clone(s),
@@ -239,22 +274,105 @@ pub mod floor {
         }
     }
 
-    pub(crate) struct FloorFuture<F> {
+    pub(crate) struct FloorFuture<F, R> {
         inner: F,
-        shared: Arc<Shared>,
+        shared: Arc<R>,
         start: Instant,
     }
 
-    impl<F: Future + Unpin> Future for FloorFuture<F> {
+    impl<F: Future + Unpin, R: Record> Future for FloorFuture<F, R> {
         type Output = F::Output;
 
         fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
             let out = std::task::ready!(Pin::new(&mut self.inner).poll(cx));
             let s = &self.shared;
-            s.duration
-                .record(self.start.elapsed().as_secs_f64() * 1e3, &s.ok);
-            s.active.fetch_sub(1, Ordering::Relaxed);
+            s.duration(self.start.elapsed().as_secs_f64() * 1e3);
+            s.active().fetch_sub(1, Ordering::Relaxed);
             Poll::Ready(out)
+        }
+    }
+}
+
+/// The floor with the SDK's histograms swapped for lock-free ones (an atomic count per bucket,
+/// an atomic count and total), as a lock-free SDK aggregator would record: what the contended
+/// floor would be if the SDK took no lock per record. It exports nothing.
+pub mod lock_free_floor {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// One explicit-bucket histogram of one series, updated with atomics only.
+    pub(crate) struct AtomicHistogram {
+        buckets: Box<[AtomicU64]>,
+        count: AtomicU64,
+        /// The f64 total's bits, updated by compare-and-swap.
+        total: AtomicU64,
+    }
+
+    impl AtomicHistogram {
+        fn new() -> Self {
+            Self {
+                buckets: (0..=OPERATION_BOUNDARIES_MS.len())
+                    .map(|_| AtomicU64::new(0))
+                    .collect(),
+                count: AtomicU64::new(0),
+                total: AtomicU64::new(0f64.to_bits()),
+            }
+        }
+
+        fn record(&self, value: f64) {
+            let bucket = OPERATION_BOUNDARIES_MS.partition_point(|&bound| bound < value);
+            self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+            self.count.fetch_add(1, Ordering::Relaxed);
+            let _ = self
+                .total
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                    Some((f64::from_bits(bits) + value).to_bits())
+                });
+        }
+
+        pub(crate) fn count(&self) -> u64 {
+            self.count.load(Ordering::Relaxed)
+        }
+    }
+
+    /// Aligned so that the histograms and the live counts do not share a cache line by
+    /// accident of layout.
+    #[repr(align(64))]
+    pub(crate) struct Aligned<T>(pub(crate) T);
+
+    pub(crate) struct Shared {
+        pub(crate) queue: Aligned<AtomicHistogram>,
+        pub(crate) duration: Aligned<AtomicHistogram>,
+        queued: Aligned<AtomicI64>,
+        active: Aligned<AtomicI64>,
+    }
+
+    impl Shared {
+        pub(crate) fn new() -> Arc<Self> {
+            Arc::new(Self {
+                queue: Aligned(AtomicHistogram::new()),
+                duration: Aligned(AtomicHistogram::new()),
+                queued: Aligned(AtomicI64::new(0)),
+                active: Aligned(AtomicI64::new(0)),
+            })
+        }
+    }
+
+    impl floor::Record for Shared {
+        fn queue(&self, ms: f64) {
+            self.queue.0.record(ms);
+        }
+
+        fn duration(&self, ms: f64) {
+            self.duration.0.record(ms);
+        }
+
+        fn queued(&self) -> &AtomicI64 {
+            &self.queued.0
+        }
+
+        fn active(&self) -> &AtomicI64 {
+            &self.active.0
         }
     }
 }
