@@ -67,6 +67,9 @@
 //!   its future is `crashed`; the panic goes on.
 //! - [`set_outcome`] inside the work wins over all of the above.
 //!
+//! Recording never fails a request: a classifier that panics costs the operation its outcome
+//! (recorded as `error`), and a meter that panics when it records costs that measurement.
+//!
 //! # Cargo features
 //!
 //! - `tonic`: [`ResourcesOperation`] implements tonic's `NamedService`, so a layered gRPC
