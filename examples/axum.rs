@@ -8,7 +8,7 @@
 //! ```
 //!
 //! - `/verify` (verify, subprocess) and `/judge` (judge, inline) share one limit: two layers made
-//!   `with_semaphore_for_http` from one semaphore. `/verify` enforces its own deadline with
+//!   `with_limit_for_http` from clones of one `Limit`. `/verify` enforces its own deadline with
 //!   `tokio::time::timeout` and, when it hits it, answers a fallback and calls
 //!   `set_outcome(Outcome::Timeout)`.
 //! - `/tool` (tool, thread) runs its work in `spawn_blocking` under a limit of its own
@@ -19,8 +19,8 @@
 //!   `without_units()`, so the series are `gym_resources_operation_duration_ms_bucket`, not
 //!   `..._duration_ms_milliseconds_bucket`. Dots become underscores (`nemo.gym.resources.operation`
 //!   is the label `nemo_gym_resources_operation`); the histograms are `_bucket`/`_sum`/`_count`,
-//!   the live counts gauges (no `_total`: that is only for monotonic counters, and the crate has
-//!   none). The exporter adds an `otel_scope_name="tower-resources-operation"` label to every
+//!   the live counts and the limit gauges, and the two counters (rejected, abandoned) end in
+//!   `_total`. The exporter adds an `otel_scope_name="tower-resources-operation"` label to every
 //!   series (`scope_info_enabled(false)` drops it) and a `target_info` gauge with the resource
 //!   (`without_target_info()` drops it).
 //!
@@ -31,7 +31,6 @@
 use std::collections::BTreeMap;
 use std::error::Error;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{header, StatusCode, Uri};
@@ -45,9 +44,8 @@ use opentelemetry_sdk::Resource;
 use prometheus::{Registry, TextEncoder, TEXT_FORMAT};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tower_resources_operation::{
-    set_outcome, Executor, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
+    set_outcome, Executor, Limit, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
     METER_NAME,
 };
 
@@ -143,9 +141,9 @@ impl Telemetry {
 
 /// The app: three limited routes and `/metrics`.
 pub fn app(config: &Config, telemetry: &Telemetry) -> Router {
-    let shared = Arc::new(Semaphore::new(config.shared_limit));
+    let shared = Limit::new(config.shared_limit);
     let shared_limit = |operation, executor| {
-        ResourcesOperationLayer::with_semaphore_for_http(Arc::clone(&shared))
+        ResourcesOperationLayer::with_limit_for_http(shared.clone())
             .operation(operation)
             .executor(executor)
             .metrics(telemetry.metrics.clone())

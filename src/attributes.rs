@@ -1,8 +1,9 @@
-//! The bounded attribute values: which operation, on which executor, and how it ended.
+//! The bounded attribute values: which operation, on which executor, how it ended, and why it
+//! was turned away.
 //!
-//! Each attribute is an enum, so no input can add a series: the exported values are exactly the
-//! seed's strings ([`OPERATIONS`](crate::OPERATIONS), [`EXECUTORS`](crate::EXECUTORS),
-//! [`OUTCOMES`](crate::OUTCOMES)).
+//! Each attribute is an enum, so no input can add a series: the exported values are exactly NeMo
+//! Gym's strings ([`OPERATIONS`](crate::OPERATIONS), [`EXECUTORS`](crate::EXECUTORS),
+//! [`OUTCOMES`](crate::OUTCOMES)), and this crate's [`REJECTIONS`](crate::REJECTIONS).
 
 use std::fmt;
 use std::str::FromStr;
@@ -25,10 +26,10 @@ macro_rules! bounded_attribute {
         }
 
         impl $name {
-            /// Every value, in the seed's order.
+            /// Every value, in the order of the matching constant (`OPERATIONS`, ...).
             pub const ALL: &'static [$name] = &[$($name::$variant),+];
 
-            /// The seed's lower-case string for this value, as exported in the attribute.
+            /// The lower-case string of this value, as exported in the attribute.
             pub const fn as_str(self) -> &'static str {
                 match self {
                     $( $name::$variant => $value, )+
@@ -50,8 +51,8 @@ macro_rules! bounded_attribute {
         impl FromStr for $name {
             type Err = ParseAttributeError;
 
-            /// Parses the seed's exact lower-case string; anything else is an error that lists the
-            /// valid values.
+            /// Parses the exact lower-case string; anything else is an error that lists the valid
+            /// values.
             fn from_str(s: &str) -> Result<Self, Self::Err> {
                 match s {
                     $( $value => Ok($name::$variant), )+
@@ -110,8 +111,22 @@ bounded_attribute! {
     }
 }
 
+bounded_attribute! {
+    /// Why an operation was turned away without a permit. Exported as
+    /// [`REJECTION_ATTRIBUTE`](crate::REJECTION_ATTRIBUTE) on
+    /// [`REJECTED_INSTRUMENT`](crate::REJECTED_INSTRUMENT), an addition of this crate to NeMo Gym's
+    /// instruments.
+    Rejection, "rejection", REJECTIONS {
+        /// The limit's queue was full ([`Limit::max_queued`](crate::Limit::max_queued)).
+        QueueFull => "queue_full",
+        /// The operation waited as long as its layer lets one wait
+        /// ([`queue_timeout`](crate::ResourcesOperationLayer::queue_timeout)).
+        QueueTimeout => "queue_timeout",
+    }
+}
+
 impl Operation {
-    /// Parses a name, mapping anything that is not one of the seed's values to
+    /// Parses a name, mapping anything that is not one of NeMo Gym's values to
     /// [`Operation::Other`], so names from requests or config can never add a series.
     pub fn from_str_lossy(name: &str) -> Self {
         name.parse().unwrap_or(Operation::Other)
@@ -119,7 +134,7 @@ impl Operation {
 }
 
 impl Executor {
-    /// Parses a name, mapping anything that is not one of the seed's values to
+    /// Parses a name, mapping anything that is not one of NeMo Gym's values to
     /// [`Executor::Other`], so names from requests or config can never add a series.
     pub fn from_str_lossy(name: &str) -> Self {
         name.parse().unwrap_or(Executor::Other)
@@ -191,6 +206,9 @@ mod tests {
         for out in Outcome::ALL {
             assert_eq!(out.as_str().parse::<Outcome>(), Ok(*out));
         }
+        for rejection in Rejection::ALL {
+            assert_eq!(rejection.as_str().parse::<Rejection>(), Ok(*rejection));
+        }
     }
 
     #[test]
@@ -203,6 +221,9 @@ mod tests {
         }
         for (i, out) in Outcome::ALL.iter().enumerate() {
             assert_eq!(out.index(), i);
+        }
+        for (i, rejection) in Rejection::ALL.iter().enumerate() {
+            assert_eq!(rejection.index(), i);
         }
     }
 

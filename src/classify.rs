@@ -1,22 +1,34 @@
-//! Deciding the [`Outcome`] of a finished operation from what the inner service returned.
+//! Deciding the [`Outcome`] of an operation from what the inner service returned.
 //!
-//! The layer asks its classifier once, when the inner future completes. A drop before that is
-//! `cancelled` and a panic is `crashed` whatever the classifier says, and an outcome chosen with
+//! - [`ClassifyOutcome`] reads a result: the layer asks once, when the inner future completes.
+//! - [`ClassifyEos`] reads an HTTP response whose operation ends with its body: at the head, and
+//!   at the end of the stream (with the trailers, if any).
+//! - [`MakeClassifier`] builds one classifier per request, from the request (tower-http's model):
+//!   [`SharedClassifier`] clones one `ClassifyOutcome` for each, [`Deadline`] also reads the
+//!   request's deadline.
+//!
+//! A drop before the end is `cancelled` (or `timeout` past the request's deadline) and a panic is
+//! `crashed`, whatever the classifier says; an outcome chosen with
 //! [`set_outcome`](crate::set_outcome) wins over all of them.
 
 use std::any::Any;
 use std::error::Error;
+use std::time::Duration;
+
+use http::{HeaderMap, Response};
 
 use crate::Outcome;
 
-mod http;
+mod deadline;
+mod http_status;
 
-pub use http::{GrpcClassifier, HttpClassifier};
+pub use deadline::Deadline;
+pub use http_status::{GrpcClassifier, HttpClassifier};
 
 /// Maps the result of the inner service to an [`Outcome`].
 ///
-/// Implemented by [`DefaultClassifier`] and by every `Fn(Result<&Res, &Err>) -> Outcome`, so a
-/// closure works wherever a classifier is:
+/// Implemented by the crate's classifiers and by every `Fn(Result<&Res, &Err>) -> Outcome`, so
+/// a closure works wherever a classifier is:
 ///
 /// ```
 /// use tower_resources_operation::{Outcome, ResourcesOperationLayer};
@@ -48,31 +60,100 @@ where
     }
 }
 
-/// `Ok` is [`Outcome::Ok`]; `Err` is [`Outcome::Timeout`] when the error is a timeout (see
-/// [`error_outcome`]) and [`Outcome::Error`] otherwise.
+/// Builds the classifier of one operation from its request, before the response exists
+/// (tower-http's `MakeClassifier`).
 ///
-/// It looks into the error through `Any`, so it works for any error type: a boxed error such as
-/// tower's `BoxError` (and its source chain), `std::io::Error`, tower's and tokio's `Elapsed`
-/// themselves, and `Infallible`. An error type of your own is `error` unless it *is* one of
-/// those; classify it with a closure that calls [`error_outcome`] to look into its chain.
+/// A layer takes one in [`make_classifier`](crate::ResourcesOperationLayer::make_classifier).
+/// The classifiers given to [`classifier`](crate::ResourcesOperationLayer::classifier) work
+/// through [`SharedClassifier`], which clones one for every request; [`Deadline`] also reads how
+/// long the caller waits from a request header.
+pub trait MakeClassifier<Req, Res, Err> {
+    /// The classifier of one operation.
+    type Classifier: ClassifyOutcome<Res, Err>;
+
+    /// The classifier of the operation that serves `request`.
+    fn make_classifier(&self, request: &Req) -> Self::Classifier;
+
+    /// How long the caller of `request` waits for it, if the request says: an operation dropped
+    /// once that long has passed since it asked for its permit ends as `timeout`, not
+    /// `cancelled`. Defaults to `None`.
+    fn deadline(&self, request: &Req) -> Option<Duration> {
+        let _ = request;
+        None
+    }
+}
+
+/// A [`MakeClassifier`] that clones one classifier for every request: how a layer holds the
+/// classifier given to [`classifier`](crate::ResourcesOperationLayer::classifier).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SharedClassifier<C> {
+    classifier: C,
+}
+
+impl<C> SharedClassifier<C> {
+    /// Clones `classifier` for every request.
+    pub const fn new(classifier: C) -> Self {
+        Self { classifier }
+    }
+
+    /// The classifier.
+    pub const fn get_ref(&self) -> &C {
+        &self.classifier
+    }
+
+    /// The classifier, unwrapped.
+    pub fn into_inner(self) -> C {
+        self.classifier
+    }
+}
+
+impl<C, Req, Res, Err> MakeClassifier<Req, Res, Err> for SharedClassifier<C>
+where
+    C: ClassifyOutcome<Res, Err> + Clone,
+{
+    type Classifier = C;
+
+    fn make_classifier(&self, _request: &Req) -> C {
+        self.classifier.clone()
+    }
+}
+
+/// Classifies an operation that ends when its HTTP response body ends (the layer's
+/// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form).
 ///
-/// `Any` needs the error type to be `'static`. rustc cannot always prove that inside an async
-/// block (rust-lang/rust#110338): a layered service whose error is a `BoxError`, driven with
-/// `oneshot` inside `tokio::spawn(async move { .. })`, fails to compile with "higher-ranked
-/// lifetime error" (tower's own `Timeout` fails there too). Box the service
-/// (`tower::util::BoxCloneService`), spawn the `oneshot` future itself rather than an async block
-/// around it, or use [`ResultClassifier`], which has no bounds. axum and tonic handlers, whose
-/// errors are `Infallible`, are not affected.
+/// The head of a response decides, or leaves the decision to the end of the stream, as
+/// tower-http's `ClassifyResponse` and `ClassifyEos` do. An error from the service itself is
+/// the operation's [`ClassifyOutcome`]'s to classify. Whatever the head decided, a body that
+/// fails is [`classify_body_error`](ClassifyEos::classify_body_error) (`error`), one dropped
+/// before its end is `cancelled`, and a panic while it is polled is `crashed`.
+pub trait ClassifyEos {
+    /// The outcome, if the head of `response` decides it; `None` to decide at the end of the
+    /// stream with [`classify_eos`](ClassifyEos::classify_eos).
+    fn classify_head<B>(&self, response: &Response<B>) -> Option<Outcome>;
+
+    /// The outcome at the end of a stream whose head left it open, from its trailers if it sent
+    /// any. Defaults to `ok`.
+    fn classify_eos(&self, trailers: Option<&HeaderMap>) -> Outcome {
+        let _ = trailers;
+        Outcome::Ok
+    }
+
+    /// The outcome of a body that failed with `error`. Defaults to `error`.
+    fn classify_body_error<E>(&self, error: &E) -> Outcome {
+        let _ = error;
+        Outcome::Error
+    }
+}
+
+/// `Ok` is [`Outcome::Ok`], `Err` is [`Outcome::Error`].
+///
+/// It puts no bound on the error type, so a layer with it compiles wherever tower's
+/// `ConcurrencyLimit` does. For `timeout` on tower's or tokio's `Elapsed`, use
+/// [`TimeoutClassifier`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultClassifier;
 
-/// `Ok` is [`Outcome::Ok`], `Err` is [`Outcome::Error`]: the [`DefaultClassifier`] without the
-/// timeout rule, and without its `'static` bound on the error type, so it compiles wherever
-/// tower's `ConcurrencyLimit` does.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ResultClassifier;
-
-impl<Res, Err> ClassifyOutcome<Res, Err> for ResultClassifier {
+impl<Res, Err> ClassifyOutcome<Res, Err> for DefaultClassifier {
     fn classify(&self, result: Result<&Res, &Err>) -> Outcome {
         match result {
             Ok(_) => Outcome::Ok,
@@ -81,12 +162,84 @@ impl<Res, Err> ClassifyOutcome<Res, Err> for ResultClassifier {
     }
 }
 
-impl<Res, Err: 'static> ClassifyOutcome<Res, Err> for DefaultClassifier {
+impl ClassifyEos for DefaultClassifier {
+    fn classify_head<B>(&self, _response: &Response<B>) -> Option<Outcome> {
+        Some(Outcome::Ok)
+    }
+}
+
+/// Another classifier (by default the [`DefaultClassifier`]), plus: an error that is, or wraps,
+/// tower's or tokio's `Elapsed`, or an `io::Error` of kind `TimedOut`, is [`Outcome::Timeout`]
+/// (see [`error_outcome`]).
+///
+/// It looks into the error through `Any`, so it works for any error type: a boxed error such as
+/// tower's `BoxError` (and its source chain), `std::io::Error`, `Elapsed` itself, `Infallible`.
+///
+/// `Any` needs the error type to be `'static`, and rustc cannot always prove that inside an
+/// async block (rust-lang/rust#110338): a layered service whose error is a `BoxError`, driven
+/// with `oneshot` inside `tokio::spawn(async move { .. })`, then fails to compile. See the
+/// README's section on that error for the ways around it.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower::ServiceBuilder;
+/// use tower_resources_operation::{ResourcesOperationLayer, TimeoutClassifier};
+///
+/// let verifier = ServiceBuilder::new()
+///     .layer(ResourcesOperationLayer::new(2).classifier(TimeoutClassifier::new()))
+///     .timeout(Duration::from_secs(30))
+///     .service_fn(|answer: String| async move { Ok::<_, tower::BoxError>(answer == "42") });
+/// # drop(verifier);
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TimeoutClassifier<C = DefaultClassifier> {
+    inner: C,
+}
+
+impl TimeoutClassifier {
+    /// The [`DefaultClassifier`], plus timeouts.
+    pub const fn new() -> Self {
+        Self {
+            inner: DefaultClassifier,
+        }
+    }
+}
+
+impl<C> TimeoutClassifier<C> {
+    /// `inner`, plus timeouts: an error that is not a timeout goes to `inner`.
+    pub const fn wrap(inner: C) -> Self {
+        Self { inner }
+    }
+
+    /// The classifier inside.
+    pub const fn inner(&self) -> &C {
+        &self.inner
+    }
+}
+
+impl<C, Res, Err: 'static> ClassifyOutcome<Res, Err> for TimeoutClassifier<C>
+where
+    C: ClassifyOutcome<Res, Err>,
+{
     fn classify(&self, result: Result<&Res, &Err>) -> Outcome {
         match result {
-            Ok(_) => Outcome::Ok,
-            Err(error) => any_error_outcome(error),
+            Err(error) if any_error_outcome(error) == Outcome::Timeout => Outcome::Timeout,
+            result => self.inner.classify(result),
         }
+    }
+}
+
+impl<C: ClassifyEos> ClassifyEos for TimeoutClassifier<C> {
+    fn classify_head<B>(&self, response: &Response<B>) -> Option<Outcome> {
+        self.inner.classify_head(response)
+    }
+
+    fn classify_eos(&self, trailers: Option<&HeaderMap>) -> Outcome {
+        self.inner.classify_eos(trailers)
+    }
+
+    fn classify_body_error<E>(&self, error: &E) -> Outcome {
+        self.inner.classify_body_error(error)
     }
 }
 
@@ -156,9 +309,10 @@ pub(crate) fn any_error_outcome<E: 'static>(error: &E) -> Outcome {
 
 /// How [`resources_operation`](crate::resources_operation) reads the outcome of a future's output.
 ///
-/// `Result` is `ok` or, for `Err`, what [`DefaultClassifier`] says of the error; `()` is `ok`.
-/// Implement it for an output type of your own; it should not panic (if it does, the output
-/// still goes to the caller and the operation is recorded as `error`).
+/// `Result` is `ok` or, for `Err`, what [`error_outcome`] says of the error (`timeout` for an
+/// `Elapsed`, `error` otherwise); `()` is `ok`. Implement it for an output type of your own; it
+/// should not panic (if it does, the output still goes to the caller and the operation is
+/// recorded as `error`).
 pub trait OperationOutput {
     /// The outcome of an operation whose work returned `self`.
     fn outcome(&self) -> Outcome;
@@ -186,15 +340,16 @@ mod tests {
     type BoxError = Box<dyn Error + Send + Sync>;
 
     fn classify<E: 'static>(error: E) -> Outcome {
-        ClassifyOutcome::<(), E>::classify(&DefaultClassifier, Err(&error))
+        ClassifyOutcome::<(), E>::classify(&TimeoutClassifier::new(), Err(&error))
     }
 
     #[test]
-    fn ok_is_ok() {
-        assert_eq!(
-            ClassifyOutcome::<u8, BoxError>::classify(&DefaultClassifier, Ok(&1)),
-            Outcome::Ok
-        );
+    fn ok_is_ok_and_any_error_is_error_by_default() {
+        let ok = ClassifyOutcome::<u8, BoxError>::classify(&DefaultClassifier, Ok(&1));
+        assert_eq!(ok, Outcome::Ok);
+        let elapsed: BoxError = Box::new(tower::timeout::error::Elapsed::new());
+        let err = ClassifyOutcome::<u8, BoxError>::classify(&DefaultClassifier, Err(&elapsed));
+        assert_eq!(err, Outcome::Error);
     }
 
     #[test]

@@ -1,101 +1,107 @@
-//! [`ResponseFuture`]: where the outcome is decided and the run time recorded.
+//! [`ResponseFuture`]: where the inner work runs as the admitted operation, and where the
+//! answer to a rejection waits to be taken.
 
 use std::fmt;
 use std::future::Future;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use pin_project_lite::pin_project;
-use tokio::sync::OwnedSemaphorePermit;
 
-use crate::classify::ClassifyOutcome;
-use crate::metrics::Running;
-use crate::{scope, Outcome};
+use crate::end::{Admitted, End};
+use crate::lifecycle::Running;
+use crate::metrics::Series;
+use crate::reject::TakeAnswer;
+use crate::scope;
 
 pin_project! {
     /// The response future of [`ResourcesOperation`](crate::ResourcesOperation).
     ///
-    /// It holds the permit until it is dropped, as tower's limit does. Dropped before the inner
-    /// future completed, the operation ends as [`Outcome::Cancelled`].
-    pub struct ResponseFuture<F, C> {
+    /// It holds the permit until the operation ends: when it completes (or, in the
+    /// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form, when the body it
+    /// returns ends). Dropped before it completed, the operation ends as
+    /// [`Outcome::Cancelled`](crate::Outcome::Cancelled).
+    pub struct ResponseFuture<F, K, P, X, E> {
         #[pin]
-        inner: F,
-        // Empty when metrics are disabled, and once the operation has ended. Declared before
-        // the permit, so that a drop records `cancelled` before the permit goes back.
-        running: Running,
-        classifier: C,
-        _permit: OwnedSemaphorePermit,
+        state: State<F, K, P, X>,
+        _end: PhantomData<fn() -> E>,
     }
 }
 
-impl<F, C> ResponseFuture<F, C> {
-    pub(crate) fn new(
-        inner: F,
-        running: Running,
-        permit: OwnedSemaphorePermit,
-        classifier: C,
-    ) -> Self {
+pin_project! {
+    #[project = StateProj]
+    enum State<F, K, P, X> {
+        /// The inner service was called.
+        Called {
+            #[pin]
+            inner: F,
+            operation: Admitted<K, P>,
+        },
+        /// The limit turned the operation away; this is the answer.
+        Answered { answer: X },
+    }
+}
+
+impl<F, K, P, X, E> ResponseFuture<F, K, P, X, E> {
+    pub(crate) fn called(inner: F, operation: Admitted<K, P>) -> Self {
         Self {
-            inner,
-            running,
-            classifier,
-            _permit: permit,
+            state: State::Called { inner, operation },
+            _end: PhantomData,
+        }
+    }
+
+    pub(crate) fn answered(answer: X) -> Self {
+        Self {
+            state: State::Answered { answer },
+            _end: PhantomData,
         }
     }
 }
 
-impl<F, C, T, E> Future for ResponseFuture<F, C>
+impl<F, K, P, X, E, Res, Err> Future for ResponseFuture<F, K, P, X, E>
 where
-    F: Future<Output = Result<T, E>>,
-    C: ClassifyOutcome<T, E>,
+    F: Future<Output = Result<Res, Err>>,
+    X: TakeAnswer<Result<Res, Err>>,
+    E: End<Res, Err, K, P>,
 {
-    type Output = Result<T, E>;
+    type Output = Result<E::Response, Err>;
 
     #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        if !this.running.is_recording() {
-            return this.inner.poll(cx);
+        match self.project().state.project() {
+            StateProj::Called { inner, operation } => {
+                let result = if operation.running.is_recording() {
+                    ready!(poll_in_scope(inner, &mut operation.running, cx))
+                } else {
+                    ready!(inner.poll(cx))
+                };
+                Poll::Ready(E::complete(result, operation))
+            }
+            StateProj::Answered { answer } => Poll::Ready(E::unmetered(answer.take_answer())),
         }
-        poll_running(this.inner, this.running, this.classifier, cx)
     }
 }
 
-/// `poll` for an operation that records metrics: the inner future is polled as the current
-/// operation, and the operation ends when it completes. Kept out of line so that the disabled
-/// path, which is tower's, stays small enough to inline.
+/// Polls the inner future of an operation that records metrics, as that operation.
 #[inline(never)]
-fn poll_running<F, C, T, E>(
+fn poll_in_scope<F: Future>(
     inner: Pin<&mut F>,
-    running: &mut Running,
-    classifier: &C,
+    running: &mut Running<Series>,
     cx: &mut Context<'_>,
-) -> Poll<Result<T, E>>
-where
-    F: Future<Output = Result<T, E>>,
-    C: ClassifyOutcome<T, E>,
-{
-    let result = ready!(scope::enter(running, || inner.poll(cx)));
-    let outcome = if running.chosen_outcome().is_some() {
-        Outcome::Ok // ignored: the chosen outcome wins in `finish`
-    } else {
-        classify(classifier, &result)
-    };
-    running.finish(outcome);
-    Poll::Ready(result)
+) -> Poll<F::Output> {
+    scope::enter(running, || inner.poll(cx))
 }
 
-/// Runs the classifier; a panicking classifier costs the operation its outcome, not its response.
-fn classify<C: ClassifyOutcome<T, E>, T, E>(classifier: &C, result: &Result<T, E>) -> Outcome {
-    catch_unwind(AssertUnwindSafe(|| classifier.classify(result.as_ref())))
-        .unwrap_or(Outcome::Error)
-}
-
-impl<F, C> fmt::Debug for ResponseFuture<F, C> {
+impl<F, K, P, X, E> fmt::Debug for ResponseFuture<F, K, P, X, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Called { operation, .. } if operation.permit.is_some() => "called",
+            State::Called { .. } => "completed",
+            State::Answered { .. } => "rejected",
+        };
         f.debug_struct("ResponseFuture")
-            .field("running", &self.running.is_recording())
+            .field("state", &state)
             .finish_non_exhaustive()
     }
 }

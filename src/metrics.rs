@@ -1,33 +1,39 @@
-//! The instruments, the live counts, and the guards that record one operation.
+//! The instruments, the live counts, and where each operation's numbers are recorded.
 //!
 //! Everything a request touches is built once, in [`OperationMetrics::new`]: the two histograms,
-//! the attribute slices for every (operation, executor[, outcome]) in one fixed key order, and a
-//! fixed table of atomics for the live counts, read by one callback per observable instrument.
-//! The request path then only reads the clock, adds to atomics and records with a pre-built slice.
+//! the attribute slices for every (operation, executor[, outcome | rejection]) in one fixed key
+//! order, a table of atomics for the live counts, rejections and abandoned waits (read by the
+//! observable instruments' callbacks), and one [`Series`] handle per (operation, executor). The
+//! request path only reads the clock, adds to atomics and records with a pre-built slice.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 #[cfg(feature = "experimental-bound-instruments")]
 use opentelemetry::metrics::BoundHistogram;
-use opentelemetry::metrics::{Histogram, Meter};
+use opentelemetry::metrics::{Histogram, Meter, MeterProvider};
 use opentelemetry::KeyValue;
 use tokio::time::Instant;
 
 use crate::{
-    Executor, Operation, Outcome, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
-    OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
+    Capacity, Executor, Operation, Outcome, Rejection, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT,
+    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE,
+    OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 
 const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
 const OUTCOMES: usize = Outcome::ALL.len();
+const REJECTIONS: usize = Rejection::ALL.len();
+/// Limits per series remembered without taking the registry's lock.
+const KNOWN_LIMITS: usize = 4;
 
 /// Name of the meter that [`OperationMetrics::global`] takes from the global provider.
 pub const METER_NAME: &str = "tower-resources-operation";
 
-/// The instruments and live counts behind the layer and [`resources_operation`](crate::resources_operation).
+/// The instruments and live counts behind the layer and [`resources_operation`](crate::resources_operation):
+/// NeMo Gym's `_OperationMetrics`, one set per meter.
 ///
 /// Make one per [`Meter`] and clone it: clones share the instruments and the live counts, so
 /// every limit that reports through one `OperationMetrics` adds up in `queued` and `active`.
@@ -38,117 +44,207 @@ pub const METER_NAME: &str = "tower-resources-operation";
 /// [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit.
 #[derive(Clone, Debug)]
 pub struct OperationMetrics {
-    shared: Option<Arc<Shared>>,
+    inner: Option<Arc<Metrics>>,
+}
+
+#[derive(Debug)]
+struct Metrics {
+    shared: Arc<Shared>,
+    /// One handle per (operation, executor), for the callers that choose a series per operation.
+    series: Box<[Series]>,
 }
 
 impl OperationMetrics {
-    /// Creates the four instruments on `meter` and registers the live-count callbacks.
+    /// Creates the instruments on `meter` and registers the callbacks of the observable ones.
     ///
     /// Call it once per meter and clone the result; see the type's docs.
     pub fn new(meter: &Meter) -> Self {
         let shared = Arc::new(Shared::new(meter));
-        register_live_count(
-            meter,
-            &shared,
-            QUEUED_INSTRUMENT,
-            "Operations waiting for the concurrency limit right now.",
-            |cell| &cell.queued,
-        );
-        register_live_count(
-            meter,
-            &shared,
-            ACTIVE_INSTRUMENT,
-            "Operations holding a permit of the concurrency limit right now.",
-            |cell| &cell.active,
-        );
+        register_callbacks(meter, &shared);
+        let series = (0..SERIES)
+            .map(|index| Series::resolved(Arc::clone(&shared), index))
+            .collect();
         Self {
-            shared: Some(shared),
+            inner: Some(Arc::new(Metrics { shared, series })),
         }
     }
 
-    /// The metrics of the global meter provider, built once, on first use, from
-    /// `opentelemetry::global::meter("tower-resources-operation")`.
+    /// The metrics of the global meter provider installed now: the meter
+    /// `tower-resources-operation` of `opentelemetry::global::meter_provider()`.
     ///
-    /// Install the global provider before the first call (in practice: before building the
-    /// layers); instruments taken from the global meter before a provider is installed stay
-    /// no-ops for good. When the standard `OTEL_SDK_DISABLED` variable is `true` this is
-    /// [`OperationMetrics::disabled`].
+    /// OpenTelemetry's global meter is a snapshot: instruments made from it report to the provider
+    /// that was installed when they were made, for good. So this is decided when it is called, and
+    /// every call made under one provider returns the same metrics. The layer's default and the
+    /// free [`resources_operation`](crate::resources_operation) call it as late as they can: the
+    /// layer when it first serves a request, the free function on every call. When the standard
+    /// `OTEL_SDK_DISABLED` variable is `true` this is [`OperationMetrics::disabled`].
     pub fn global() -> Self {
-        static GLOBAL: OnceLock<OperationMetrics> = OnceLock::new();
-        GLOBAL
-            .get_or_init(|| {
-                let sdk_disabled = std::env::var("OTEL_SDK_DISABLED")
-                    .is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"));
-                if sdk_disabled {
-                    Self::disabled()
-                } else {
-                    Self::new(&opentelemetry::global::meter(METER_NAME))
-                }
-            })
-            .clone()
+        static SDK_DISABLED: OnceLock<bool> = OnceLock::new();
+        let disabled = *SDK_DISABLED.get_or_init(|| {
+            std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"))
+        });
+        if disabled {
+            return Self::disabled();
+        }
+        type Provider = Arc<dyn MeterProvider + Send + Sync>;
+        static BY_PROVIDER: RwLock<Vec<(Provider, OperationMetrics)>> = RwLock::new(Vec::new());
+        let provider = opentelemetry::global::meter_provider();
+        let find = |known: &[(Provider, OperationMetrics)]| {
+            known
+                .iter()
+                .find(|(p, _)| Arc::ptr_eq(p, &provider))
+                .map(|(_, metrics)| metrics.clone())
+        };
+        if let Some(metrics) = find(&BY_PROVIDER.read().unwrap_or_else(|p| p.into_inner())) {
+            return metrics;
+        }
+        let mut known = BY_PROVIDER.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(metrics) = find(&known) {
+            return metrics;
+        }
+        let metrics = Self::new(&provider.meter(METER_NAME));
+        known.push((provider, metrics.clone()));
+        metrics
     }
 
-    /// Reports nothing. The layer then does exactly what tower's `ConcurrencyLimit` does: no
-    /// clock read, no attribute, no atomic of its own.
+    /// Reports nothing. The layer then does what tower's `ConcurrencyLimit` does: no clock read,
+    /// no attribute, no atomic of its own.
     pub const fn disabled() -> Self {
-        Self { shared: None }
+        Self { inner: None }
     }
 
     /// Whether this records anything (false only for [`OperationMetrics::disabled`]).
     pub fn is_enabled(&self) -> bool {
-        self.shared.is_some()
+        self.inner.is_some()
     }
 
-    /// The handle one limit records through, or `None` when disabled.
-    pub(crate) fn series(&self, operation: Operation, executor: Executor) -> Option<Series> {
-        let shared = self.shared.as_ref()?;
-        let index = operation.index() * Executor::ALL.len() + executor.index();
-        let cell = &shared.cells[index];
-        // Report the live counts of this series from now on, 0 included, so a dashboard shows
-        // an idle limit as 0 rather than as no data.
-        if !cell.reported.load(Ordering::Relaxed) {
-            cell.reported.store(true, Ordering::Relaxed);
+    /// The series of (`operation`, `executor`), reported from now on, with `capacity` counted
+    /// in its limit; `None` when disabled.
+    pub(crate) fn series(
+        &self,
+        operation: Operation,
+        executor: Executor,
+        capacity: Option<&Capacity>,
+    ) -> Option<&Series> {
+        let metrics = self.inner.as_deref()?;
+        let series = &metrics.series[index(operation, executor)];
+        metrics.shared.report(series.index(), capacity);
+        Some(series)
+    }
+}
+
+fn index(operation: Operation, executor: Executor) -> usize {
+    operation.index() * Executor::ALL.len() + executor.index()
+}
+
+/// Where a layer takes its metrics from.
+#[derive(Clone, Debug)]
+pub(crate) enum MetricsSource {
+    /// [`OperationMetrics::global`], resolved when the layer first serves.
+    Global,
+    /// Metrics given to the layer.
+    Given(OperationMetrics),
+}
+
+impl MetricsSource {
+    /// The series a layer's service records through: given metrics are resolved now, the
+    /// global ones when the service first records.
+    pub(crate) fn series(
+        &self,
+        operation: Operation,
+        executor: Executor,
+        capacity: Option<&Capacity>,
+    ) -> Option<Series> {
+        match self {
+            MetricsSource::Given(metrics) => metrics.series(operation, executor, capacity).cloned(),
+            MetricsSource::Global => Some(Series::global(operation, executor, capacity.cloned())),
         }
-        Some(Series(Arc::new(SeriesShared {
-            shared: Arc::clone(shared),
-            index,
-        })))
+    }
+
+    /// The metrics themselves, resolving the global ones now.
+    pub(crate) fn resolve(&self) -> OperationMetrics {
+        match self {
+            MetricsSource::Given(metrics) => metrics.clone(),
+            MetricsSource::Global => OperationMetrics::global(),
+        }
     }
 }
 
-/// Registers the observable up-down counter `name`, whose one callback reports `count` of every
-/// reported series of `shared`.
-fn register_live_count(
-    meter: &Meter,
-    shared: &Arc<Shared>,
-    name: &'static str,
-    description: &'static str,
-    count: fn(&Cell) -> &AtomicI64,
-) {
-    let shared = Arc::clone(shared);
-    meter
-        .i64_observable_up_down_counter(name)
-        .with_unit("{operation}")
-        .with_description(description)
-        .with_callback(move |observer| {
-            shared.observe(count, |value, attributes| {
-                observer.observe(value, attributes)
-            })
-        })
-        .build();
+/// One (operation, executor) of one [`OperationMetrics`]: what an operation records through.
+///
+/// One pointer. Its cell is aligned to a cache line: its reference count changes on every
+/// operation of a layer, from every core.
+#[derive(Clone, Debug)]
+pub(crate) struct Series(Arc<SeriesCell>);
+
+#[derive(Debug)]
+#[repr(align(64))]
+struct SeriesCell {
+    /// The metrics, once known; `None` inside for global metrics that are disabled.
+    metrics: OnceLock<Option<Arc<Shared>>>,
+    index: usize,
+    /// The capacity to count in the series' limit when global metrics are resolved.
+    capacity: Option<Capacity>,
 }
 
-/// Live counts of one (operation, executor), on a cache line of its own.
+impl Series {
+    fn resolved(shared: Arc<Shared>, index: usize) -> Self {
+        Self(Arc::new(SeriesCell {
+            metrics: OnceLock::from(Some(shared)),
+            index,
+            capacity: None,
+        }))
+    }
+
+    fn global(operation: Operation, executor: Executor, capacity: Option<Capacity>) -> Self {
+        Self(Arc::new(SeriesCell {
+            metrics: OnceLock::new(),
+            index: index(operation, executor),
+            capacity,
+        }))
+    }
+
+    /// The metrics to record into, or `None` if they are disabled.
+    #[inline]
+    pub(crate) fn shared(&self) -> Option<&Shared> {
+        let cell = &*self.0;
+        cell.metrics
+            .get_or_init(|| {
+                let metrics = OperationMetrics::global().inner?;
+                metrics.shared.report(cell.index, cell.capacity.as_ref());
+                Some(Arc::clone(&metrics.shared))
+            })
+            .as_deref()
+    }
+
+    #[inline]
+    pub(crate) fn index(&self) -> usize {
+        self.0.index
+    }
+}
+
+/// The live counts and tallies of one (operation, executor), on a cache line of its own.
 #[derive(Debug, Default)]
 #[repr(align(64))]
 struct Cell {
     queued: AtomicI64,
     active: AtomicI64,
+    abandoned: AtomicU64,
+    rejected: [AtomicU64; REJECTIONS],
+    /// Whether the series is reported (from the first limit that uses it on).
     reported: AtomicBool,
+    /// Keys of limits already in the registry for this series, so that the scoped API and the
+    /// per-request layer do not take the registry's lock on every operation.
+    known_limits: [AtomicUsize; KNOWN_LIMITS],
 }
 
-#[derive(Debug)]
-struct Shared {
+/// A limit counted in a series' `gym.resources.operation.limit`.
+struct Registration {
+    index: usize,
+    capacity: Capacity,
+}
+
+pub(crate) struct Shared {
     clock: Clock,
     queue_duration: Histogram<f64>,
     duration: Histogram<f64>,
@@ -157,12 +253,21 @@ struct Shared {
     series_attributes: Box<[[KeyValue; 2]]>,
     /// `[operation, executor, outcome]` for each series and outcome, in that order.
     outcome_attributes: Box<[[KeyValue; 3]]>,
+    /// `[operation, executor, rejection]` for each series and rejection, in that order.
+    rejection_attributes: Box<[[KeyValue; 3]]>,
+    limits: Mutex<Vec<Registration>>,
     /// The queue histogram bound to each series, bound on first use.
     #[cfg(feature = "experimental-bound-instruments")]
     bound_queue: Box<[OnceLock<BoundHistogram<f64>>]>,
     /// The duration histogram bound to each series and outcome, bound on first use.
     #[cfg(feature = "experimental-bound-instruments")]
     bound_duration: Box<[OnceLock<BoundHistogram<f64>>]>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").finish_non_exhaustive()
+    }
 }
 
 impl Shared {
@@ -183,6 +288,7 @@ impl Shared {
 
         let mut series_attributes = Vec::with_capacity(SERIES);
         let mut outcome_attributes = Vec::with_capacity(SERIES * OUTCOMES);
+        let mut rejection_attributes = Vec::with_capacity(SERIES * REJECTIONS);
         for operation in Operation::ALL {
             for executor in Executor::ALL {
                 let operation = KeyValue::new(OPERATION_ATTRIBUTE, operation.as_str());
@@ -192,6 +298,13 @@ impl Shared {
                         operation.clone(),
                         executor.clone(),
                         KeyValue::new(OUTCOME_ATTRIBUTE, outcome.as_str()),
+                    ]);
+                }
+                for rejection in Rejection::ALL {
+                    rejection_attributes.push([
+                        operation.clone(),
+                        executor.clone(),
+                        KeyValue::new(REJECTION_ATTRIBUTE, rejection.as_str()),
                     ]);
                 }
                 series_attributes.push([operation, executor]);
@@ -205,6 +318,8 @@ impl Shared {
             cells: Default::default(),
             series_attributes: series_attributes.into_boxed_slice(),
             outcome_attributes: outcome_attributes.into_boxed_slice(),
+            rejection_attributes: rejection_attributes.into_boxed_slice(),
+            limits: Mutex::new(Vec::new()),
             #[cfg(feature = "experimental-bound-instruments")]
             bound_queue: (0..SERIES).map(|_| OnceLock::new()).collect(),
             #[cfg(feature = "experimental-bound-instruments")]
@@ -212,7 +327,92 @@ impl Shared {
         }
     }
 
-    /// Records a queue time for series `index`.
+    /// Reports series `index` from now on (0 included, so an idle limit shows as 0 rather than
+    /// as no data), with `capacity` counted in its limit.
+    pub(crate) fn report(&self, index: usize, capacity: Option<&Capacity>) {
+        let cell = &self.cells[index];
+        if !cell.reported.load(Ordering::Relaxed) {
+            cell.reported.store(true, Ordering::Relaxed);
+        }
+        let Some(capacity) = capacity else { return };
+        let key = capacity.key();
+        if cell
+            .known_limits
+            .iter()
+            .any(|known| known.load(Ordering::Relaxed) == key)
+        {
+            return;
+        }
+        let mut limits = self.limits.lock().unwrap_or_else(|p| p.into_inner());
+        if !limits
+            .iter()
+            .any(|known| known.index == index && known.capacity.key() == key)
+        {
+            limits.push(Registration {
+                index,
+                capacity: capacity.clone(),
+            });
+        }
+        for known in &cell.known_limits {
+            if known
+                .compare_exchange(0, key, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                break;
+            }
+        }
+    }
+
+    /// The clock, now, in nanoseconds from its origin; `None` if it cannot be read (tokio's
+    /// paused clock panics once its runtime's thread-locals are gone).
+    #[inline]
+    pub(crate) fn now(&self) -> Option<i64> {
+        catch_unwind(AssertUnwindSafe(|| self.clock.nanos(Instant::now()))).ok()
+    }
+
+    /// Counts one more operation of series `index` as waiting.
+    pub(crate) fn start_waiting(&self, index: usize) {
+        self.cells[index].queued.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A wait of series `index` that began at `since` got its permit at `now`.
+    pub(crate) fn admit(&self, index: usize, waited: Option<(Option<i64>, Option<i64>)>) {
+        let cell = &self.cells[index];
+        let queued_ms = match waited {
+            Some((since, now)) => {
+                cell.queued.fetch_sub(1, Ordering::Relaxed);
+                millis(since, now)
+            }
+            None => 0.0,
+        };
+        cell.active.fetch_add(1, Ordering::Relaxed);
+        guarded(|| self.record_queue(index, queued_ms));
+    }
+
+    /// An operation of series `index` was turned away, after waiting or not.
+    pub(crate) fn reject(&self, index: usize, rejection: Rejection, waited: bool) {
+        let cell = &self.cells[index];
+        if waited {
+            cell.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        cell.rejected[rejection.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A caller of series `index` went away while it waited (or its limit failed under it).
+    pub(crate) fn abandon(&self, index: usize, waited: bool) {
+        let cell = &self.cells[index];
+        if waited {
+            cell.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        cell.abandoned.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An operation of series `index` that started at `start` ended with `outcome` at `now`.
+    pub(crate) fn end(&self, index: usize, outcome: Outcome, start: Option<i64>, now: Option<i64>) {
+        self.cells[index].active.fetch_sub(1, Ordering::Relaxed);
+        guarded(|| self.record_duration(index, outcome, millis(start, now)));
+    }
+
     fn record_queue(&self, index: usize, ms: f64) {
         #[cfg(feature = "experimental-bound-instruments")]
         self.bound_queue[index]
@@ -223,7 +423,6 @@ impl Shared {
             .record(ms, &self.series_attributes[index]);
     }
 
-    /// Records a run time for series `index` that ended with `outcome`.
     fn record_duration(&self, index: usize, outcome: Outcome, ms: f64) {
         let index = index * OUTCOMES + outcome.index();
         #[cfg(feature = "experimental-bound-instruments")]
@@ -234,163 +433,124 @@ impl Shared {
         self.duration.record(ms, &self.outcome_attributes[index]);
     }
 
-    /// Observes one live count per reported series. Runs in the SDK's collection; cannot panic.
-    fn observe(
+    /// Observes `value` of every reported series. Runs in the SDK's collection; cannot panic.
+    fn observe_series<T>(
         &self,
-        count: impl Fn(&Cell) -> &AtomicI64,
-        mut observe: impl FnMut(i64, &[KeyValue]),
+        value: impl Fn(&Cell) -> T,
+        mut observe: impl FnMut(T, &[KeyValue]),
     ) {
         for (cell, attributes) in self.cells.iter().zip(self.series_attributes.iter()) {
             if cell.reported.load(Ordering::Relaxed) {
-                observe(count(cell).load(Ordering::Relaxed), attributes);
+                observe(value(cell), attributes);
+            }
+        }
+    }
+
+    /// Observes the rejections of every reported series, by reason.
+    fn observe_rejections(&self, mut observe: impl FnMut(u64, &[KeyValue])) {
+        for (index, cell) in self.cells.iter().enumerate() {
+            if cell.reported.load(Ordering::Relaxed) {
+                for (rejection, count) in cell.rejected.iter().enumerate() {
+                    let attributes = &self.rejection_attributes[index * REJECTIONS + rejection];
+                    observe(count.load(Ordering::Relaxed), attributes);
+                }
+            }
+        }
+    }
+
+    /// Observes, for each series with at least one known limit, the sum of the capacities of its
+    /// distinct limits; forgets the limits that are gone.
+    fn observe_limits(&self, mut observe: impl FnMut(i64, &[KeyValue])) {
+        let mut totals = [None::<usize>; SERIES];
+        {
+            let mut limits = self.limits.lock().unwrap_or_else(|p| p.into_inner());
+            limits.retain(|limit| {
+                let Some(capacity) = catch_unwind(AssertUnwindSafe(|| limit.capacity.get()))
+                    .ok()
+                    .flatten()
+                else {
+                    let key = limit.capacity.key();
+                    for known in &self.cells[limit.index].known_limits {
+                        let _ =
+                            known.compare_exchange(key, 0, Ordering::Relaxed, Ordering::Relaxed);
+                    }
+                    return false;
+                };
+                let total = totals[limit.index].get_or_insert(0);
+                *total = total.saturating_add(capacity);
+                true
+            });
+        }
+        for (index, total) in totals.iter().enumerate() {
+            if let Some(total) = total {
+                let value = i64::try_from(*total).unwrap_or(i64::MAX);
+                observe(value, &self.series_attributes[index]);
             }
         }
     }
 }
 
-/// One (operation, executor) of one [`OperationMetrics`]: what a service records through.
-///
-/// One pointer, so that a [`Running`] fits in two registers and costs the disabled path, which
-/// carries an empty one, next to nothing to move.
-#[derive(Clone, Debug)]
-pub(crate) struct Series(Arc<SeriesShared>);
-
-/// Aligned to a cache line: its reference count changes on every operation, from every core,
-/// and must not share a line with whatever was allocated next to it.
-#[derive(Debug)]
-#[repr(align(64))]
-struct SeriesShared {
-    shared: Arc<Shared>,
-    /// Position of (operation, executor) in the tables.
-    index: usize,
-}
-
-impl Series {
-    fn cell(&self) -> &Cell {
-        &self.0.shared.cells[self.0.index]
-    }
-
-    /// The operation starts to wait for a permit: it counts as queued until the guard drops.
-    pub(crate) fn wait(&self) -> Waiting<'_> {
-        Waiting::new(self, self.start_waiting())
-    }
-
-    /// Counts one more operation as queued, and returns when it started to wait, in
-    /// nanoseconds on this series' clock. The caller takes it back with a [`Waiting`] made from
-    /// that time (see [`Waiting::new`]).
-    pub(crate) fn start_waiting(&self) -> u64 {
-        self.cell().queued.fetch_add(1, Ordering::Relaxed);
-        self.now()
-    }
-
-    fn now(&self) -> u64 {
-        self.0.shared.clock.nanos(Instant::now())
-    }
-
-    /// The operation has its permit: records the queue time (0 when it never waited) and counts
-    /// it as active until the returned guard finishes or drops.
-    pub(crate) fn admit(&self, waited: Option<Waiting<'_>>) -> Running {
-        let start = self.now();
-        let queued_ms = match waited {
-            Some(waiting) => millis(start.saturating_sub(waiting.since)),
-            None => 0.0,
-        };
-        guarded(|| self.0.shared.record_queue(self.0.index, queued_ms));
-        self.cell().active.fetch_add(1, Ordering::Relaxed);
-        Running {
-            stamp: Stamp::new(start),
-            series: Some(self.clone()),
-        }
-    }
-}
-
-/// Counts one operation as queued while it lives. It borrows its series, so a wait costs no
-/// reference count.
-#[derive(Debug)]
-pub(crate) struct Waiting<'a> {
-    series: &'a Series,
-    /// Nanoseconds on the series' clock.
-    since: u64,
-}
-
-impl<'a> Waiting<'a> {
-    /// Takes over a wait that [`Series::start_waiting`] counted at `since`.
-    pub(crate) fn new(series: &'a Series, since: u64) -> Self {
-        Self { series, since }
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.series.cell().queued.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// One admitted operation: counts as active, and records its duration exactly once, with the
-/// outcome given to [`Running::finish`], or `cancelled` if it is dropped first.
-///
-/// Once recorded it is empty, and [`Running::EMPTY`] is the one a service with disabled metrics
-/// carries: two words, the first of them null, so that path only moves and tests a pointer.
-#[derive(Debug)]
-pub(crate) struct Running {
-    /// `None` once recorded, or when there is nothing to record.
-    series: Option<Series>,
-    stamp: Stamp,
-}
-
-impl Running {
-    /// Nothing to record.
-    pub(crate) const EMPTY: Self = Self {
-        series: None,
-        stamp: Stamp(0),
+/// Registers the observable instruments, each read by one callback over every reported series.
+fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
+    let live = |name: &'static str, description: &'static str, count: fn(&Cell) -> &AtomicI64| {
+        let shared = Arc::clone(shared);
+        meter
+            .i64_observable_up_down_counter(name)
+            .with_unit("{operation}")
+            .with_description(description)
+            .with_callback(move |observer| {
+                shared.observe_series(
+                    |cell| count(cell).load(Ordering::Relaxed),
+                    |value, attributes| observer.observe(value, attributes),
+                )
+            })
+            .build();
     };
+    live(
+        QUEUED_INSTRUMENT,
+        "Operations waiting for the concurrency limit right now.",
+        |cell| &cell.queued,
+    );
+    live(
+        ACTIVE_INSTRUMENT,
+        "Operations holding a permit of the concurrency limit right now.",
+        |cell| &cell.active,
+    );
 
-    /// Whether the duration is still to be recorded.
-    #[inline]
-    pub(crate) fn is_recording(&self) -> bool {
-        self.series.is_some()
-    }
+    let limits = Arc::clone(shared);
+    meter
+        .i64_observable_gauge(LIMIT_INSTRUMENT)
+        .with_unit("{operation}")
+        .with_description(
+            "Operations that could hold a permit at once: the capacities of the limits the series draws from.",
+        )
+        .with_callback(move |observer| {
+            limits.observe_limits(|value, attributes| observer.observe(value, attributes))
+        })
+        .build();
 
-    /// Records the duration with `outcome` (unless [`set_outcome`](crate::set_outcome) chose one)
-    /// and stops counting the operation as active. Only the first call records.
-    #[inline]
-    pub(crate) fn finish(&mut self, outcome: Outcome) {
-        if let Some(series) = self.series.take() {
-            record_end(series, self.stamp, outcome);
-        }
-    }
+    let rejected = Arc::clone(shared);
+    meter
+        .u64_observable_counter(REJECTED_INSTRUMENT)
+        .with_unit("{operation}")
+        .with_description("Operations turned away without a permit, by reason.")
+        .with_callback(move |observer| {
+            rejected.observe_rejections(|value, attributes| observer.observe(value, attributes))
+        })
+        .build();
 
-    /// The outcome [`set_outcome`](crate::set_outcome) chose, if it did.
-    pub(crate) fn chosen_outcome(&self) -> Option<Outcome> {
-        self.stamp.outcome()
-    }
-
-    /// Keeps the outcome [`set_outcome`](crate::set_outcome) chose, to win over a classifier.
-    pub(crate) fn choose_outcome(&mut self, outcome: Option<Outcome>) {
-        self.stamp = self.stamp.with_outcome(outcome);
-    }
-}
-
-/// Records the end of an operation admitted at `stamp`. Out of line, so that what inlines into
-/// the request path is only the test for an empty [`Running`].
-///
-/// `extern "C"` because such a function cannot unwind, and the compiler knows it: a drop that
-/// may call this one then needs no unwinding path of its own, stays as small as tower's, and
-/// inlines like it (the response future's drop, on every request, metrics on or off). A panic
-/// in the meter is caught inside, as it must be anyway: metrics never panic into a request.
-#[inline(never)]
-#[allow(improper_ctypes_definitions)] // only Rust calls it: the ABI is here for "cannot unwind"
-extern "C" fn record_end(series: Series, stamp: Stamp, outcome: Outcome) {
-    series.cell().active.fetch_sub(1, Ordering::Relaxed);
-    let outcome = stamp.outcome().unwrap_or(outcome);
-    let elapsed = series.now().saturating_sub(stamp.nanos());
-    // `series` moves in, so that its drop runs inside the guard too.
-    guarded(move || {
-        series
-            .0
-            .shared
-            .record_duration(series.0.index, outcome, millis(elapsed))
-    });
+    let abandoned = Arc::clone(shared);
+    meter
+        .u64_observable_counter(ABANDONED_INSTRUMENT)
+        .with_unit("{operation}")
+        .with_description("Operations whose caller went away while they waited for a permit.")
+        .with_callback(move |observer| {
+            abandoned.observe_series(
+                |cell| cell.abandoned.load(Ordering::Relaxed),
+                |value, attributes| observer.observe(value, attributes),
+            )
+        })
+        .build();
 }
 
 /// Runs `record`, a call into the meter: a meter that panics costs its measurement, not the
@@ -399,82 +559,35 @@ fn guarded(record: impl FnOnce()) {
     let _ = catch_unwind(AssertUnwindSafe(record));
 }
 
-impl Drop for Running {
-    #[inline]
-    fn drop(&mut self) {
-        self.finish(Outcome::Cancelled);
-    }
-}
-
-/// When an operation started, as nanoseconds on its metrics' [`Clock`], and the outcome chosen
-/// for it so far, in one word.
-#[derive(Clone, Copy, Debug)]
-struct Stamp(u64);
-
-impl Stamp {
-    /// Low bits: 0 for no outcome chosen, else 1 + the outcome's index.
-    const OUTCOME_BITS: u32 = 3;
-    const OUTCOME_MASK: u64 = (1 << Self::OUTCOME_BITS) - 1;
-
-    fn new(nanos: u64) -> Self {
-        Self(nanos << Self::OUTCOME_BITS)
-    }
-
-    fn nanos(self) -> u64 {
-        self.0 >> Self::OUTCOME_BITS
-    }
-
-    fn outcome(self) -> Option<Outcome> {
-        let code = (self.0 & Self::OUTCOME_MASK) as usize;
-        code.checked_sub(1)
-            .and_then(|index| Outcome::ALL.get(index).copied())
-    }
-
-    fn with_outcome(self, outcome: Option<Outcome>) -> Self {
-        let code = outcome.map_or(0, |outcome| outcome.index() as u64 + 1);
-        Self((self.0 & !Self::OUTCOME_MASK) | code)
-    }
-}
-
-const _: () = assert!(
-    OUTCOMES < (1 << Stamp::OUTCOME_BITS),
-    "every outcome code must fit in a stamp"
-);
-
-/// Turns instants into nanoseconds from an origin set well before the metrics were made.
-///
-/// The origin is a year ([`Clock::LEAD`]) before the clock is made, where the platform's
-/// instants reach that far back, so that an instant read on a paused tokio clock that runs
-/// behind the one the metrics were made under (tests) still counts from the origin. Sixty-one
-/// bits of nanoseconds leave some seventy years after it.
+/// Turns instants into signed nanoseconds from an origin: an instant before the origin (a
+/// paused tokio clock behind the one the metrics were made under) is negative, not lost.
 #[derive(Debug)]
 struct Clock {
     origin: Instant,
 }
 
 impl Clock {
-    /// How far before its making the clock's origin is set.
-    const LEAD: std::time::Duration = std::time::Duration::from_secs(366 * 24 * 60 * 60);
-
     fn new() -> Self {
-        let now = Instant::now();
         Self {
-            origin: now.checked_sub(Self::LEAD).unwrap_or(now),
+            origin: Instant::now(),
         }
     }
 
-    fn nanos(&self, instant: Instant) -> u64 {
-        let since = instant.saturating_duration_since(self.origin);
-        // 2^61 ns is 73 years: saturate rather than wrap past it.
-        u64::try_from(since.as_nanos())
-            .unwrap_or(u64::MAX)
-            .min(u64::MAX >> Stamp::OUTCOME_BITS)
+    fn nanos(&self, instant: Instant) -> i64 {
+        let signed = |nanos: u128| i64::try_from(nanos).unwrap_or(i64::MAX);
+        match instant.checked_duration_since(self.origin) {
+            Some(after) => signed(after.as_nanos()),
+            None => -signed(self.origin.duration_since(instant).as_nanos()),
+        }
     }
 }
 
-/// Nanoseconds as the milliseconds the histograms take.
-fn millis(nanos: u64) -> f64 {
-    nanos as f64 / 1e6
+/// The milliseconds from `start` to `end`, 0 if either is unknown.
+pub(crate) fn millis(start: Option<i64>, end: Option<i64>) -> f64 {
+    match (start, end) {
+        (Some(start), Some(end)) => end.saturating_sub(start).max(0) as f64 / 1e6,
+        _ => 0.0,
+    }
 }
 
 #[cfg(test)]
@@ -482,23 +595,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_stamp_keeps_its_time_and_outcome_apart() {
-        let stamp = Stamp::new(u64::MAX >> Stamp::OUTCOME_BITS);
-        assert_eq!(stamp.outcome(), None);
-        for outcome in Outcome::ALL {
-            let chosen = stamp.with_outcome(Some(*outcome));
-            assert_eq!(chosen.outcome(), Some(*outcome));
-            assert_eq!(chosen.nanos(), stamp.nanos());
-            assert_eq!(chosen.with_outcome(None).outcome(), None);
+    fn the_clock_counts_instants_before_its_origin_as_negative() {
+        let before = Instant::now();
+        let clock = Clock::new();
+        let later = before + std::time::Duration::from_millis(5);
+        assert!(clock.nanos(before) <= 0);
+        assert_eq!(clock.nanos(later) - clock.nanos(before), 5_000_000);
+        if let Some(long_before) = clock
+            .origin
+            .checked_sub(std::time::Duration::from_secs(3600))
+        {
+            assert_eq!(clock.nanos(long_before), -3_600_000_000_000);
         }
     }
 
     #[test]
-    fn the_clock_counts_from_before_it_was_made() {
-        let before = Instant::now();
-        let clock = Clock::new();
-        assert!(clock.nanos(before) > 0);
-        let later = before + std::time::Duration::from_millis(5);
-        assert_eq!(clock.nanos(later) - clock.nanos(before), 5_000_000);
+    fn millis_of_unknown_instants_is_zero() {
+        assert_eq!(millis(Some(1_000_000), Some(3_000_000)), 2.0);
+        assert_eq!(millis(None, Some(3)), 0.0);
+        assert_eq!(millis(Some(5), Some(3)), 0.0);
     }
 }

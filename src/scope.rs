@@ -1,4 +1,4 @@
-//! [`set_outcome`]: the seed's `op.outcome = ...`, for code running inside limited work.
+//! [`set_outcome`]: NeMo Gym's `op.outcome = ...`, for code running inside limited work.
 //!
 //! While the layer (or [`resources_operation`](crate::resources_operation)) calls or polls the
 //! work, a thread-local slot holds that operation's outcome; `set_outcome` writes it, and the
@@ -6,9 +6,11 @@
 //! slot, so each sees only its own. The slot is a `Copy` value in a `const` thread-local: no
 //! allocation and no lazy initialisation on the request path.
 
+use std::borrow::Borrow;
 use std::cell::Cell;
 
-use crate::metrics::Running;
+use crate::lifecycle::Running;
+use crate::metrics::Series;
 use crate::Outcome;
 
 #[derive(Clone, Copy)]
@@ -59,7 +61,7 @@ pub fn set_outcome(outcome: Outcome) -> bool {
 /// current operation. If `work` panics, the operation ends as [`Outcome::Crashed`] and the panic
 /// goes on unchanged.
 #[inline]
-pub(crate) fn enter<R>(running: &mut Running, work: impl FnOnce() -> R) -> R {
+pub(crate) fn enter<H: Borrow<Series>, R>(running: &mut Running<H>, work: impl FnOnce() -> R) -> R {
     let Ok(previous) =
         CURRENT.try_with(|slot| slot.replace(Slot::Inside(running.chosen_outcome())))
     else {
@@ -77,19 +79,19 @@ pub(crate) fn enter<R>(running: &mut Running, work: impl FnOnce() -> R) -> R {
 /// Gives the thread's slot back to the operation around this one, keeping the outcome that the
 /// work chose, if it did.
 #[inline]
-fn leave(running: &mut Running, previous: Slot) {
+fn leave<H: Borrow<Series>>(running: &mut Running<H>, previous: Slot) {
     if let Ok(Slot::Inside(outcome)) = CURRENT.try_with(|slot| slot.replace(previous)) {
         running.choose_outcome(outcome);
     }
 }
 
 /// Dropped only while `work` unwinds: leaves the scope and ends the operation as crashed.
-struct Unwinding<'a> {
-    running: &'a mut Running,
+struct Unwinding<'a, H: Borrow<Series>> {
+    running: &'a mut Running<H>,
     previous: Slot,
 }
 
-impl Drop for Unwinding<'_> {
+impl<H: Borrow<Series>> Drop for Unwinding<'_, H> {
     fn drop(&mut self) {
         leave(self.running, self.previous);
         self.running.finish(Outcome::Crashed);

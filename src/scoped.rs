@@ -1,36 +1,42 @@
-//! [`resources_operation`]: the seed's context manager, for work that is not a tower service.
+//! [`resources_operation`]: NeMo Gym's context manager, for work that is not a tower service.
 
 use std::future::Future;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use pin_project_lite::pin_project;
-use tokio::sync::{Semaphore, TryAcquireError};
 
+use crate::acquire::limit_failed;
 use crate::classify::OperationOutput;
-use crate::metrics::Running;
-use crate::service::semaphore_closed;
-use crate::{scope, Executor, Operation, OperationMetrics, Outcome};
+use crate::lifecycle::{self, Running, Waiting};
+use crate::metrics::Series;
+use crate::{scope, Acquire, AcquireError, Executor, Operation, OperationMetrics, Rejected};
 
 /// Runs `work` inside `limit` and reports it through [`OperationMetrics::global`]; returns the
-/// work's output.
+/// work's output, or [`Rejected`] if the limit turned the operation away.
 ///
-/// The Rust form of the seed's `async with resources_operation(limit, operation, executor) as op`.
+/// The Rust form of NeMo Gym's
+/// `async with resources_operation(limit, operation, executor) as op`. The global provider is
+/// looked up on every call, so the provider installed when the call is made is the one that
+/// records it; when you hold an [`OperationMetrics`] (your own provider, say one with a
+/// Prometheus exporter that you never install globally), call
+/// [`OperationMetrics::resources_operation`] instead.
+///
 /// The outcome follows the layer's rules: an `Err` output is `error` (or `timeout`, see
 /// [`OperationOutput`]), dropping the returned future is `cancelled`, a panic in `work` is
 /// `crashed` and goes on unchanged, and [`set_outcome`](crate::set_outcome) called inside `work`
 /// wins over all of them.
 ///
-/// `limit` is any `&Semaphore`, so `&Arc<Semaphore>` works too. It must stay open: waiting on a
-/// closed semaphore panics with a message that says so instead of hanging.
+/// `limit` is any [`Acquire`]: `&Semaphore`, `&Arc<Semaphore>`, `&Limit`, or a limit of your
+/// own. Its permit is held for exactly the work. A limit that cannot admit any more (a closed
+/// semaphore) panics with a message that says so instead of hanging.
 ///
 /// ```
 /// use tokio::sync::Semaphore;
 /// use tower_resources_operation::{resources_operation, set_outcome, Executor, Operation, Outcome};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let verifiers = Semaphore::new(2);
 /// let verdict: Result<bool, std::io::Error> =
 ///     resources_operation(&verifiers, Operation::Verify, Executor::Subprocess, async {
@@ -40,17 +46,19 @@ use crate::{scope, Executor, Operation, OperationMetrics, Outcome};
 ///         }
 ///         Ok(true)
 ///     })
-///     .await;
-/// assert!(verdict.unwrap());
+///     .await?; // `Rejected`, if the limit turned the operation away
+/// assert!(verdict?);
+/// # Ok(())
 /// # }
 /// ```
-pub async fn resources_operation<F>(
-    limit: &Semaphore,
+pub async fn resources_operation<A, F>(
+    limit: A,
     operation: Operation,
     executor: Executor,
     work: F,
-) -> F::Output
+) -> Result<F::Output, Rejected>
 where
+    A: Acquire,
     F: Future,
     F::Output: OperationOutput,
 {
@@ -61,49 +69,113 @@ where
 
 impl OperationMetrics {
     /// [`resources_operation`] reporting through these metrics instead of the global ones.
-    pub async fn resources_operation<F>(
+    ///
+    /// ```
+    /// use opentelemetry::metrics::MeterProvider as _;
+    /// use opentelemetry_sdk::metrics::SdkMeterProvider;
+    /// use tower_resources_operation::{Executor, Limit, Operation, OperationMetrics};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let provider = SdkMeterProvider::builder().build(); // with your exporter's reader
+    /// let metrics = OperationMetrics::new(&provider.meter("my-server"));
+    /// let judges = Limit::new(2);
+    /// let grade = metrics
+    ///     .resources_operation(&judges, Operation::Judge, Executor::Inline, async {
+    ///         Ok::<_, std::io::Error>(7)
+    ///     })
+    ///     .await;
+    /// assert_eq!(grade.unwrap().unwrap(), 7);
+    /// # }
+    /// ```
+    pub async fn resources_operation<A, F>(
         &self,
-        limit: &Semaphore,
+        limit: A,
         operation: Operation,
         executor: Executor,
         work: F,
-    ) -> F::Output
+    ) -> Result<F::Output, Rejected>
     where
+        A: Acquire,
         F: Future,
         F::Output: OperationOutput,
     {
-        let series = self.series(operation, executor);
-        let (_permit, running) = match limit.try_acquire() {
-            Ok(permit) => (permit, series.as_ref().map(|series| series.admit(None))),
-            Err(TryAcquireError::NoPermits) => {
-                // Dropping this future while it waits drops `waiting`: the wait is taken back.
-                let waiting = series.as_ref().map(|series| series.wait());
-                let Ok(permit) = limit.acquire().await else {
-                    drop(waiting);
-                    semaphore_closed()
-                };
-                let running = series.as_ref().map(|series| series.admit(waiting));
-                (permit, running)
+        let series = self.series(operation, executor, limit.capacity());
+        let (permit, running) = match limit.try_acquire() {
+            Some(Ok(permit)) => (permit, admit(series, None)),
+            Some(Err(error)) => return Err(refused::<A>(series, None, &error)),
+            None => {
+                let waiting = series.and_then(Waiting::start);
+                match limit.acquire().await {
+                    Ok(permit) => (permit, admit(series, waiting)),
+                    Err(error) => return Err(refused::<A>(series, waiting, &error)),
+                }
             }
-            Err(TryAcquireError::Closed) => semaphore_closed(),
         };
-        match running {
-            None => work.await,
-            Some(running) => Scoped { work, running }.await,
+        if !running.is_recording() {
+            let output = work.await;
+            drop(permit);
+            return Ok(output);
+        }
+        Ok(Scoped {
+            work,
+            running,
+            _permit: permit,
+        }
+        .await)
+    }
+}
+
+/// The operation has its permit, after `waiting` if it waited.
+fn admit<'a>(
+    series: Option<&'a Series>,
+    waiting: Option<Waiting<&'a Series>>,
+) -> Running<&'a Series> {
+    match (waiting, series) {
+        (Some(waiting), _) => waiting.admit(),
+        (None, Some(series)) => lifecycle::admit(series, None),
+        (None, None) => Running::EMPTY,
+    }
+}
+
+/// The limit admitted no operation: a rejection is returned, a failure ends the caller.
+#[cold]
+fn refused<A>(
+    series: Option<&Series>,
+    waiting: Option<Waiting<&Series>>,
+    error: &AcquireError,
+) -> Rejected {
+    match error.rejection() {
+        Some(rejection) => {
+            match (waiting, series) {
+                (Some(waiting), _) => waiting.reject(rejection),
+                (None, Some(series)) => lifecycle::reject(series, rejection),
+                (None, None) => {}
+            }
+            Rejected::new(rejection)
+        }
+        None => {
+            match (waiting, series) {
+                (Some(waiting), _) => drop(waiting),
+                (None, Some(series)) => lifecycle::abandon(series),
+                (None, None) => {}
+            }
+            limit_failed::<A>(error)
         }
     }
 }
 
 pin_project! {
     /// Polls the work as the current operation, and ends the operation with the work's outcome.
-    struct Scoped<F> {
+    struct Scoped<'a, F, P> {
         #[pin]
         work: F,
-        running: Running,
+        running: Running<&'a Series>,
+        _permit: P,
     }
 }
 
-impl<F> Future for Scoped<F>
+impl<F, P> Future for Scoped<'_, F, P>
 where
     F: Future,
     F::Output: OperationOutput,
@@ -114,13 +186,7 @@ where
         let this = self.project();
         let work = this.work;
         let output = ready!(scope::enter(this.running, || work.poll(cx)));
-        let outcome = if this.running.chosen_outcome().is_some() {
-            Outcome::Ok // ignored: the chosen outcome wins in `finish`
-        } else {
-            // A panicking `outcome()` costs the operation its outcome, not the work's output.
-            catch_unwind(AssertUnwindSafe(|| output.outcome())).unwrap_or(Outcome::Error)
-        };
-        this.running.finish(outcome);
+        this.running.finish_with(|| output.outcome());
         Poll::Ready(output)
     }
 }

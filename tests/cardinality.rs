@@ -16,10 +16,11 @@ use tower::{service_fn, Layer as _, ServiceExt as _};
 use reliability::{assert_books, quiet_expected_panics, Books, EXPECTED_PANIC};
 use support::{Data, Telemetry};
 use tower_resources_operation::{
-    ClassifyOutcome, Executor, GrpcClassifier, HttpClassifier, Operation, Outcome,
-    ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE,
-    OPERATIONS, OPERATION_ATTRIBUTE, OUTCOMES, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
+    ClassifyOutcome, Executor, GrpcClassifier, HttpClassifier, Limit, Operation, Outcome,
+    ResourcesOperationLayer, TimeoutClassifier, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT,
+    DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, LIMIT_INSTRUMENT, OPERATIONS,
+    OPERATION_ATTRIBUTE, OUTCOMES, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    REJECTED_INSTRUMENT, REJECTIONS, REJECTION_ATTRIBUTE,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -113,19 +114,29 @@ async fn respond(answer: Answer) -> Result<Response<()>, BoxError> {
 }
 
 /// Runs `answer` through a layer tagged with the lossy parses of `operation` and `executor`.
-async fn run(telemetry: &Telemetry, operation: Operation, executor: Executor, answer: Answer) {
+async fn run(
+    telemetry: &Telemetry,
+    limit: &Limit,
+    operation: Operation,
+    executor: Executor,
+    answer: Answer,
+) {
     let inner = service_fn(respond);
-    let base = ResourcesOperationLayer::new(2)
+    let base = ResourcesOperationLayer::with_limit(limit.clone())
         .operation(operation)
         .executor(executor)
         .metrics(telemetry.metrics.clone());
     let result = match &answer {
         Answer::Grpc(_) => {
-            let service = base.classifier(GrpcClassifier).layer(inner);
+            let service = base
+                .classifier(TimeoutClassifier::wrap(GrpcClassifier))
+                .layer(inner);
             tokio::task::spawn_local(service.oneshot(answer.clone())).await
         }
         _ => {
-            let service = base.classifier(HttpClassifier::new()).layer(inner);
+            let service = base
+                .classifier(TimeoutClassifier::wrap(HttpClassifier::new()))
+                .layer(inner);
             tokio::task::spawn_local(service.oneshot(answer.clone())).await
         }
     };
@@ -147,21 +158,31 @@ fn assert_series_bounded(telemetry: &Telemetry) {
         DURATION_INSTRUMENT,
         QUEUED_INSTRUMENT,
         ACTIVE_INSTRUMENT,
+        LIMIT_INSTRUMENT,
+        REJECTED_INSTRUMENT,
+        ABANDONED_INSTRUMENT,
     ]);
     assert_eq!(names, ours, "instruments exported");
 
     for metric in &exported {
         let attribute_sets: Vec<_> = match &metric.data {
             Data::Histogram(points) => points.iter().map(|p| &p.attributes).collect(),
-            Data::Sum { points, .. } => points.iter().map(|p| &p.attributes).collect(),
+            Data::Sum { points, .. } | Data::Gauge(points) => {
+                points.iter().map(|p| &p.attributes).collect()
+            }
             Data::Other(other) => panic!("{}: {other}", metric.name),
         };
         let with_outcome = metric.name == DURATION_INSTRUMENT;
-        let bound = if with_outcome {
-            OPERATIONS.len() * EXECUTORS.len() * OUTCOMES.len()
-        } else {
-            OPERATIONS.len() * EXECUTORS.len()
-        };
+        let with_rejection = metric.name == REJECTED_INSTRUMENT;
+        let bound = OPERATIONS.len()
+            * EXECUTORS.len()
+            * if with_outcome {
+                OUTCOMES.len()
+            } else if with_rejection {
+                REJECTIONS.len()
+            } else {
+                1
+            };
         assert!(
             attribute_sets.len() <= bound,
             "{}: {} series",
@@ -175,6 +196,9 @@ fn assert_series_bounded(telemetry: &Telemetry) {
             if with_outcome {
                 keys.push(OUTCOME_ATTRIBUTE);
             }
+            if with_rejection {
+                keys.push(REJECTION_ATTRIBUTE);
+            }
             let mut expected_keys: Vec<&str> = keys.clone();
             expected_keys.sort_unstable();
             let actual_keys: Vec<&str> = attributes.keys().map(String::as_str).collect();
@@ -183,6 +207,9 @@ fn assert_series_bounded(telemetry: &Telemetry) {
             assert!(EXECUTORS.contains(&attributes[EXECUTOR_ATTRIBUTE].as_str()));
             if with_outcome {
                 assert!(OUTCOMES.contains(&attributes[OUTCOME_ATTRIBUTE].as_str()));
+            }
+            if with_rejection {
+                assert!(REJECTIONS.contains(&attributes[REJECTION_ATTRIBUTE].as_str()));
             }
         }
     }
@@ -196,6 +223,8 @@ fn arbitrary_names_statuses_headers_errors_and_panics_stay_within_the_seed_serie
         .build()
         .unwrap();
     let local = tokio::task::LocalSet::new();
+    // One limit for every case, alive to the end, so that the limit gauge has its series too.
+    let limit = Limit::new(2);
     let expected = std::sync::Mutex::new(Books::default());
     let cases = AtomicU64::new(0);
 
@@ -228,7 +257,10 @@ fn arbitrary_names_statuses_headers_errors_and_panics_stay_within_the_seed_serie
                 }
 
                 let outcome = expected_outcome(&answer);
-                local.block_on(&runtime, run(&telemetry, operation, executor, answer));
+                local.block_on(
+                    &runtime,
+                    run(&telemetry, &limit, operation, executor, answer),
+                );
                 expected
                     .lock()
                     .unwrap()

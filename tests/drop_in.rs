@@ -12,7 +12,7 @@ use std::time::Duration;
 use tower::util::BoxCloneService;
 use tower::{service_fn, BoxError, Layer, ServiceBuilder, ServiceExt};
 use tower_resources_operation::{
-    ResourcesOperationLayer, ResultClassifier, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE,
+    ResourcesOperationLayer, TimeoutClassifier, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE,
 };
 
 /// The inner service of these tests: echoes its request, and fails with a `BoxError` on 0.
@@ -45,10 +45,9 @@ async fn a_default_classified_service_with_boxed_errors_can_be_spawned_directly(
 }
 
 #[tokio::test]
-async fn the_result_classifier_compiles_inside_spawned_async_blocks_with_boxed_errors() {
+async fn the_default_layer_compiles_inside_spawned_async_blocks_with_boxed_errors() {
     let telemetry = support::Telemetry::new();
     let service = ResourcesOperationLayer::new(1)
-        .classifier(ResultClassifier)
         .metrics(telemetry.metrics.clone())
         .layer(service_fn(zero_fails));
     let tower = tower::limit::ConcurrencyLimitLayer::new(1)
@@ -70,7 +69,13 @@ async fn a_boxed_service_keeps_timeout_detection_inside_spawned_async_blocks() {
     let telemetry = support::Telemetry::new();
     let service: BoxCloneService<(), http::Response<()>, BoxError> = BoxCloneService::new(
         ServiceBuilder::new()
-            .layer(ResourcesOperationLayer::new_for_http(1).metrics(telemetry.metrics.clone()))
+            .layer(
+                ResourcesOperationLayer::new(1)
+                    .classifier(TimeoutClassifier::wrap(
+                        tower_resources_operation::HttpClassifier::new(),
+                    ))
+                    .metrics(telemetry.metrics.clone()),
+            )
             .timeout(Duration::from_millis(5))
             .service(service_fn(|_: ()| async {
                 tokio::time::sleep(Duration::from_secs(5)).await;

@@ -67,7 +67,7 @@ async fn run_through_fault(layer: ResourcesOperationLayer, fault: impl FnOnce())
         load.max()
     );
     assert_eq!(load.running(), 0);
-    assert_eq!(layer.semaphore().available_permits(), LIMIT);
+    assert_eq!(layer.limit().available(), LIMIT);
 }
 
 fn layer(metrics: OperationMetrics) -> ResourcesOperationLayer {
@@ -307,7 +307,7 @@ async fn a_meter_that_panics_costs_its_measurements_not_the_requests() {
     drop(held);
     assert_eq!(waiter.await.expect("the waiter panicked").unwrap(), 8);
     assert_eq!(state.records.load(Ordering::SeqCst), 14);
-    assert_eq!(layer.semaphore().available_permits(), 1);
+    assert_eq!(layer.limit().available(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

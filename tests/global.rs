@@ -110,9 +110,9 @@ async fn free_function_reports_through_the_global_provider_and_limits() {
     }
 
     release.send(()).unwrap();
-    assert_eq!(assert_ready!(first.poll()), Ok(1));
+    assert_eq!(assert_ready!(first.poll()), Ok(Ok(1)));
     assert!(second.is_woken());
-    assert_eq!(assert_ready!(second.poll()), Ok(2));
+    assert_eq!(assert_ready!(second.poll()), Ok(Ok(2)));
 
     let t = global();
     assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &verify_thread), 2);

@@ -115,21 +115,21 @@ async fn limit_of_two_admits_two_calls_and_third_waits_unwoken_until_a_response_
 #[tokio::test(flavor = "current_thread")]
 async fn poll_ready_takes_the_permit_before_call() {
     let layer = quiet(1);
-    let semaphore = Arc::clone(layer.semaphore());
+    let semaphore = layer.limit().clone();
     let (mut s1, mut handle) = mock::spawn_layer::<&str, &str, _>(layer);
     let mut s2 = s1.clone();
 
-    assert_eq!(semaphore.available_permits(), 1);
+    assert_eq!(semaphore.available(), 1);
     assert_ready_ok!(s1.poll_ready());
     // Taken by poll_ready alone, with no call made.
-    assert_eq!(semaphore.available_permits(), 0);
+    assert_eq!(semaphore.available(), 0);
     assert_pending!(s2.poll_ready());
 
     // Polling ready again does not take a second permit (there is none to take).
     assert_ready_ok!(s1.poll_ready());
 
     let r1 = s1.call("hello");
-    assert_eq!(semaphore.available_permits(), 0);
+    assert_eq!(semaphore.available(), 0);
     assert_request_eq!(handle, "hello").send_response("world");
     assert_pending!(s2.poll_ready());
 
@@ -137,10 +137,10 @@ async fn poll_ready_takes_the_permit_before_call() {
     // The freed permit goes straight to the waiting s2.
     assert!(s2.is_woken());
     assert_ready_ok!(s2.poll_ready());
-    assert_eq!(semaphore.available_permits(), 0);
+    assert_eq!(semaphore.available(), 0);
     drop(s1);
     drop(s2);
-    assert_eq!(semaphore.available_permits(), 1);
+    assert_eq!(semaphore.available(), 1);
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -188,7 +188,7 @@ async fn clone_of_a_ready_service_starts_without_a_permit() {
 #[tokio::test(flavor = "current_thread")]
 async fn dropping_a_service_with_an_unused_permit_frees_it_and_wakes_the_waiter() {
     let layer = quiet(1);
-    let semaphore = Arc::clone(layer.semaphore());
+    let semaphore = layer.limit().clone();
     let (mut s1, _handle) = mock::spawn_layer::<(), (), _>(layer);
     let mut s2 = s1.clone();
 
@@ -201,7 +201,7 @@ async fn dropping_a_service_with_an_unused_permit_frees_it_and_wakes_the_waiter(
     assert!(s2.is_woken());
     assert_ready_ok!(s2.poll_ready());
     drop(s2);
-    assert_eq!(semaphore.available_permits(), 1);
+    assert_eq!(semaphore.available(), 1);
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -314,7 +314,7 @@ async fn closing_the_semaphore_wakes_a_waiter_to_a_panic_and_clears_its_queued_c
         .expect_err("poll_ready on a closed semaphore must panic");
     let message = panic_message(&*payload);
     assert!(
-        message.contains("semaphore was closed"),
+        message.contains("the limit is closed"),
         "unexpected panic message: {message}"
     );
     // ...and it no longer counts as queued.
@@ -322,7 +322,7 @@ async fn closing_the_semaphore_wakes_a_waiter_to_a_panic_and_clears_its_queued_c
 }
 
 #[tokio::test(flavor = "current_thread")]
-#[should_panic(expected = "semaphore was closed")]
+#[should_panic(expected = "the limit is closed")]
 async fn fresh_service_on_a_closed_semaphore_panics_instead_of_hanging() {
     let semaphore = Arc::new(Semaphore::new(1));
     semaphore.close();
@@ -353,8 +353,5 @@ fn try_new_above_max_permits_is_an_error_naming_max_permits() {
 fn try_new_at_max_permits_is_ok() {
     let layer = ResourcesOperationLayer::try_new(Semaphore::MAX_PERMITS)
         .expect("Semaphore::MAX_PERMITS is a valid limit");
-    assert_eq!(
-        layer.semaphore().available_permits(),
-        Semaphore::MAX_PERMITS
-    );
+    assert_eq!(layer.limit().available(), Semaphore::MAX_PERMITS);
 }

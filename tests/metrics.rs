@@ -16,9 +16,9 @@ use tokio_test::{assert_pending, task};
 use tower::{service_fn, BoxError, Layer, Service, ServiceExt};
 use tower_resources_operation::{
     set_outcome, Executor, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS,
-    OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOMES, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE,
+    LIMIT_INSTRUMENT, OPERATIONS, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOMES,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
 };
 
 /// Paused time moves in whole milliseconds; a recorded duration may be off by a tick or two.
@@ -121,12 +121,11 @@ fn boundaries_constant_is_the_seeds_thirteen_boundaries() {
 }
 
 #[tokio::test]
-async fn exported_instruments_have_the_seed_names_units_bounds_and_kinds() {
+async fn exported_instruments_have_the_names_units_bounds_and_kinds_of_nemo_gym_and_three_more() {
     let t = Telemetry::new();
-    let svc = ResourcesOperationLayer::new(1)
-        .metrics(t.metrics.clone())
-        .layer(sleeper());
-    svc.oneshot(0).await.unwrap();
+    // The layer holds the limit: a limit that is gone no longer counts in `limit`.
+    let layer = ResourcesOperationLayer::new(1).metrics(t.metrics.clone());
+    layer.layer(sleeper()).oneshot(0).await.unwrap();
 
     let exported = t.collect();
     let names: BTreeSet<&str> = exported.iter().map(|m| m.name.as_str()).collect();
@@ -137,6 +136,10 @@ async fn exported_instruments_have_the_seed_names_units_bounds_and_kinds() {
             "gym.resources.operation.duration_ms",
             "gym.resources.operation.queued",
             "gym.resources.operation.active",
+            // This crate's additions.
+            "gym.resources.operation.limit",
+            "gym.resources.operation.rejected",
+            "gym.resources.operation.abandoned",
         ])
     );
 
@@ -160,6 +163,26 @@ async fn exported_instruments_have_the_seed_names_units_bounds_and_kinds() {
                 };
                 assert!(!monotonic, "{} must be an up-down counter", m.name);
                 assert!(!points.is_empty(), "{} exported no point", m.name);
+            }
+            LIMIT_INSTRUMENT => {
+                assert_eq!(m.unit, "{operation}", "unit of {}", m.name);
+                let Data::Gauge(points) = &m.data else {
+                    panic!("{} is not an i64 gauge: {:?}", m.name, m.data)
+                };
+                assert_eq!(points.len(), 1, "{}: {points:?}", m.name);
+                assert_eq!(points[0].value, 1, "the limit's capacity");
+            }
+            REJECTED_INSTRUMENT | ABANDONED_INSTRUMENT => {
+                assert_eq!(m.unit, "{operation}", "unit of {}", m.name);
+                let Data::Sum { monotonic, points } = &m.data else {
+                    panic!("{} is not a sum: {:?}", m.name, m.data)
+                };
+                assert!(monotonic, "{} must be a counter", m.name);
+                assert!(
+                    points.iter().all(|p| p.value == 0),
+                    "{}: {points:?}",
+                    m.name
+                );
             }
             other => panic!("unexpected instrument {other}"),
         }
@@ -376,11 +399,7 @@ async fn waiter_timed_out_on_ready_then_dropped_records_no_queue_sample() {
     holder.await.unwrap().unwrap();
     assert_eq!(live(&t), (0, 0));
     assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 1);
-    assert_eq!(
-        layer.semaphore().available_permits(),
-        1,
-        "the permit is back"
-    );
+    assert_eq!(layer.limit().available(), 1, "the permit is back");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -545,11 +564,7 @@ where
     settle().await;
     assert_never_negative(&t);
     assert_eq!(live(&t), (0, 0));
-    assert_eq!(
-        layer.semaphore().available_permits(),
-        1,
-        "the permit is back"
-    );
+    assert_eq!(layer.limit().available(), 1, "the permit is back");
 }
 
 #[tokio::test]
@@ -696,7 +711,7 @@ async fn live_counts_return_to_zero_after_the_semaphore_closes_under_a_waiter() 
         .expect("the waiter is woken, not left hanging")
         .unwrap_err();
     let message = support::panic_message(&*error.into_panic());
-    assert!(message.contains("semaphore was closed"), "{message}");
+    assert!(message.contains("the limit is closed"), "{message}");
     assert_never_negative(&t);
     assert_eq!(live(&t), (0, 0));
     assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
@@ -783,11 +798,11 @@ async fn disabled_metrics_still_limit() {
         assert!(waiting.is_woken());
         assert!(matches!(waiting.poll(), Poll::Ready(Ok(_))));
     }
-    assert_eq!(layer.semaphore().available_permits(), 0);
+    assert_eq!(layer.limit().available(), 0);
     let (tx, rx) = oneshot::channel();
     tx.send(()).unwrap();
     second.call(rx).await.unwrap();
-    assert_eq!(layer.semaphore().available_permits(), 1);
+    assert_eq!(layer.limit().available(), 1);
 }
 
 #[tokio::test]
@@ -868,5 +883,5 @@ async fn a_shut_down_meter_provider_changes_neither_responses_nor_the_limit() {
         assert!(matches!(waiting.poll(), Poll::Ready(Ok(_))));
     }
     assert_eq!(second.call(4).await.unwrap(), "got 4");
-    assert_eq!(layer.semaphore().available_permits(), 1);
+    assert_eq!(layer.limit().available(), 1);
 }

@@ -1,6 +1,6 @@
 //! The example's OTLP path (examples/axum.rs, `opentelemetry-otlp` over gRPC) against an
 //! in-process OTLP/gRPC receiver on 127.0.0.1: what a collector gets is the instruments under
-//! their OpenTelemetry names, units and attribute keys, with the seed's bucket boundaries.
+//! their OpenTelemetry names, units and attribute keys, with NeMo Gym's bucket boundaries.
 
 #[path = "../examples/axum.rs"]
 #[allow(dead_code)]
@@ -22,8 +22,9 @@ use tokio::sync::mpsc;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 use tower_resources_operation::{
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, METER_NAME, OPERATION_ATTRIBUTE,
-    OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
+    LIMIT_INSTRUMENT, METER_NAME, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 
 /// A safety net so a broken pipeline fails the test instead of hanging it.
@@ -159,7 +160,8 @@ async fn otlp_exporter_pushes_the_instruments_to_a_collector() {
             }
             metric::Data::Sum(sum) => {
                 assert_eq!(metric.unit, "{operation}", "{}", metric.name);
-                assert!(!sum.is_monotonic, "{} is an up-down counter", metric.name);
+                let counter = [REJECTED_INSTRUMENT, ABANDONED_INSTRUMENT].contains(&&*metric.name);
+                assert_eq!(sum.is_monotonic, counter, "{}", metric.name);
                 let mut seen = Vec::new();
                 for point in &sum.data_points {
                     assert_eq!(
@@ -172,7 +174,43 @@ async fn otlp_exporter_pushes_the_instruments_to_a_collector() {
                     seen.push(attributes(&point.attributes)[OPERATION_ATTRIBUTE].clone());
                 }
                 seen.sort();
+                seen.dedup();
                 assert_eq!(seen, ["judge", "tool", "verify"], "{}", metric.name);
+                if metric.name == REJECTED_INSTRUMENT {
+                    let reasons: std::collections::BTreeSet<_> = sum
+                        .data_points
+                        .iter()
+                        .map(|p| attributes(&p.attributes)[REJECTION_ATTRIBUTE].clone())
+                        .collect();
+                    assert_eq!(
+                        reasons,
+                        ["queue_full", "queue_timeout"].map(String::from).into()
+                    );
+                }
+            }
+            metric::Data::Gauge(gauge) => {
+                assert_eq!(metric.name, LIMIT_INSTRUMENT);
+                assert_eq!(metric.unit, "{operation}");
+                let limits: BTreeMap<_, _> = gauge
+                    .data_points
+                    .iter()
+                    .map(|p| {
+                        (
+                            attributes(&p.attributes)[OPERATION_ATTRIBUTE].clone(),
+                            p.value,
+                        )
+                    })
+                    .collect();
+                let int = |n| Some(number_data_point::Value::AsInt(n));
+                // `/verify` and `/judge` share a limit of 4, each series reports all of it.
+                assert_eq!(
+                    limits,
+                    BTreeMap::from([
+                        ("judge".to_owned(), int(4)),
+                        ("tool".to_owned(), int(2)),
+                        ("verify".to_owned(), int(4)),
+                    ])
+                );
             }
             other => panic!("{}: unexpected data {other:?}", metric.name),
         }
@@ -183,6 +221,9 @@ async fn otlp_exporter_pushes_the_instruments_to_a_collector() {
         DURATION_INSTRUMENT,
         QUEUED_INSTRUMENT,
         QUEUE_DURATION_INSTRUMENT,
+        LIMIT_INSTRUMENT,
+        REJECTED_INSTRUMENT,
+        ABANDONED_INSTRUMENT,
     ];
     expected.sort();
     assert_eq!(names, expected);

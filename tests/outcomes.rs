@@ -13,8 +13,8 @@ use tokio_test::{assert_pending, task};
 use tower::timeout::TimeoutLayer;
 use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_resources_operation::{
-    set_outcome, ClassifyOutcome, Operation, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
-    OPERATION_ATTRIBUTE,
+    set_outcome, ClassifyOutcome, Operation, Outcome, ResourcesOperationLayer, TimeoutClassifier,
+    ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE,
 };
 
 fn outcomes_where(t: &Telemetry, filter: &[(&str, &str)]) -> BTreeMap<String, u64> {
@@ -35,11 +35,7 @@ fn layer(t: &Telemetry) -> ResourcesOperationLayer {
 
 /// The limit is free again and nothing counts as active.
 fn assert_released(t: &Telemetry, layer: &ResourcesOperationLayer) {
-    assert_eq!(
-        layer.semaphore().available_permits(),
-        1,
-        "the permit is back"
-    );
+    assert_eq!(layer.limit().available(), 1, "the permit is back");
     assert_eq!(
         t.live_value(ACTIVE_INSTRUMENT, &[]),
         0,
@@ -70,10 +66,29 @@ async fn default_classifier_records_error_for_an_error() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn default_classifier_records_timeout_for_towers_timeout_layer_inside() {
+async fn default_classifier_records_error_for_an_elapsed_as_any_other_error() {
     let t = Telemetry::new();
     let svc = ServiceBuilder::new()
         .layer(layer(&t))
+        .layer(TimeoutLayer::new(Duration::from_millis(100)))
+        .service(service_fn(|()| async {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            Ok::<_, BoxError>(())
+        }));
+    let error = svc.oneshot(()).await.unwrap_err();
+    assert!(error.is::<tower::timeout::error::Elapsed>());
+    assert_eq!(outcomes(&t), only("error"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// TimeoutClassifier
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn timeout_classifier_records_timeout_for_towers_timeout_layer_inside() {
+    let t = Telemetry::new();
+    let svc = ServiceBuilder::new()
+        .layer(layer(&t).classifier(TimeoutClassifier::new()))
         .layer(TimeoutLayer::new(Duration::from_millis(100)))
         .service(service_fn(|()| async {
             tokio::time::sleep(Duration::from_secs(10)).await;
@@ -85,9 +100,10 @@ async fn default_classifier_records_timeout_for_towers_timeout_layer_inside() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn default_classifier_records_timeout_for_a_boxed_tokio_elapsed() {
+async fn timeout_classifier_records_timeout_for_a_boxed_tokio_elapsed() {
     let t = Telemetry::new();
-    let svc = layer(&t).layer(service_fn(|()| async {
+    let layer = layer(&t).classifier(TimeoutClassifier::new());
+    let svc = layer.layer(service_fn(|()| async {
         tokio::time::timeout(
             Duration::from_millis(100),
             tokio::time::sleep(Duration::from_secs(10)),
@@ -101,9 +117,10 @@ async fn default_classifier_records_timeout_for_a_boxed_tokio_elapsed() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn default_classifier_records_timeout_for_tokio_elapsed_as_the_error_type() {
+async fn timeout_classifier_records_timeout_for_tokio_elapsed_as_the_error_type() {
     let t = Telemetry::new();
-    let svc = layer(&t).layer(service_fn(|()| async {
+    let layer = layer(&t).classifier(TimeoutClassifier::new());
+    let svc = layer.layer(service_fn(|()| async {
         tokio::time::timeout(
             Duration::from_millis(100),
             tokio::time::sleep(Duration::from_secs(10)),
@@ -193,7 +210,7 @@ async fn panicking_classifier_keeps_the_response_and_records_error() {
         "the response still goes out"
     );
     assert_eq!(outcomes(&t), only("error"));
-    assert_eq!(layer.semaphore().available_permits(), 1);
+    assert_eq!(layer.limit().available(), 1);
     assert_eq!(t.live_value(ACTIVE_INSTRUMENT, &[]), 0);
 }
 
@@ -225,7 +242,7 @@ async fn permit_taken_by_poll_ready_and_service_dropped_without_call_is_cancelle
     let mut svc = layer.layer(service_fn(|()| async { Ok::<_, Infallible>(()) }));
 
     ServiceExt::<()>::ready(&mut svc).await.unwrap();
-    assert_eq!(layer.semaphore().available_permits(), 0);
+    assert_eq!(layer.limit().available(), 0);
     drop(svc);
 
     assert_eq!(outcomes(&t), only("cancelled"));
@@ -595,17 +612,20 @@ fn gateway_timeout_with_grpc_cancelled() -> http::Response<()> {
 }
 
 /// The outcomes a layer records for one [`gateway_timeout_with_grpc_cancelled`] response.
-async fn outcome_through<C>(layer: ResourcesOperationLayer<C>) -> BTreeMap<String, u64>
+async fn outcome_through<C, L>(layer: ResourcesOperationLayer<C, L>) -> BTreeMap<String, u64>
 where
-    C: tower_resources_operation::ClassifyOutcome<http::Response<()>, Infallible> + Clone,
+    C: tower_resources_operation::MakeClassifier<http::Request<()>, http::Response<()>, Infallible>
+        + Clone,
+    L: tower_resources_operation::Acquire + Clone + Send + Sync + 'static,
+    L::Permit: Send + 'static,
 {
     let t = Telemetry::new();
     let svc = layer
         .metrics(t.metrics.clone())
-        .layer(service_fn(|()| async {
+        .layer(service_fn(|_: http::Request<()>| async {
             Ok::<_, Infallible>(gateway_timeout_with_grpc_cancelled())
         }));
-    svc.oneshot(()).await.unwrap();
+    svc.oneshot(http::Request::new(())).await.unwrap();
     outcomes(&t)
 }
 

@@ -24,6 +24,10 @@ const QUEUE: &str = "gym_resources_operation_queue_duration_ms";
 const DURATION: &str = "gym_resources_operation_duration_ms";
 const QUEUED: &str = "gym_resources_operation_queued";
 const ACTIVE: &str = "gym_resources_operation_active";
+const LIMIT: &str = "gym_resources_operation_limit";
+const REJECTED: &str = "gym_resources_operation_rejected_total";
+const ABANDONED: &str = "gym_resources_operation_abandoned_total";
+const REJECTION: &str = "nemo_gym_resources_operation_rejection";
 
 /// A safety net so a broken server fails the test instead of hanging it; not a performance bound.
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -289,7 +293,8 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
     let (body, after) = scrape(addr).await;
 
     // Names: the instruments' names with dots as underscores and no unit suffix; histograms
-    // and gauges as such (observable up-down counters are gauges: no `_total`).
+    // and gauges as such (observable up-down counters are gauges: no `_total`); the two
+    // counters with `_total`.
     let ours: BTreeSet<&str> = after
         .samples
         .iter()
@@ -299,7 +304,7 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
     let expected: BTreeSet<String> = [QUEUE, DURATION]
         .iter()
         .flat_map(|h| ["_bucket", "_sum", "_count"].map(|s| format!("{h}{s}")))
-        .chain([QUEUED.to_owned(), ACTIVE.to_owned()])
+        .chain([QUEUED, ACTIVE, LIMIT, REJECTED, ABANDONED].map(str::to_owned))
         .collect();
     assert_eq!(
         ours,
@@ -316,6 +321,9 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
         (DURATION, "histogram"),
         (QUEUED, "gauge"),
         (ACTIVE, "gauge"),
+        (LIMIT, "gauge"),
+        (REJECTED, "counter"),
+        (ABANDONED, "counter"),
     ] {
         assert_eq!(
             after.types.get(family).map(String::as_str),
@@ -329,6 +337,9 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
         let mut keys: BTreeSet<&str> = [OPERATION, EXECUTOR, SCOPE].into();
         if sample.name.starts_with(DURATION) {
             keys.insert(OUTCOME);
+        }
+        if sample.name == REJECTED {
+            keys.insert(REJECTION);
         }
         if sample.name.ends_with("_bucket") {
             keys.insert("le");
@@ -395,15 +406,33 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
         .unwrap();
     assert!(tool_sum >= 40.0, "tool ran {tool_sum} ms");
 
-    // Nothing waits or runs once every response is in.
+    // Nothing waits or runs once every response is in; nothing was turned away or given up.
     for (op, ex) in SERIES {
-        for gauge in [QUEUED, ACTIVE] {
+        for gauge in [QUEUED, ACTIVE, ABANDONED] {
             assert_eq!(
                 after.value(gauge, &[(OPERATION, op), (EXECUTOR, ex)]),
                 Some(0.0),
                 "{gauge} {op}/{ex}:\n{body}"
             );
         }
+        for reason in ["queue_full", "queue_timeout"] {
+            assert_eq!(
+                after.value(
+                    REJECTED,
+                    &[(OPERATION, op), (EXECUTOR, ex), (REJECTION, reason)]
+                ),
+                Some(0.0),
+                "{reason} {op}/{ex}:\n{body}"
+            );
+        }
+    }
+    // Each series reports the capacity of its limit; `/verify` and `/judge` share theirs.
+    for (op, limit) in [("verify", 2.0), ("judge", 2.0), ("tool", 1.0)] {
+        assert_eq!(
+            after.value(LIMIT, &[(OPERATION, op)]),
+            Some(limit),
+            "{body}"
+        );
     }
 }
 

@@ -29,6 +29,11 @@ use tower_resources_operation::{
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The layer of these tests: the default limit, with tower's and tokio's `Elapsed` as `timeout`.
+type TimeoutLayer = ResourcesOperationLayer<
+    tower_resources_operation::SharedClassifier<tower_resources_operation::TimeoutClassifier>,
+>;
+
 /// The two series that share the limit.
 const VERIFY: Series = (Operation::Verify, Executor::Inline);
 const JUDGE: Series = (Operation::Judge, Executor::Thread);
@@ -144,7 +149,7 @@ fn ms(ms: u64) -> Duration {
 }
 
 /// Runs `op` through `layer` and says what happened to it.
-async fn run(op: Op, layer: ResourcesOperationLayer, load: Arc<Load>) -> Record {
+async fn run(op: Op, layer: TimeoutLayer, load: Arc<Load>) -> Record {
     tokio::time::sleep(ms(op.arrival_ms)).await;
     let arrived = Instant::now();
     let called = Arc::new(Mutex::new(None));
@@ -259,8 +264,10 @@ fn millis(duration: Duration) -> f64 {
 fn check(limit: usize, ops: &[Op]) -> Result<(), TestCaseError> {
     quiet_expected_panics();
     let telemetry = Telemetry::new();
-    let layer = ResourcesOperationLayer::new(limit).metrics(telemetry.metrics.clone());
-    let semaphore = Arc::clone(layer.semaphore());
+    let layer = ResourcesOperationLayer::new(limit)
+        .classifier(tower_resources_operation::TimeoutClassifier::new())
+        .metrics(telemetry.metrics.clone());
+    let semaphore = layer.limit().clone();
     let verify = layer.clone().operation(VERIFY.0).executor(VERIFY.1);
     let judge = layer.operation(JUDGE.0).executor(JUDGE.1);
     let load = Arc::new(Load::default());
@@ -296,7 +303,7 @@ fn check(limit: usize, ops: &[Op]) -> Result<(), TestCaseError> {
         .expect("the schedule never finished")
     });
 
-    prop_assert_eq!(semaphore.available_permits(), limit);
+    prop_assert_eq!(semaphore.available(), limit);
     prop_assert!(
         load.max() <= limit,
         "{} ran under a limit of {}",

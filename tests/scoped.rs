@@ -55,12 +55,14 @@ async fn returns_the_output_of_the_work() {
         .resources_operation(&limit, Operation::Verify, Executor::Inline, async {
             Ok("verdict")
         })
-        .await;
+        .await
+        .unwrap();
     assert_eq!(output, Ok("verdict"));
     let unit: () = t
         .metrics
         .resources_operation(&limit, Operation::Verify, Executor::Inline, async {})
-        .await;
+        .await
+        .unwrap();
     assert_eq!(unit, ());
     assert_eq!(
         outcomes(&t),
@@ -79,7 +81,8 @@ async fn ok_output_is_ok() {
         .resources_operation(&limit, Operation::Tool, Executor::Thread, async {
             Ok::<_, BoxError>(1)
         })
-        .await;
+        .await
+        .unwrap();
     assert_eq!(output.unwrap(), 1);
     assert_eq!(outcomes(&t), only("ok"));
 }
@@ -93,7 +96,8 @@ async fn err_output_is_error() {
         .resources_operation(&limit, Operation::Tool, Executor::Thread, async {
             Err::<(), BoxError>("boom".into())
         })
-        .await;
+        .await
+        .unwrap();
     assert_eq!(output.unwrap_err().to_string(), "boom");
     assert_eq!(outcomes(&t), only("error"));
 }
@@ -113,7 +117,8 @@ async fn tokio_elapsed_error_output_is_timeout() {
                 tokio::time::sleep(Duration::from_secs(10)),
             ),
         )
-        .await;
+        .await
+        .unwrap();
     assert!(output.is_err());
     assert_eq!(outcomes(&t), only("timeout"));
 }
@@ -199,7 +204,10 @@ async fn set_outcome_inside_the_work_wins() {
             Ok::<_, Infallible>(set)
         })
         .await;
-    assert!(output.unwrap(), "set_outcome returns true inside the work");
+    assert!(
+        output.unwrap().unwrap(),
+        "set_outcome returns true inside the work"
+    );
     assert_eq!(outcomes(&t), only("timeout"));
 }
 
@@ -213,7 +221,8 @@ async fn set_outcome_inside_the_work_wins_over_an_error() {
             set_outcome(Outcome::Cancelled);
             Err::<(), BoxError>("boom".into())
         })
-        .await;
+        .await
+        .unwrap();
     assert!(output.is_err());
     assert_eq!(outcomes(&t), only("cancelled"));
 }
@@ -226,7 +235,8 @@ async fn disabled_metrics_run_the_work_inside_the_limit_and_record_nothing() {
             assert_eq!(limit.available_permits(), 0, "inside the limit");
             Ok::<_, Infallible>(set_outcome(Outcome::Timeout))
         })
-        .await;
+        .await
+        .unwrap();
     assert!(!set.unwrap(), "nothing to set when disabled");
     assert_eq!(limit.available_permits(), 1);
 }
@@ -243,10 +253,11 @@ async fn disabled_work_is_transparent_to_set_outcome_of_the_enabled_work_around_
                     Ok::<_, Infallible>(set_outcome(Outcome::Timeout))
                 })
                 .await
+                .unwrap()
         })
         .await;
     assert!(
-        output.unwrap(),
+        output.unwrap().unwrap(),
         "the enclosing enabled operation takes the outcome"
     );
     assert_eq!(outcomes(&t), only("timeout"));
@@ -278,8 +289,8 @@ async fn waits_for_the_limit_and_records_the_wait() {
     settle().await;
     assert_eq!(live(&t), (1, 1), "the second waits for the first");
 
-    assert_eq!(first.await.unwrap().unwrap(), 300);
-    assert_eq!(second.await.unwrap().unwrap(), 250);
+    assert_eq!(first.await.unwrap().unwrap().unwrap(), 300);
+    assert_eq!(second.await.unwrap().unwrap().unwrap(), 250);
 
     let verify = [(OPERATION_ATTRIBUTE, "verify")];
     let judge = [(OPERATION_ATTRIBUTE, "judge")];
@@ -305,7 +316,8 @@ async fn an_arc_semaphore_works_as_the_limit() {
         .resources_operation(&limit, Operation::Other, Executor::Other, async {
             Ok::<_, Infallible>(limit.available_permits())
         })
-        .await;
+        .await
+        .unwrap();
     assert_eq!(output.unwrap(), 1, "one of the two permits was taken");
     assert_eq!(limit.available_permits(), 2);
     assert_eq!(outcomes(&t), only("ok"));
@@ -323,13 +335,14 @@ async fn a_semaphore_closed_before_the_call_panics_with_a_message() {
                 Ok::<_, Infallible>(())
             })
             .await
+            .unwrap()
     })
     .await
     .unwrap_err();
 
     assert!(error.is_panic());
     let message = panic_message(&*error.into_panic());
-    assert!(message.contains("semaphore was closed"), "{message}");
+    assert!(message.contains("the limit is closed"), "{message}");
     assert_eq!(live(&t), (0, 0));
     assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
 }
@@ -346,6 +359,7 @@ async fn a_semaphore_closed_while_waiting_wakes_the_waiter_to_a_panic_instead_of
                 Ok::<_, Infallible>(())
             })
             .await
+            .unwrap()
     });
     settle().await;
     assert_eq!(live(&t), (1, 0));
@@ -357,7 +371,7 @@ async fn a_semaphore_closed_while_waiting_wakes_the_waiter_to_a_panic_instead_of
         .unwrap_err();
     assert!(error.is_panic());
     let message = panic_message(&*error.into_panic());
-    assert!(message.contains("semaphore was closed"), "{message}");
+    assert!(message.contains("the limit is closed"), "{message}");
     assert_eq!(live(&t), (0, 0), "the waiter left the queue");
     assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
     drop(held);
@@ -389,9 +403,9 @@ async fn free_function_returns_the_output_and_limits() {
 
     release.send(()).unwrap();
     assert!(first.is_woken());
-    assert_eq!(assert_ready!(first.poll()), Ok("first"));
+    assert_eq!(assert_ready!(first.poll()), Ok(Ok("first")));
     assert!(second.is_woken(), "the freed permit wakes the waiter");
-    assert_eq!(assert_ready!(second.poll()), Ok("second"));
+    assert_eq!(assert_ready!(second.poll()), Ok(Ok("second")));
     assert_eq!(limit.available_permits(), 1);
 }
 
@@ -467,7 +481,8 @@ async fn a_panicking_operation_output_keeps_the_output_and_records_error() {
         .resources_operation(&limit, Operation::Tool, Executor::Inline, async {
             Awkward(9)
         })
-        .await;
+        .await
+        .unwrap();
     assert_eq!(output.0, 9);
     assert_eq!(outcomes(&t), only("error"));
     assert_eq!(live(&t), (0, 0));

@@ -153,7 +153,10 @@ fn series_layer(
     semaphore: &Arc<Semaphore>,
     (operation, executor): Series,
     telemetry: &Telemetry,
-) -> ResourcesOperationLayer<tower_resources_operation::HttpClassifier> {
+) -> ResourcesOperationLayer<
+    tower_resources_operation::SharedClassifier<tower_resources_operation::HttpClassifier>,
+    Arc<Semaphore>,
+> {
     ResourcesOperationLayer::with_semaphore_for_http(Arc::clone(semaphore))
         .operation(operation)
         .executor(executor)

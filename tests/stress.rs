@@ -24,6 +24,12 @@ use tower_resources_operation::{
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// A layer on a semaphore shared with other layers.
+type SemaphoreLayer = ResourcesOperationLayer<
+    tower_resources_operation::SharedClassifier<tower_resources_operation::TimeoutClassifier>,
+    Arc<Semaphore>,
+>;
+
 /// The inner service every operation runs, whatever its kind.
 type Inner = BoxService<Work, String, BoxError>;
 
@@ -129,7 +135,7 @@ fn timed(deadline: Duration) -> Inner {
 /// types, and then cannot prove the classifier bound (`DefaultClassifier` needs `Err: 'static`)
 /// that names the service's future type, so `tokio::spawn(async move { layered.oneshot(req) })`
 /// fails with "higher-ranked lifetime error" (tower's own `Timeout` has the same problem).
-fn boxed(layer: &ResourcesOperationLayer, inner: Inner) -> Inner {
+fn boxed(layer: &SemaphoreLayer, inner: Inner) -> Inner {
     BoxService::new(layer.layer(inner))
 }
 
@@ -137,7 +143,7 @@ fn boxed(layer: &ResourcesOperationLayer, inner: Inner) -> Inner {
 struct Limit {
     semaphore: Arc<Semaphore>,
     max: usize,
-    layers: Vec<(Series, ResourcesOperationLayer)>,
+    layers: Vec<(Series, SemaphoreLayer)>,
     load: Arc<Load>,
 }
 
@@ -148,6 +154,7 @@ impl Limit {
             .iter()
             .map(|&(operation, executor)| {
                 let layer = ResourcesOperationLayer::with_semaphore(Arc::clone(&semaphore))
+                    .classifier(tower_resources_operation::TimeoutClassifier::new())
                     .operation(operation)
                     .executor(executor)
                     .metrics(metrics.clone());
@@ -163,7 +170,7 @@ impl Limit {
     }
 
     /// A layer of this limit, picked by `rng`, with its series.
-    fn pick(&self, rng: &mut Rng) -> (Series, ResourcesOperationLayer) {
+    fn pick(&self, rng: &mut Rng) -> (Series, SemaphoreLayer) {
         self.layers[rng.below(self.layers.len() as u64) as usize].clone()
     }
 }
@@ -219,7 +226,7 @@ const KINDS: [Kind; 9] = [
 
 /// Runs one operation of `kind` through `layer`, checks what the caller got, and returns the
 /// outcome it must have been recorded with.
-async fn run(kind: Kind, layer: ResourcesOperationLayer, load: Arc<Load>) -> Outcome {
+async fn run(kind: Kind, layer: SemaphoreLayer, load: Arc<Load>) -> Outcome {
     let service = || boxed(&layer, inner(Some(Arc::clone(&load))));
     match kind {
         Kind::Ok => {

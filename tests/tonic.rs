@@ -31,7 +31,7 @@ use tower::{ServiceBuilder, ServiceExt as _};
 
 use support::{Load, Telemetry};
 use tower_resources_operation::{
-    Executor, GrpcClassifier, Operation, ResourcesOperation, ResourcesOperationLayer,
+    Deadline, Executor, GrpcClassifier, Operation, ResourcesOperation, ResourcesOperationLayer,
     ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
     OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
@@ -112,7 +112,7 @@ fn incoming() -> (TcpIncoming, SocketAddr) {
 /// `add_service`.
 fn serve_per_service(
     backend: &Arc<Backend>,
-    layer: ResourcesOperationLayer<GrpcClassifier>,
+    layer: ResourcesOperationLayer<Deadline<GrpcClassifier>>,
 ) -> SocketAddr {
     let limited = ServiceBuilder::new()
         .layer(layer)
@@ -126,7 +126,7 @@ fn serve_per_service(
 /// A server with `layer` on `Server::builder()`: one limit for everything it serves.
 fn serve_whole_server(
     backend: &Arc<Backend>,
-    layer: ResourcesOperationLayer<GrpcClassifier>,
+    layer: ResourcesOperationLayer<Deadline<GrpcClassifier>>,
 ) -> SocketAddr {
     let (incoming, addr) = incoming();
     let router = Server::builder()
@@ -213,7 +213,10 @@ const VERIFY_SUBPROCESS: [(&str, &str); 2] = [
     (EXECUTOR_ATTRIBUTE, "subprocess"),
 ];
 
-fn verify_subprocess(telemetry: &Telemetry, max: usize) -> ResourcesOperationLayer<GrpcClassifier> {
+fn verify_subprocess(
+    telemetry: &Telemetry,
+    max: usize,
+) -> ResourcesOperationLayer<Deadline<GrpcClassifier>> {
     ResourcesOperationLayer::new_for_grpc(max)
         .operation(Operation::Verify)
         .executor(Executor::Subprocess)
@@ -290,7 +293,7 @@ async fn per_service_outcomes_come_from_the_grpc_status() {
 fn assert_all_served_two_at_a_time<E: std::fmt::Debug>(
     results: &[Result<i32, E>],
     backend: &Backend,
-    slots: &tokio::sync::Semaphore,
+    slots: &tower_resources_operation::Limit,
 ) {
     for result in results {
         assert!(
@@ -299,7 +302,7 @@ fn assert_all_served_two_at_a_time<E: std::fmt::Debug>(
         );
     }
     assert_eq!(backend.load.max(), 2, "handlers that ran at once");
-    assert_eq!(slots.available_permits(), 2);
+    assert_eq!(slots.available(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -307,7 +310,7 @@ async fn per_service_limit_holds_across_connections() {
     let telemetry = Telemetry::new();
     let backend = Arc::new(Backend::default());
     let layer = verify_subprocess(&telemetry, 2);
-    let slots = Arc::clone(layer.semaphore());
+    let slots = layer.limit().clone();
     let addr = serve_per_service(&backend, layer);
 
     let results = check_all(addr, &["slow"; 8]).await;
@@ -339,7 +342,7 @@ async fn whole_server_layer_limits_and_reports_every_call() {
         .operation(Operation::Judge)
         .executor(Executor::Inline)
         .metrics(telemetry.metrics.clone());
-    let slots = Arc::clone(layer.semaphore());
+    let slots = layer.limit().clone();
     let addr = serve_whole_server(&backend, layer);
 
     let results = check_all(addr, &["slow"; 8]).await;
@@ -394,7 +397,7 @@ async fn client_that_hangs_up_while_running_is_cancelled_and_frees_its_permit() 
     let telemetry = Telemetry::new();
     let backend = Arc::new(Backend::default());
     let layer = verify_subprocess(&telemetry, 1);
-    let slots = Arc::clone(layer.semaphore());
+    let slots = layer.limit().clone();
     let addr = serve_per_service(&backend, layer);
     let channel = connect(addr).await;
 
@@ -414,7 +417,7 @@ async fn client_that_hangs_up_while_running_is_cancelled_and_frees_its_permit() 
     })
     .await;
     assert_eq!(telemetry.count(DURATION_INSTRUMENT, &series), 1);
-    assert_eq!(slots.available_permits(), 1);
+    assert_eq!(slots.available(), 1);
     assert_idle(&telemetry, series);
 
     // The one permit is free again: the next call runs.
@@ -427,7 +430,7 @@ async fn client_that_gives_up_while_queued_records_no_sample_and_leaves_the_queu
     let telemetry = Telemetry::new();
     let backend = Arc::new(Backend::default());
     let layer = verify_subprocess(&telemetry, 1);
-    let slots = Arc::clone(layer.semaphore());
+    let slots = layer.limit().clone();
     let addr = serve_per_service(&backend, layer);
     let series = VERIFY_SUBPROCESS;
 
@@ -460,25 +463,29 @@ async fn client_that_gives_up_while_queued_records_no_sample_and_leaves_the_queu
     })
     .await;
     assert_eq!(telemetry.count(DURATION_INSTRUMENT, &series), 1);
-    assert_eq!(slots.available_permits(), 1);
+    assert_eq!(slots.available(), 1);
     assert_idle(&telemetry, series);
 }
 
 /// A deadline tonic enforces (`Server::timeout`, or the client's `grpc-timeout`) wraps the
-/// layered service from outside: when it fires, tonic drops the operation, which therefore counts
-/// as `cancelled`, not `timeout` (tonic itself answers CANCELLED, "Timeout expired"). A handler
-/// that enforces its own deadline and answers DEADLINE_EXCEEDED is `timeout` (see
-/// `per_service_outcomes_come_from_the_grpc_status`).
+/// layered service from outside: when it fires, tonic drops the operation (and answers
+/// CANCELLED, "Timeout expired"). The gRPC layer reads the request's `grpc-timeout` (and, with
+/// `Deadline::at_most`, the server's timeout), so such a drop counts as `timeout`; a layer that
+/// reads no deadline sees a plain drop, `cancelled`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn deadline_enforced_by_tonic_drops_the_operation_as_cancelled() {
+async fn deadlines_enforced_by_tonic_end_the_operation_as_timeout() {
     let telemetry = Telemetry::new();
     let backend = Arc::new(Backend::default());
+    let server_timeout = Duration::from_millis(300);
     let limited = ServiceBuilder::new()
-        .layer(verify_subprocess(&telemetry, 1))
+        .layer(
+            verify_subprocess(&telemetry, 1)
+                .make_classifier(Deadline::grpc(GrpcClassifier).at_most(server_timeout)),
+        )
         .service(HealthServer::from_arc(Arc::clone(&backend)));
     let (incoming, addr) = incoming();
     let router = Server::builder()
-        .timeout(Duration::from_millis(300))
+        .timeout(server_timeout)
         .add_service(limited);
     tokio::spawn(async move { router.serve_with_incoming(incoming).await.unwrap() });
     let channel = connect(addr).await;
@@ -513,8 +520,41 @@ async fn deadline_enforced_by_tonic_drops_the_operation_as_cancelled() {
     })
     .await;
 
-    assert_eq!(ended(&telemetry, series, "cancelled"), 2);
-    assert_eq!(ended(&telemetry, series, "timeout"), 0);
+    assert_eq!(ended(&telemetry, series, "timeout"), 2);
+    assert_eq!(ended(&telemetry, series, "cancelled"), 0);
+    assert_idle(&telemetry, series);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_layer_that_reads_no_deadline_counts_tonics_deadline_as_cancelled() {
+    let telemetry = Telemetry::new();
+    let backend = Arc::new(Backend::default());
+    let limited = ServiceBuilder::new()
+        .layer(verify_subprocess(&telemetry, 1).classifier(GrpcClassifier))
+        .service(HealthServer::from_arc(Arc::clone(&backend)));
+    let (incoming, addr) = incoming();
+    let router = Server::builder().add_service(limited);
+    tokio::spawn(async move { router.serve_with_incoming(incoming).await.unwrap() });
+    let channel = connect(addr).await;
+    let series = VERIFY_SUBPROCESS;
+
+    let mut request = Request::new(HealthCheckRequest {
+        service: "hang".to_owned(),
+    });
+    request.set_timeout(Duration::from_millis(100));
+    let status = tokio::time::timeout(DEADLINE, HealthClient::new(channel).check(request))
+        .await
+        .expect("nobody enforced the client's deadline")
+        .unwrap_err();
+    assert!(
+        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{status:?}"
+    );
+    eventually("the operation ended", || {
+        telemetry.count(DURATION_INSTRUMENT, &series) == 1
+    })
+    .await;
+    assert_eq!(ended(&telemetry, series, "cancelled"), 1);
     assert_idle(&telemetry, series);
 }
 
@@ -526,7 +566,7 @@ async fn streaming_call_ends_with_its_head_and_a_status_only_in_trailers_counts_
     let telemetry = Telemetry::new();
     let backend = Arc::new(Backend::default());
     let layer = verify_subprocess(&telemetry, 1);
-    let slots = Arc::clone(layer.semaphore());
+    let slots = layer.limit().clone();
     let addr = serve_per_service(&backend, layer);
     let channel = connect(addr).await;
 
@@ -544,7 +584,7 @@ async fn streaming_call_ends_with_its_head_and_a_status_only_in_trailers_counts_
     // The stream is open, yet its operation is over and the one permit is free.
     let series = VERIFY_SUBPROCESS;
     assert_eq!(ended(&telemetry, series, "ok"), 1);
-    assert_eq!(slots.available_permits(), 1);
+    assert_eq!(slots.available(), 1);
     tokio::time::timeout(DEADLINE, check(&channel, "ok"))
         .await
         .expect("the open stream still holds the permit")

@@ -157,4 +157,6 @@ pub fn substitute_grafana_variables(expr: &str, rate_interval: &str) -> String {
         .replace("${operation:regex}", ".*")
         .replace("${operation}", ".*")
         .replace("$operation", ".*")
+        .replace("$job", ".*")
+        .replace("$instance", ".*")
 }

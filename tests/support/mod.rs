@@ -38,10 +38,13 @@ pub struct SumPoint {
 #[derive(Clone, Debug)]
 pub enum Data {
     Histogram(Vec<HistogramPoint>),
+    /// An i64 sum (the live counts) or a u64 one (the counters), as i64.
     Sum {
         monotonic: bool,
         points: Vec<SumPoint>,
     },
+    /// An i64 gauge (the limit).
+    Gauge(Vec<SumPoint>),
     Other(String),
 }
 
@@ -123,6 +126,24 @@ impl Telemetry {
                             })
                             .collect(),
                     },
+                    AggregatedMetrics::U64(MetricData::Sum(s)) => Data::Sum {
+                        monotonic: s.is_monotonic(),
+                        points: s
+                            .data_points()
+                            .map(|p| SumPoint {
+                                attributes: attributes(p.attributes()),
+                                value: i64::try_from(p.value()).expect("a count that fits"),
+                            })
+                            .collect(),
+                    },
+                    AggregatedMetrics::I64(MetricData::Gauge(g)) => Data::Gauge(
+                        g.data_points()
+                            .map(|p| SumPoint {
+                                attributes: attributes(p.attributes()),
+                                value: p.value(),
+                            })
+                            .collect(),
+                    ),
                     other => Data::Other(format!("{other:?}")),
                 },
             })
@@ -141,14 +162,15 @@ impl Telemetry {
             .collect()
     }
 
-    /// The data points of the observable up-down counter `name`.
+    /// The data points of the observable instrument `name`: a live count, a counter or the
+    /// limit gauge.
     pub fn live(&self, name: &str) -> Vec<SumPoint> {
         self.collect()
             .into_iter()
             .filter(|m| m.name == name)
             .flat_map(|m| match m.data {
-                Data::Sum { points, .. } => points,
-                other => panic!("{name} is not an i64 sum: {other:?}"),
+                Data::Sum { points, .. } | Data::Gauge(points) => points,
+                other => panic!("{name} is not a sum or a gauge: {other:?}"),
             })
             .collect()
     }
@@ -162,7 +184,8 @@ impl Telemetry {
             .sum()
     }
 
-    /// Sum of the live count over points whose attributes include every pair in `filter`.
+    /// Sum of the observable instrument `name` over points whose attributes include every pair
+    /// in `filter` (0 if none does).
     pub fn live_value(&self, name: &str, filter: &[(&str, &str)]) -> i64 {
         self.live(name)
             .iter()

@@ -2,7 +2,7 @@
 
 use http::{HeaderMap, Response, StatusCode};
 
-use super::{any_error_outcome, ClassifyOutcome};
+use super::{ClassifyEos, ClassifyOutcome};
 use crate::Outcome;
 
 /// Lowest and highest status code an [`HttpClassifier`] can be told about.
@@ -16,10 +16,12 @@ const WORDS: usize = (LAST_STATUS - FIRST_STATUS) as usize / 64 + 1;
 /// - `499` (client closed the request) is [`Outcome::Cancelled`];
 /// - the error statuses, by default every `5xx`, are [`Outcome::Error`];
 /// - everything else is [`Outcome::Ok`];
-/// - an `Err` from the service is classified as [`DefaultClassifier`](crate::DefaultClassifier)
-///   does.
+/// - an `Err` from the service is [`Outcome::Error`] (wrap it in a
+///   [`TimeoutClassifier`](crate::TimeoutClassifier) for `timeout` on an `Elapsed`).
 ///
-/// Which statuses count as errors can be changed; the three above keep their outcome.
+/// Which statuses count as errors can be changed; the three above keep their outcome. In the
+/// body-end form the status decides at the head; a body that fails or is dropped before its end
+/// still ends the operation as `error` or `cancelled`.
 ///
 /// ```
 /// use http::StatusCode;
@@ -98,33 +100,44 @@ impl HttpClassifier {
     }
 }
 
-impl<B, E: 'static> ClassifyOutcome<Response<B>, E> for HttpClassifier {
+impl<B, E> ClassifyOutcome<Response<B>, E> for HttpClassifier {
     fn classify(&self, result: Result<&Response<B>, &E>) -> Outcome {
         match result {
             Ok(response) => self.classify_status(response.status()),
-            Err(error) => any_error_outcome(error),
+            Err(_) => Outcome::Error,
         }
     }
 }
 
-/// Classifies gRPC responses by the `grpc-status` header of a trailers-only response, which is
-/// how tonic answers a handler's `Err(Status)`.
+impl ClassifyEos for HttpClassifier {
+    fn classify_head<B>(&self, response: &Response<B>) -> Option<Outcome> {
+        Some(self.classify_status(response.status()))
+    }
+}
+
+/// Classifies gRPC responses by their `grpc-status`.
 ///
 /// `0` (OK) is [`Outcome::Ok`], `1` (CANCELLED) [`Outcome::Cancelled`], `4` (DEADLINE_EXCEEDED)
-/// [`Outcome::Timeout`], any other code [`Outcome::Error`]; no `grpc-status` header is `ok`.
-/// An `Err` from the service is classified as [`DefaultClassifier`](crate::DefaultClassifier)
-/// does.
+/// [`Outcome::Timeout`], any other code [`Outcome::Error`]. An `Err` from the service is
+/// [`Outcome::Error`].
 ///
-/// The outcome is decided when the response head is ready. A status sent only in the trailers,
-/// after a body (a streaming call that fails midway, or a unary call whose handler returned `Ok`),
-/// is not seen: such a call counts as `ok`, and its run time ends with the head, not the body.
+/// - **At the head** (the default form of the layer): the `grpc-status` header of a trailers-only
+///   response, which is how tonic answers a handler's `Err(Status)`; no header is `ok`. A status
+///   sent in the trailers, after a body, is not seen there.
+/// - **At the end of the body** (the layer's
+///   [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form): a trailers-only
+///   response still decides at the head; any other decides at the end of its stream, from the
+///   `grpc-status` of its trailers, so a server stream that fails midway is an error. A stream
+///   that ends without trailers, or trailers without `grpc-status`, is `ok`, as tower-http's
+///   `GrpcErrorsAsFailures` says.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GrpcClassifier;
 
 impl GrpcClassifier {
-    /// The outcome of a response with these headers.
+    /// The outcome of a response head, or trailers, with these headers: no `grpc-status` is
+    /// `ok`.
     pub fn classify_headers(headers: &HeaderMap) -> Outcome {
-        match headers.get("grpc-status") {
+        match headers.get(GRPC_STATUS) {
             None => Outcome::Ok,
             Some(value) => match value.as_bytes() {
                 b"0" => Outcome::Ok,
@@ -136,14 +149,29 @@ impl GrpcClassifier {
     }
 }
 
-impl<B, E: 'static> ClassifyOutcome<Response<B>, E> for GrpcClassifier {
+impl<B, E> ClassifyOutcome<Response<B>, E> for GrpcClassifier {
     fn classify(&self, result: Result<&Response<B>, &E>) -> Outcome {
         match result {
             Ok(response) => Self::classify_headers(response.headers()),
-            Err(error) => any_error_outcome(error),
+            Err(_) => Outcome::Error,
         }
     }
 }
+
+impl ClassifyEos for GrpcClassifier {
+    fn classify_head<B>(&self, response: &Response<B>) -> Option<Outcome> {
+        let headers = response.headers();
+        headers
+            .contains_key(GRPC_STATUS)
+            .then(|| Self::classify_headers(headers))
+    }
+
+    fn classify_eos(&self, trailers: Option<&HeaderMap>) -> Outcome {
+        trailers.map_or(Outcome::Ok, Self::classify_headers)
+    }
+}
+
+const GRPC_STATUS: &str = "grpc-status";
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,443 @@
+//! Per-request tags: one layer over a whole axum `Router` or tonic `Server`, where each request
+//! chooses its operation and executor, or to go unlimited.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+
+use pin_project_lite::pin_project;
+use tower::util::Oneshot;
+use tower::ServiceExt;
+use tower_service::Service;
+
+use crate::classify::MakeClassifier;
+use crate::end::End;
+use crate::metrics::MetricsSource;
+use crate::reject::RespondRejected;
+use crate::{Acquire, Capacity, Executor, Operation, OperationMetrics, ResourcesOperation};
+
+/// What a request is, to a layer over many routes: an operation of some series, or not limited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Choice {
+    /// Limited, and recorded as `operation` on `executor`.
+    Limited {
+        /// The request's operation.
+        operation: Operation,
+        /// Where it runs.
+        executor: Executor,
+    },
+    /// Not limited and not recorded: a health check, `/metrics`.
+    Unlimited,
+}
+
+impl Choice {
+    /// [`Choice::Limited`] with `operation` and `executor`.
+    pub const fn limited(operation: Operation, executor: Executor) -> Self {
+        Choice::Limited {
+            operation,
+            executor,
+        }
+    }
+
+    /// What a request that no rule names is, unless told otherwise: limited, as
+    /// `other`/`other`.
+    pub const OTHER: Choice = Choice::limited(Operation::Other, Executor::Other);
+}
+
+/// Chooses, from a request, its operation and executor, or that it is not limited.
+///
+/// Every `Fn(&Req) -> Choice` is one. The choice is bounded whatever the request: it is one of
+/// NeMo Gym's values or none.
+pub trait ChooseOperation<Req> {
+    /// What `request` is.
+    fn choose(&self, request: &Req) -> Choice;
+}
+
+impl<F, Req> ChooseOperation<Req> for F
+where
+    F: Fn(&Req) -> Choice,
+{
+    fn choose(&self, request: &Req) -> Choice {
+        self(request)
+    }
+}
+
+/// Chooses by gRPC service and method, from the request path (`/package.Service/Method`).
+///
+/// A method's rule wins over its service's; a request that no rule names is
+/// [`otherwise`](Self::otherwise) (by default `other`/`other`, limited).
+///
+/// ```
+/// use tower_resources_operation::{ByGrpcMethod, Choice, ChooseOperation, Executor, Operation};
+///
+/// let chooser = ByGrpcMethod::new()
+///     .service("nemo.Verifier", Choice::limited(Operation::Verify, Executor::Subprocess))
+///     .method("nemo.Verifier/Judge", Choice::limited(Operation::Judge, Executor::Inline))
+///     .service("grpc.health.v1.Health", Choice::Unlimited);
+/// let request = |path: &str| http::Request::post(path).body(()).unwrap();
+/// assert_eq!(
+///     chooser.choose(&request("/nemo.Verifier/Check")),
+///     Choice::limited(Operation::Verify, Executor::Subprocess)
+/// );
+/// assert_eq!(
+///     chooser.choose(&request("/nemo.Verifier/Judge")),
+///     Choice::limited(Operation::Judge, Executor::Inline)
+/// );
+/// assert_eq!(chooser.choose(&request("/grpc.health.v1.Health/Check")), Choice::Unlimited);
+/// assert_eq!(chooser.choose(&request("/unknown.Service/Call")), Choice::OTHER);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct ByGrpcMethod {
+    table: Arc<Table>,
+}
+
+/// Rules by name, and what a request no rule names is.
+#[derive(Clone, Debug)]
+struct Table {
+    exact: HashMap<Box<str>, Choice>,
+    prefix: HashMap<Box<str>, Choice>,
+    otherwise: Choice,
+}
+
+impl Default for Table {
+    fn default() -> Self {
+        Self {
+            exact: HashMap::new(),
+            prefix: HashMap::new(),
+            otherwise: Choice::OTHER,
+        }
+    }
+}
+
+impl ByGrpcMethod {
+    /// No rules: every request is `other`/`other`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Requests to `service` (`package.Service`) are `choice`.
+    pub fn service(mut self, service: &str, choice: Choice) -> Self {
+        Arc::make_mut(&mut self.table)
+            .prefix
+            .insert(service.trim_matches('/').into(), choice);
+        self
+    }
+
+    /// Requests to `method` (`package.Service/Method`) are `choice`.
+    pub fn method(mut self, method: &str, choice: Choice) -> Self {
+        Arc::make_mut(&mut self.table)
+            .exact
+            .insert(method.trim_matches('/').into(), choice);
+        self
+    }
+
+    /// Requests that no rule names are `choice`.
+    pub fn otherwise(mut self, choice: Choice) -> Self {
+        Arc::make_mut(&mut self.table).otherwise = choice;
+        self
+    }
+}
+
+impl<B> ChooseOperation<http::Request<B>> for ByGrpcMethod {
+    fn choose(&self, request: &http::Request<B>) -> Choice {
+        let path = request.uri().path().trim_start_matches('/');
+        let table = &*self.table;
+        if let Some(choice) = table.exact.get(path) {
+            return *choice;
+        }
+        let service = path.split_once('/').map_or(path, |(service, _)| service);
+        table
+            .prefix
+            .get(service)
+            .copied()
+            .unwrap_or(table.otherwise)
+    }
+}
+
+/// Chooses by the route axum matched (`axum::extract::MatchedPath`, such as `/users/{id}`).
+///
+/// A request whose route no rule names, or that matched no route (a 404 from the fallback), is
+/// [`otherwise`](Self::otherwise) (by default `other`/`other`, limited). Put the layer on the
+/// `Router` with `Router::layer` (axum applies it to each route, after matching); around the
+/// whole router, from outside, no route is matched yet.
+///
+/// ```
+/// use axum::{routing::get, Router};
+/// use tower_resources_operation::{
+///     ByMatchedPath, Choice, Executor, Operation, ResourcesOperationLayer,
+/// };
+///
+/// let chooser = ByMatchedPath::new()
+///     .route("/verify", Choice::limited(Operation::Verify, Executor::Subprocess))
+///     .route("/judge/{model}", Choice::limited(Operation::Judge, Executor::Inline))
+///     .route("/metrics", Choice::Unlimited)
+///     .otherwise(Choice::Unlimited);
+/// let app: Router = Router::new()
+///     .route("/verify", get(|| async { "verified" }))
+///     .route("/judge/{model}", get(|| async { "judged" }))
+///     .route("/metrics", get(|| async { "" }))
+///     .layer(ResourcesOperationLayer::new_for_http(8).per_request(chooser));
+/// # drop(app);
+/// ```
+#[cfg(feature = "axum")]
+#[derive(Clone, Debug, Default)]
+pub struct ByMatchedPath {
+    table: Arc<Table>,
+}
+
+#[cfg(feature = "axum")]
+impl ByMatchedPath {
+    /// No rules: every request is `other`/`other`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Requests that matched `route` (as written in `Router::route`) are `choice`.
+    pub fn route(mut self, route: &str, choice: Choice) -> Self {
+        Arc::make_mut(&mut self.table)
+            .exact
+            .insert(route.into(), choice);
+        self
+    }
+
+    /// Requests that no rule names, or that matched no route, are `choice`.
+    pub fn otherwise(mut self, choice: Choice) -> Self {
+        Arc::make_mut(&mut self.table).otherwise = choice;
+        self
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<B> ChooseOperation<http::Request<B>> for ByMatchedPath {
+    fn choose(&self, request: &http::Request<B>) -> Choice {
+        let table = &*self.table;
+        request
+            .extensions()
+            .get::<axum::extract::MatchedPath>()
+            .and_then(|matched| table.exact.get(matched.as_str()))
+            .copied()
+            .unwrap_or(table.otherwise)
+    }
+}
+
+/// A service whose requests each choose their operation, made by a layer built
+/// [`per_request`](crate::ResourcesOperationLayer::per_request).
+///
+/// Its `poll_ready` is always ready; `call` sends each limited request through a clone of the
+/// inner service that takes its permit as [`ResourcesOperation`] does, and each unlimited one
+/// straight to a clone of the inner service.
+pub struct PerRequestOperation<S, F, C, L, R, E> {
+    inner: S,
+    chooser: F,
+    classifier: C,
+    limit: L,
+    rejections: R,
+    metrics: Arc<LazyMetrics>,
+    capacity: Option<Capacity>,
+    _end: PhantomData<fn() -> E>,
+}
+
+/// Metrics resolved when the first request is served.
+#[derive(Debug)]
+struct LazyMetrics {
+    source: MetricsSource,
+    resolved: OnceLock<OperationMetrics>,
+}
+
+impl<S, F, C, L, R, E> PerRequestOperation<S, F, C, L, R, E> {
+    pub(crate) fn new(
+        inner: S,
+        chooser: F,
+        classifier: C,
+        limit: L,
+        rejections: R,
+        metrics: MetricsSource,
+        capacity: Option<Capacity>,
+    ) -> Self {
+        Self {
+            inner,
+            chooser,
+            classifier,
+            limit,
+            rejections,
+            metrics: Arc::new(LazyMetrics {
+                source: metrics,
+                resolved: OnceLock::new(),
+            }),
+            capacity,
+            _end: PhantomData,
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, F, C, L, R, E, Request> Service<Request> for PerRequestOperation<S, F, C, L, R, E>
+where
+    S: Service<Request> + Clone,
+    F: ChooseOperation<Request>,
+    C: MakeClassifier<Request, S::Response, S::Error> + Clone,
+    L: Acquire + Clone + Send + Sync + 'static,
+    L::Permit: Send + 'static,
+    R: RespondRejected<S::Response, S::Error>,
+    E: End<S::Response, S::Error, C::Classifier, L::Permit>,
+{
+    type Response = E::Response;
+    type Error = S::Error;
+    type Future = PerRequestFuture<
+        Oneshot<ResourcesOperation<S, C, L, R, E>, Request>,
+        Oneshot<S, Request>,
+        E,
+        C::Classifier,
+        L::Permit,
+    >;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let (operation, executor) = match self.chooser.choose(&request) {
+            Choice::Limited {
+                operation,
+                executor,
+            } => (operation, executor),
+            Choice::Unlimited => {
+                return PerRequestFuture::unlimited(self.inner.clone().oneshot(request));
+            }
+        };
+        let metrics = &*self.metrics;
+        let series = metrics
+            .resolved
+            .get_or_init(|| metrics.source.resolve())
+            .series(operation, executor, self.capacity.as_ref())
+            .cloned();
+        let service = ResourcesOperation::from_parts(
+            self.inner.clone(),
+            self.classifier.clone(),
+            self.limit.clone(),
+            self.rejections.clone(),
+            series,
+        );
+        PerRequestFuture::limited(service.oneshot(request))
+    }
+}
+
+impl<S, F, C, L, R, E> Clone for PerRequestOperation<S, F, C, L, R, E>
+where
+    S: Clone,
+    F: Clone,
+    C: Clone,
+    L: Clone,
+    R: Clone,
+{
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            chooser: self.chooser.clone(),
+            classifier: self.classifier.clone(),
+            limit: self.limit.clone(),
+            rejections: self.rejections.clone(),
+            metrics: Arc::clone(&self.metrics),
+            capacity: self.capacity.clone(),
+            _end: PhantomData,
+        }
+    }
+}
+
+impl<S: fmt::Debug, F, C, L, R, E> fmt::Debug for PerRequestOperation<S, F, C, L, R, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PerRequestOperation")
+            .field("inner", &self.inner)
+            .field("limit", &std::any::type_name::<L>())
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "tonic")]
+impl<S, F, C, L, R, E> tonic::server::NamedService for PerRequestOperation<S, F, C, L, R, E>
+where
+    S: tonic::server::NamedService,
+{
+    /// The wrapped gRPC service's name, so the layered service can go to tonic's `add_service`.
+    const NAME: &'static str = S::NAME;
+}
+
+pin_project! {
+    /// The response future of [`PerRequestOperation`]: a limited request's, or an unlimited
+    /// one's.
+    pub struct PerRequestFuture<A, U, E, K, P> {
+        #[pin]
+        kind: Kind<A, U>,
+        _end: PhantomData<fn() -> (E, K, P)>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<A, U> {
+        Limited { #[pin] future: A },
+        Unlimited { #[pin] future: U },
+    }
+}
+
+impl<A, U, E, K, P> PerRequestFuture<A, U, E, K, P> {
+    fn limited(future: A) -> Self {
+        Self {
+            kind: Kind::Limited { future },
+            _end: PhantomData,
+        }
+    }
+
+    fn unlimited(future: U) -> Self {
+        Self {
+            kind: Kind::Unlimited { future },
+            _end: PhantomData,
+        }
+    }
+}
+
+impl<A, U, E, K, P, Res, Err> Future for PerRequestFuture<A, U, E, K, P>
+where
+    A: Future<Output = Result<E::Response, Err>>,
+    U: Future<Output = Result<Res, Err>>,
+    E: End<Res, Err, K, P>,
+{
+    type Output = Result<E::Response, Err>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Limited { future } => future.poll(cx),
+            KindProj::Unlimited { future } => future.poll(cx).map(E::unmetered),
+        }
+    }
+}
+
+impl<A, U, E, K, P> fmt::Debug for PerRequestFuture<A, U, E, K, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            Kind::Limited { .. } => "limited",
+            Kind::Unlimited { .. } => "unlimited",
+        };
+        f.debug_struct("PerRequestFuture")
+            .field("kind", &kind)
+            .finish()
+    }
+}
