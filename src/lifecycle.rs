@@ -86,7 +86,8 @@ pub(crate) fn admit<H: Borrow<Series>>(series: H, waited: Option<Option<i64>>) -
         series: Some(series),
         start: now.unwrap_or(UNKNOWN),
         queued_us,
-        end: EndInfo::NONE,
+        deadline_ms: 0,
+        chosen: None,
     }
 }
 
@@ -118,57 +119,12 @@ pub(crate) struct Running<H: Borrow<Series>> {
     start: i64,
     /// How long it waited before that, in microseconds.
     queued_us: u32,
-    /// What the end needs besides: the caller's deadline and the chosen outcome, in one word.
-    end: EndInfo,
+    /// How long its caller waits for it, from when it asked for the permit, in whole
+    /// milliseconds; 0 for no deadline.
+    deadline_ms: u32,
+    /// The outcome [`set_outcome`](crate::set_outcome) chose, if it did.
+    chosen: Option<Outcome>,
 }
-
-/// How long the caller waits for an operation, from when it asked for its permit (whole
-/// milliseconds, 0 for no deadline), and the outcome [`set_outcome`](crate::set_outcome) chose
-/// for it (0 for none, else 1 + its index), in one `u32`: an admitted operation stays three
-/// words.
-#[derive(Clone, Copy, Debug)]
-struct EndInfo(u32);
-
-impl EndInfo {
-    const CHOSEN_BITS: u32 = 3;
-    const CHOSEN_MASK: u32 = (1 << Self::CHOSEN_BITS) - 1;
-    /// The longest deadline that fits: some six days. Longer ones count as none.
-    const MAX_DEADLINE_MS: u32 = u32::MAX >> Self::CHOSEN_BITS;
-    const NONE: Self = Self(0);
-
-    #[inline]
-    fn chosen(self) -> Option<Outcome> {
-        let code = (self.0 & Self::CHOSEN_MASK) as usize;
-        code.checked_sub(1)
-            .and_then(|index| Outcome::ALL.get(index).copied())
-    }
-
-    #[inline]
-    fn with_chosen(self, outcome: Option<Outcome>) -> Self {
-        let code = outcome.map_or(0, |outcome| outcome.index() as u32 + 1);
-        Self((self.0 & !Self::CHOSEN_MASK) | code)
-    }
-
-    fn deadline(self) -> Option<Duration> {
-        match self.0 >> Self::CHOSEN_BITS {
-            0 => None,
-            ms => Some(Duration::from_millis(u64::from(ms))),
-        }
-    }
-
-    fn with_deadline(self, deadline: Duration) -> Self {
-        let ms = match u32::try_from(deadline.as_millis()) {
-            Ok(ms) if ms <= Self::MAX_DEADLINE_MS => ms.max(1),
-            _ => 0,
-        };
-        Self((ms << Self::CHOSEN_BITS) | (self.0 & Self::CHOSEN_MASK))
-    }
-}
-
-const _: () = assert!(
-    Outcome::ALL.len() < (1 << EndInfo::CHOSEN_BITS),
-    "every outcome code must fit"
-);
 
 impl<H: Borrow<Series>> Running<H> {
     /// Nothing to record: what an operation whose metrics are disabled carries.
@@ -176,7 +132,8 @@ impl<H: Borrow<Series>> Running<H> {
         series: None,
         start: UNKNOWN,
         queued_us: 0,
-        end: EndInfo::NONE,
+        deadline_ms: 0,
+        chosen: None,
     };
 
     /// Whether the end is still to be recorded.
@@ -188,19 +145,21 @@ impl<H: Borrow<Series>> Running<H> {
     /// The outcome [`set_outcome`](crate::set_outcome) chose, if it did.
     #[inline]
     pub(crate) fn chosen_outcome(&self) -> Option<Outcome> {
-        self.end.chosen()
+        self.chosen
     }
 
     /// Keeps the outcome [`set_outcome`](crate::set_outcome) chose, to win over any other.
     #[inline]
     pub(crate) fn choose_outcome(&mut self, outcome: Option<Outcome>) {
-        self.end = self.end.with_chosen(outcome);
+        self.chosen = outcome;
     }
 
     /// The caller waits for the operation `deadline` from when it asked for its permit: a drop
     /// past it ends the operation as `timeout`, not `cancelled`.
     pub(crate) fn set_deadline(&mut self, deadline: Duration) {
-        self.end = self.end.with_deadline(deadline);
+        self.deadline_ms = u32::try_from(deadline.as_millis())
+            .unwrap_or(u32::MAX)
+            .max(1);
     }
 
     /// Ends the operation with `outcome`, unless [`set_outcome`](crate::set_outcome) chose one.
@@ -218,7 +177,7 @@ impl<H: Borrow<Series>> Running<H> {
     #[inline]
     pub(crate) fn finish_with(&mut self, classify: impl FnOnce() -> Outcome) {
         if self.series.is_some() {
-            let outcome = match self.end.chosen() {
+            let outcome = match self.chosen {
                 Some(chosen) => chosen,
                 None => catch_unwind(AssertUnwindSafe(classify)).unwrap_or(Outcome::Error),
             };
@@ -237,11 +196,7 @@ impl<H: Borrow<Series>> Running<H> {
             return;
         };
         let now = shared.now();
-        let outcome = self
-            .end
-            .chosen()
-            .or(outcome)
-            .unwrap_or_else(|| self.dropped(now));
+        let outcome = self.chosen.or(outcome).unwrap_or_else(|| self.dropped(now));
         let start = (self.start != UNKNOWN).then_some(self.start);
         shared.end(series.index(), outcome, start, now);
     }
@@ -249,10 +204,10 @@ impl<H: Borrow<Series>> Running<H> {
     /// The outcome of an operation dropped at `now`: `timeout` if its deadline has passed,
     /// `cancelled` otherwise.
     fn dropped(&self, now: Option<i64>) -> Outcome {
-        let (Some(now), false, Some(deadline)) = (now, self.start == UNKNOWN, self.end.deadline())
-        else {
+        let (Some(now), false, true) = (now, self.start == UNKNOWN, self.deadline_ms > 0) else {
             return Outcome::Cancelled;
         };
+        let deadline = Duration::from_millis(u64::from(self.deadline_ms));
         let slack = DEADLINE_SLACK.min(deadline / 10);
         let waited = Duration::from_micros(u64::from(self.queued_us));
         let ran = Duration::from_nanos(u64::try_from(now.saturating_sub(self.start)).unwrap_or(0));

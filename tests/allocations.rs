@@ -1,4 +1,6 @@
-//! No heap allocation per operation in steady state, with metrics disabled or enabled.
+//! No heap allocation per operation in steady state, with metrics disabled or enabled: through
+//! the layer (head-end and body-end forms, reused and `clone().oneshot()`), and through
+//! `resources_operation`.
 //!
 //! A counting global allocator counts the allocations made by this thread while operations run
 //! on a current-thread runtime (a count, not a time). The first operations are a warm-up: the
@@ -12,9 +14,12 @@ use std::convert::Infallible;
 use std::future::{ready, Ready};
 use std::task::{Context, Poll};
 
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
 use tower::{Layer, Service, ServiceExt};
 use tower_resources_operation::{
-    set_outcome, Executor, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
+    resources_operation, set_outcome, Executor, Limit, Operation, OperationMetrics, Outcome,
+    ResourcesOperationLayer,
 };
 
 /// Counts allocations of the current thread, so other test threads do not disturb the count.
@@ -134,6 +139,151 @@ fn no_allocation_per_operation_with_metrics_enabled() {
     };
     assert_eq!(count("timeout"), timeouts);
     assert_eq!(count("ok"), u64::from(2 * rounds) - timeouts);
+}
+
+/// Allocations made by `MEASURED` scoped operations after `WARM_UP`, through `metrics` (or the
+/// free function, on the global provider, when `None`), on a `Limit` and on a `Semaphore`.
+fn scoped_steady_state_allocations(metrics: Option<OperationMetrics>) -> u64 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let limit = Limit::new(4);
+    let semaphore = tokio::sync::Semaphore::new(4);
+    rt.block_on(async {
+        let run = |n: u32| {
+            let metrics = metrics.clone();
+            let (limit, semaphore) = (&limit, &semaphore);
+            async move {
+                let work = async move {
+                    if n % 3 == 0 {
+                        set_outcome(Outcome::Timeout);
+                    }
+                    Ok::<_, Infallible>(n)
+                };
+                let output = match &metrics {
+                    Some(metrics) => {
+                        let on_limit = metrics
+                            .resources_operation(limit, Operation::Judge, Executor::Inline, work)
+                            .await;
+                        let on_semaphore = metrics
+                            .resources_operation(
+                                semaphore,
+                                Operation::Judge,
+                                Executor::Inline,
+                                async { Ok::<_, Infallible>(n) },
+                            )
+                            .await;
+                        assert_eq!(on_semaphore.unwrap().unwrap(), n);
+                        on_limit
+                    }
+                    None => {
+                        resources_operation(limit, Operation::Judge, Executor::Inline, work).await
+                    }
+                };
+                assert_eq!(output.unwrap().unwrap(), n);
+            }
+        };
+        for n in 0..WARM_UP {
+            run(n).await;
+        }
+        let before = allocations();
+        for n in 0..MEASURED {
+            run(n).await;
+        }
+        allocations() - before
+    })
+}
+
+#[test]
+fn no_allocation_per_scoped_operation_with_metrics_disabled() {
+    assert_eq!(
+        scoped_steady_state_allocations(Some(OperationMetrics::disabled())),
+        0
+    );
+}
+
+#[test]
+fn no_allocation_per_scoped_operation_with_metrics_enabled() {
+    let telemetry = support::Telemetry::new();
+    assert_eq!(
+        scoped_steady_state_allocations(Some(telemetry.metrics.clone())),
+        0
+    );
+    let count = |outcome| {
+        telemetry.count(
+            tower_resources_operation::DURATION_INSTRUMENT,
+            &[(tower_resources_operation::OUTCOME_ATTRIBUTE, outcome)],
+        )
+    };
+    let rounds = u64::from(WARM_UP + MEASURED);
+    let timeouts = (0..WARM_UP)
+        .chain(0..MEASURED)
+        .filter(|n| n % 3 == 0)
+        .count() as u64;
+    assert_eq!(count("timeout"), timeouts);
+    assert_eq!(count("ok"), 2 * rounds - timeouts);
+}
+
+#[test]
+fn no_allocation_per_operation_of_the_free_function() {
+    // On whatever global provider is installed (none here: the no-op one): looked up per call.
+    assert_eq!(scoped_steady_state_allocations(None), 0);
+}
+
+/// Allocations made by `MEASURED` body-end operations after `WARM_UP`, each body read to its end.
+fn body_end_steady_state_allocations(metrics: OperationMetrics) -> u64 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let layer = ResourcesOperationLayer::new_for_http(4)
+        .operation(Operation::Verify)
+        .metrics(metrics)
+        .until_body_end();
+    let service = layer.layer(tower::service_fn(|_: http::Request<()>| async {
+        Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(
+            b"verified",
+        ))))
+    }));
+    rt.block_on(async {
+        let run = || {
+            let service = service.clone();
+            async move {
+                let response = service.oneshot(http::Request::new(())).await.unwrap();
+                // Frame by frame: collecting would allocate a buffer of its own.
+                let mut body = response.into_body();
+                let mut read = 0;
+                while let Some(frame) = body.frame().await {
+                    read += frame.unwrap().into_data().map_or(0, |data| data.len());
+                }
+                assert_eq!(read, b"verified".len());
+            }
+        };
+        for _ in 0..WARM_UP {
+            run().await;
+        }
+        let before = allocations();
+        for _ in 0..MEASURED {
+            run().await;
+        }
+        allocations() - before
+    })
+}
+
+#[test]
+fn no_allocation_per_body_end_operation_with_metrics_enabled_or_disabled() {
+    assert_eq!(
+        body_end_steady_state_allocations(OperationMetrics::disabled()),
+        0
+    );
+    let telemetry = support::Telemetry::new();
+    assert_eq!(
+        body_end_steady_state_allocations(telemetry.metrics.clone()),
+        0
+    );
+    assert_eq!(
+        telemetry.count(tower_resources_operation::DURATION_INSTRUMENT, &[]),
+        u64::from(WARM_UP + MEASURED)
+    );
 }
 
 #[test]

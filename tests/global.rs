@@ -1,122 +1,190 @@
-//! `OperationMetrics::global()`, in a test binary of its own: the global meter provider is
-//! process-wide, and must be installed before anything first calls `global()`.
+//! Metrics that fall back to the global meter provider: which provider they report to, and when
+//! that is decided. In a test binary of its own, as the global provider is process-wide; the
+//! tests take turns installing theirs.
+//!
+//! OpenTelemetry's global meter is a snapshot of the provider installed when it is taken. A
+//! layer left on the default takes it when it first serves, the free `resources_operation` on
+//! every call, and a layer given metrics of its own never consults it.
 
 mod support;
 
 use std::convert::Infallible;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard};
 
-use tokio::sync::Semaphore;
-use tokio_test::{assert_pending, assert_ready, task};
 use tower::{service_fn, Layer, ServiceExt};
 use tower_resources_operation::{
-    resources_operation, Executor, Operation, OperationMetrics, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
-    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    resources_operation, ByGrpcMethod, Choice, Executor, Limit, Operation, OperationMetrics,
+    ResourcesOperationLayer, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    QUEUE_DURATION_INSTRUMENT,
 };
 
 use support::{pipeline, Telemetry};
 
-/// The telemetry behind the global meter provider, installed once, before the first `global()`.
-/// Tests read it one at a time, as `collect` resets the shared exporter.
-fn global() -> MutexGuard<'static, Telemetry> {
-    static GLOBAL: OnceLock<Mutex<Telemetry>> = OnceLock::new();
-    GLOBAL
-        .get_or_init(|| {
-            let (provider, exporter) = pipeline();
-            opentelemetry::global::set_meter_provider(provider.clone());
-            Mutex::new(Telemetry {
-                provider,
-                exporter,
-                metrics: OperationMetrics::global(),
-            })
-        })
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+/// One test at a time installs the global provider.
+fn global_provider_turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A fresh provider with an in-memory exporter, not installed anywhere yet.
+fn provider() -> Telemetry {
+    let (provider, exporter) = pipeline();
+    Telemetry {
+        // Only for `collect`; the global metrics are made from the provider itself.
+        metrics: OperationMetrics::disabled(),
+        provider,
+        exporter,
+    }
+}
+
+fn install(telemetry: &Telemetry) {
+    opentelemetry::global::set_meter_provider(telemetry.provider.clone());
+}
+
+fn operations(telemetry: &Telemetry, operation: &str) -> u64 {
+    telemetry.count(DURATION_INSTRUMENT, &[(OPERATION_ATTRIBUTE, operation)])
+}
+
+/// One operation through a service of `layer`.
+async fn serve_once(layer: &ResourcesOperationLayer, n: u32) {
+    let service = layer.layer(service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }));
+    assert_eq!(service.oneshot(n).await.unwrap(), n);
 }
 
 #[tokio::test]
-async fn default_layer_reports_through_the_global_provider_installed_before_first_use() {
-    drop(global());
-    assert!(
-        std::env::var("OTEL_SDK_DISABLED").is_err(),
-        "run without OTEL_SDK_DISABLED"
-    );
-    assert!(OperationMetrics::global().is_enabled());
+async fn the_common_order_build_then_install_then_serve_reports_to_the_installed_provider() {
+    let _turn = global_provider_turn();
+    let own = Telemetry::new();
+    // Built before any provider is installed: a default layer, and one with metrics of its own
+    // (which used to snapshot the global meter, a no-op then, for the life of the process).
+    let default = ResourcesOperationLayer::new(1).operation(Operation::Verify);
+    let explicit = ResourcesOperationLayer::new(1)
+        .operation(Operation::Judge)
+        .metrics(own.metrics.clone());
 
-    // No `.metrics(...)`: the layer defaults to the global metrics.
-    let layer = ResourcesOperationLayer::new(1);
-    let svc = layer.layer(service_fn(
-        |n: u32| async move { Ok::<_, Infallible>(n * 2) },
-    ));
-    assert_eq!(svc.clone().oneshot(21).await.unwrap(), 42);
-    assert_eq!(svc.oneshot(1).await.unwrap(), 2);
+    let global = provider();
+    install(&global);
+    serve_once(&default, 1).await;
+    serve_once(&explicit, 2).await;
+    resources_operation(&Limit::new(1), Operation::Tool, Executor::Inline, async {
+        Ok::<_, Infallible>(())
+    })
+    .await
+    .unwrap()
+    .unwrap();
 
-    let other_other = [
-        (OPERATION_ATTRIBUTE, "other"),
-        (EXECUTOR_ATTRIBUTE, "other"),
-    ];
-    let t = global();
-    let exported = t.collect();
-    assert!(
-        exported
-            .iter()
-            .all(|m| m.name.starts_with("gym.resources.")),
-        "only the crate's instruments: {exported:?}"
+    assert_eq!(operations(&global, "verify"), 1, "the default layer");
+    assert_eq!(operations(&global, "tool"), 1, "the free function");
+    assert_eq!(
+        operations(&global, "judge"),
+        0,
+        "explicit metrics never reach the global provider"
     );
-    assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &other_other), 2);
-    let ok = [
-        (OPERATION_ATTRIBUTE, "other"),
-        (EXECUTOR_ATTRIBUTE, "other"),
-        (OUTCOME_ATTRIBUTE, "ok"),
-    ];
-    assert_eq!(t.count(DURATION_INSTRUMENT, &ok), 2);
-    assert_eq!(t.live_value(ACTIVE_INSTRUMENT, &other_other), 0);
-    assert_eq!(t.live_value(QUEUED_INSTRUMENT, &other_other), 0);
+    assert_eq!(operations(&own, "judge"), 1);
+    assert_eq!(operations(&own, "verify") + operations(&own, "tool"), 0);
 }
 
 #[tokio::test]
-async fn free_function_reports_through_the_global_provider_and_limits() {
-    drop(global());
-    let limit = Semaphore::new(1);
-    let (release, rx) = tokio::sync::oneshot::channel::<()>();
+async fn a_default_layer_keeps_the_provider_it_first_served_with() {
+    let _turn = global_provider_turn();
+    let layer = ResourcesOperationLayer::new(1).operation(Operation::Verify);
+    let service = layer.layer(service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }));
 
-    let mut first = task::spawn(resources_operation(
-        &limit,
-        Operation::Verify,
-        Executor::Thread,
-        async {
-            rx.await.unwrap();
-            Ok::<_, Infallible>(1)
-        },
-    ));
-    let mut second = task::spawn(resources_operation(
-        &limit,
-        Operation::Verify,
-        Executor::Thread,
-        async { Ok::<_, Infallible>(2) },
-    ));
-    assert_pending!(first.poll());
-    assert_pending!(second.poll());
+    let first = provider();
+    install(&first);
+    service.clone().oneshot(1).await.unwrap();
+    let second = provider();
+    install(&second);
+    service.clone().oneshot(2).await.unwrap();
 
+    assert_eq!(operations(&first, "verify"), 2);
+    assert_eq!(operations(&second, "verify"), 0);
+    // A layer that has not served yet decides now, for the provider installed now.
+    serve_once(
+        &ResourcesOperationLayer::new(1).operation(Operation::Judge),
+        3,
+    )
+    .await;
+    assert_eq!(operations(&second, "judge"), 1);
+    assert_eq!(operations(&first, "judge"), 0);
+}
+
+#[tokio::test]
+async fn the_free_function_reports_to_the_provider_installed_when_it_is_called() {
+    let _turn = global_provider_turn();
+    let limit = Limit::new(1);
+    let first = provider();
+    install(&first);
+    resources_operation(&limit, Operation::Verify, Executor::Thread, async {})
+        .await
+        .unwrap();
+    let second = provider();
+    install(&second);
+    resources_operation(&limit, Operation::Judge, Executor::Thread, async {})
+        .await
+        .unwrap();
+
+    assert_eq!(
+        (operations(&first, "verify"), operations(&first, "judge")),
+        (1, 0)
+    );
+    assert_eq!(
+        (operations(&second, "verify"), operations(&second, "judge")),
+        (0, 1)
+    );
+}
+
+#[tokio::test]
+async fn global_metrics_are_one_set_per_provider_so_live_counts_are_not_hidden() {
+    let _turn = global_provider_turn();
+    let global = provider();
+    install(&global);
+    // Two calls under one provider share the instruments: one callback per series, not two
+    // (two would each report the same series, and OpenTelemetry keeps only the last).
+    let (a, b) = (OperationMetrics::global(), OperationMetrics::global());
+    let limit = Limit::new(2);
     let verify_thread = [
         (OPERATION_ATTRIBUTE, "verify"),
         (EXECUTOR_ATTRIBUTE, "thread"),
     ];
-    {
-        let t = global();
-        assert_eq!(t.live_value(ACTIVE_INSTRUMENT, &verify_thread), 1);
-        assert_eq!(t.live_value(QUEUED_INSTRUMENT, &verify_thread), 1);
-    }
-
+    let (release, wait) = tokio::sync::oneshot::channel::<()>();
+    let held = tokio::spawn({
+        let limit = limit.clone();
+        async move {
+            a.resources_operation(&limit, Operation::Verify, Executor::Thread, async {
+                wait.await.unwrap();
+            })
+            .await
+            .unwrap()
+        }
+    });
+    support::settle().await;
+    b.resources_operation(&limit, Operation::Verify, Executor::Thread, async {})
+        .await
+        .unwrap();
+    assert_eq!(
+        global.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &verify_thread),
+        1,
+        "the running operation of `a`, seen through the one callback"
+    );
     release.send(()).unwrap();
-    assert_eq!(assert_ready!(first.poll()), Ok(Ok(1)));
-    assert!(second.is_woken());
-    assert_eq!(assert_ready!(second.poll()), Ok(Ok(2)));
+    held.await.unwrap();
+    assert_eq!(global.count(QUEUE_DURATION_INSTRUMENT, &verify_thread), 2);
+}
 
-    let t = global();
-    assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &verify_thread), 2);
-    assert_eq!(t.count(DURATION_INSTRUMENT, &verify_thread), 2);
-    assert_eq!(t.live_value(ACTIVE_INSTRUMENT, &verify_thread), 0);
-    assert_eq!(t.live_value(QUEUED_INSTRUMENT, &verify_thread), 0);
+#[tokio::test]
+async fn a_per_request_layer_on_the_default_resolves_the_provider_when_it_first_serves() {
+    let _turn = global_provider_turn();
+    let layer = ResourcesOperationLayer::new_for_http(2).per_request(ByGrpcMethod::new().service(
+        "pkg.Verifier",
+        Choice::limited(Operation::Verify, Executor::Process),
+    ));
+    let service = layer.layer(service_fn(|_: http::Request<()>| async {
+        Ok::<_, Infallible>(http::Response::new(()))
+    }));
+    let global = provider();
+    install(&global);
+    let request = http::Request::post("/pkg.Verifier/Check").body(()).unwrap();
+    service.oneshot(request).await.unwrap();
+    assert_eq!(operations(&global, "verify"), 1);
 }

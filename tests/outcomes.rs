@@ -343,6 +343,72 @@ async fn panic_in_inner_poll_ready_after_the_permit_is_crashed_and_propagates_un
     assert_released(&t, &layer);
 }
 
+/// Panics in its first `poll_ready`, then behaves.
+#[derive(Clone)]
+struct PanicsInFirstPollReady {
+    panicked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Service<u32> for PanicsInFirstPollReady {
+    type Response = u32;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<u32, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        if !self
+            .panicked
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            panic!("first poll_ready panicked")
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: u32) -> Self::Future {
+        std::future::ready(Ok(request))
+    }
+}
+
+/// The operation admitted before the panic ends once, as `crashed`, and gives its permit back:
+/// the same service, asked again, admits (and records) a new operation, rather than calling the
+/// inner service unrecorded on the crashed operation's permit.
+#[tokio::test]
+async fn after_a_panic_in_inner_poll_ready_the_same_service_records_every_later_operation() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let mut svc = layer.layer(PanicsInFirstPollReady {
+        panicked: Default::default(),
+    });
+
+    let mut ready = task::spawn(());
+    let panicked = catch_unwind(AssertUnwindSafe(|| {
+        ready.enter(|cx, _| Service::<u32>::poll_ready(&mut svc, cx))
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(outcomes(&t), only("crashed"));
+    assert_eq!(
+        layer.limit().available(),
+        1,
+        "the crashed operation's permit is back"
+    );
+
+    // `call` without a new `poll_ready` has no permit to spend.
+    let unprepared = catch_unwind(AssertUnwindSafe(|| svc.call(1)));
+    assert!(unprepared.is_err(), "call without poll_ready panics");
+
+    assert_eq!(svc.ready().await.unwrap().call(2).await.unwrap(), 2);
+    assert_eq!(
+        outcomes(&t),
+        BTreeMap::from([("crashed".to_owned(), 1), ("ok".to_owned(), 1)])
+    );
+    assert_eq!(
+        t.count(tower_resources_operation::QUEUE_DURATION_INSTRUMENT, &[]),
+        2,
+        "two admitted operations, two queue samples"
+    );
+    assert_released(&t, &layer);
+}
+
 // ---------------------------------------------------------------------------------------------
 // set_outcome
 // ---------------------------------------------------------------------------------------------
