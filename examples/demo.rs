@@ -5,13 +5,20 @@
 //! cargo run --example demo
 //! ```
 //!
-//! It runs the same burst twice, against a limit of 2 and a limit of 16, on 127.0.0.1 with an
-//! in-memory OpenTelemetry exporter (no collector needed), and prints, per operation, the queue
-//! time next to the run time, and per outcome the count and run time.
+//! It runs the same burst against a limit of 2, 8 and 48, then against a limit of 2 that bounds
+//! its waiting (at most 8 queued, none for more than 250 ms: the rest are answered `503` with
+//! `Retry-After`), on 127.0.0.1 with an in-memory OpenTelemetry exporter (no collector needed).
+//! For each run it prints, from the exported metrics only, per operation the queue time next to
+//! the run time, per outcome the count and run time, the limit's capacity, the operations turned
+//! away and the waits given up, and what that says about the limit.
+//!
+//! Failures injected on purpose, so that every outcome shows: every 9th verify runs past the
+//! handler's 150 ms deadline (the handler answers a fallback and calls `set_outcome(Timeout)`),
+//! every 11th fails (`500`, `error`), and every 8th client hangs up after 400 ms, in the queue or
+//! while its request runs.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::http::{StatusCode, Uri};
@@ -24,11 +31,11 @@ use opentelemetry_sdk::metrics::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tower_resources_operation::{
-    set_outcome, Executor, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
-    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    set_outcome, Executor, HttpRejection, Limit, Operation, OperationMetrics, Outcome,
+    ResourcesOperationLayer, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    EXECUTOR_ATTRIBUTE, LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 
 const VERIFY_REQUESTS: u32 = 32;
@@ -37,6 +44,17 @@ const JUDGE_REQUESTS: u32 = 16;
 const CLIENT_PATIENCE: Duration = Duration::from_millis(400);
 /// How long the verifier may run before the handler gives up on it.
 const VERIFY_DEADLINE: Duration = Duration::from_millis(150);
+/// The bounded run: at most this many wait for the limit...
+const MAX_QUEUED: usize = 8;
+/// ...and none for longer than this.
+const QUEUE_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// One run: the limit's capacity, and whether it bounds its waiting.
+#[derive(Clone, Copy)]
+struct Run {
+    capacity: usize,
+    bounded: bool,
+}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -49,19 +67,36 @@ async fn main() {
         JUDGE_REQUESTS,
         CLIENT_PATIENCE.as_millis()
     );
-    for limit in [2, 8, 48] {
-        let report = run_burst(limit).await;
-        report.print();
+    for capacity in [2, 8, 48] {
+        let bounded = false;
+        run_burst(Run { capacity, bounded }).await.print();
     }
+    println!(
+        "and once more with a limit of 2 that bounds its waiting: at most {MAX_QUEUED} queued, \
+         none for more than {} ms (the rest get 503 + Retry-After).\n",
+        QUEUE_TIMEOUT.as_millis()
+    );
+    run_burst(Run {
+        capacity: 2,
+        bounded: true,
+    })
+    .await
+    .print();
 }
 
-/// The server: two routes, one semaphore, one layer per route with its own tags.
-fn app(limit: &Arc<Semaphore>, metrics: &OperationMetrics) -> Router {
+/// The server: two routes, one limit, one layer per route with its own tags.
+fn app(limit: &Limit, run: Run, metrics: &OperationMetrics) -> Router {
     let tagged = |operation, executor| {
-        ResourcesOperationLayer::with_semaphore_for_http(Arc::clone(limit))
+        let layer = ResourcesOperationLayer::with_limit_for_http(limit.clone())
             .operation(operation)
             .executor(executor)
             .metrics(metrics.clone())
+            .reject_with(HttpRejection::new().retry_after(Duration::from_secs(1)));
+        if run.bounded {
+            layer.queue_timeout(QUEUE_TIMEOUT)
+        } else {
+            layer
+        }
     };
     Router::new()
         .route(
@@ -108,14 +143,19 @@ async fn judge(uri: Uri) -> &'static str {
     "judged\n"
 }
 
-async fn run_burst(limit: usize) -> Report {
+async fn run_burst(run: Run) -> Report {
     let telemetry = Telemetry::new();
-    let semaphore = Arc::new(Semaphore::new(limit));
+    let limit = Limit::new(run.capacity);
+    let limit = if run.bounded {
+        limit.max_queued(MAX_QUEUED)
+    } else {
+        limit
+    };
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind 127.0.0.1");
     let addr = listener.local_addr().expect("local addr");
-    let app = app(&semaphore, &telemetry.metrics);
+    let app = app(&limit, run, &telemetry.metrics);
     let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("server") });
 
     let started = Instant::now();
@@ -149,7 +189,7 @@ async fn run_burst(limit: usize) -> Report {
     server.abort();
 
     Report {
-        limit,
+        run,
         wall,
         statuses,
         peak_queued,
@@ -239,6 +279,29 @@ impl Telemetry {
                     let total = s.data_points().map(|p| p.value()).sum();
                     snapshot.live.insert(metric.name().to_owned(), total);
                 }
+                AggregatedMetrics::I64(MetricData::Gauge(g))
+                    if metric.name() == LIMIT_INSTRUMENT =>
+                {
+                    for point in g.data_points() {
+                        let (operation, ..) = key(point.attributes());
+                        snapshot
+                            .limits
+                            .insert(operation, u64::try_from(point.value()).unwrap_or(0));
+                    }
+                }
+                AggregatedMetrics::U64(MetricData::Sum(s)) => {
+                    for point in s.data_points() {
+                        let reason = point
+                            .attributes()
+                            .find(|kv| kv.key.as_str() == REJECTION_ATTRIBUTE)
+                            .map(|kv| kv.value.to_string())
+                            .unwrap_or_default();
+                        *snapshot
+                            .counters
+                            .entry((metric.name().to_owned(), reason))
+                            .or_default() += point.value();
+                    }
+                }
                 _ => {}
             }
         }
@@ -267,11 +330,24 @@ fn key<'a>(attributes: impl Iterator<Item = &'a opentelemetry::KeyValue>) -> Ser
 struct Snapshot {
     histograms: BTreeMap<(String, SeriesKey), Buckets>,
     live: BTreeMap<String, i64>,
+    /// `gym.resources.operation.limit` by operation.
+    limits: BTreeMap<String, u64>,
+    /// The two counters, by (instrument, rejection reason or "").
+    counters: BTreeMap<(String, String), u64>,
 }
 
 impl Snapshot {
     fn live(&self, name: &str) -> i64 {
         self.live.get(name).copied().unwrap_or(0)
+    }
+
+    /// A counter's total over every series, for `reason` (or all reasons, with `None`).
+    fn counter(&self, name: &str, reason: Option<&str>) -> u64 {
+        self.counters
+            .iter()
+            .filter(|((n, r), _)| n == name && reason.is_none_or(|reason| r == reason))
+            .map(|(_, count)| count)
+            .sum()
     }
 }
 
@@ -309,7 +385,7 @@ impl Buckets {
 }
 
 struct Report {
-    limit: usize,
+    run: Run,
     wall: Duration,
     statuses: BTreeMap<String, u32>,
     peak_queued: i64,
@@ -320,12 +396,22 @@ struct Report {
 impl Report {
     fn print(&self) {
         let s = &self.snapshot;
+        // The capacity as the metrics report it: verify and judge draw from one limit, so each
+        // of their series reports all of it.
+        let capacity = s.limits.get("verify").copied().unwrap_or(0);
+        let bounded = if self.run.bounded {
+            format!(
+                ", at most {MAX_QUEUED} queued for {} ms",
+                QUEUE_TIMEOUT.as_millis()
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "== limit {}: burst drained in {} ms; peak active {} of {}, peak queued {}",
-            self.limit,
+            "== limit {capacity}{bounded}: burst drained in {} ms; peak active {} of {capacity}, \
+             peak queued {}",
             self.wall.as_millis(),
             self.peak_active,
-            self.limit,
             self.peak_queued
         );
         let statuses: Vec<String> = self
@@ -378,27 +464,39 @@ impl Report {
             }
         }
 
-        let hung_up = u64::from(self.statuses.get("hung up").copied().unwrap_or(0));
-        if hung_up > 0 {
+        let abandoned = s.counter(ABANDONED_INSTRUMENT, None);
+        if cancelled + abandoned > 0 {
             println!(
-                "   {hung_up} clients hung up: {} while running (cancelled), {} while still queued \
-                 (a wait given up records no sample)",
-                cancelled,
-                hung_up.saturating_sub(cancelled)
+                "   callers who went away: {cancelled} while running (outcome cancelled), \
+                 {abandoned} while still queued (gym.resources.operation.abandoned)"
+            );
+        }
+        let rejected = s.counter(REJECTED_INSTRUMENT, None);
+        if rejected > 0 {
+            println!(
+                "   turned away without a permit: {rejected} (queue_full {}, queue_timeout {}), \
+                 answered 503 with Retry-After (gym.resources.operation.rejected)",
+                s.counter(REJECTED_INSTRUMENT, Some("queue_full")),
+                s.counter(REJECTED_INSTRUMENT, Some("queue_timeout")),
             );
         }
         // Little's law: the average number of busy slots is the total run time over the wall time.
         let busy = run_ms / self.wall.as_secs_f64() / 1_000.0;
-        let utilisation = busy / self.limit as f64;
+        let utilisation = busy / capacity.max(1) as f64;
         let queue_per_run = queue_ms / run_ms.max(1e-9);
         println!(
-            "   busy slots on average: {busy:.1} of {} ({:.0}%); mean queue time {} vs mean run time {}",
-            self.limit,
+            "   busy slots on average: {busy:.1} of {capacity} ({:.0}%); mean queue time {} vs mean run time {}",
             utilisation * 100.0,
             ms(queue_ms / admitted.max(1) as f64),
             ms(run_ms / admitted.max(1) as f64),
         );
-        let verdict = if utilisation > 0.75 && queue_per_run > 1.0 {
+        let verdict = if rejected > 0 && utilisation > 0.75 {
+            format!(
+                "the limit binds, and its bound sheds what it cannot take in time: {rejected} \
+                 callers were turned away at once rather than wait. Every slot was busy; queue time \
+                 stayed at {queue_per_run:.1}x the run time for those admitted."
+            )
+        } else if utilisation > 0.75 && queue_per_run > 1.0 {
             format!(
                 "the limit binds. Every slot was busy and work queued {queue_per_run:.1}x as long as it ran. \
                  If what it protects can take more, raise the limit; otherwise shed load."

@@ -1,18 +1,32 @@
-//! gRPC with tonic: the limit on one service (through `add_service`) and on the whole server
-//! (`Server::builder().layer(...)`), with each call's outcome read from its `grpc-status`.
+//! gRPC with tonic: a limit on one service (through `add_service`) and one over the whole server
+//! (`Server::builder().layer(...)`, each call choosing its operation by method), with every
+//! operation measured until its response stream ends and its outcome read from its
+//! `grpc-status`, in the headers or in the trailers.
 //!
 //! ```text
-//! cargo run --example tonic --features tonic
+//! cargo run --example tonic --features tonic                  # bursts, then serve on 127.0.0.1:50051
+//! cargo run --example tonic --features tonic -- --addr 127.0.0.1:6000
+//! cargo run --example tonic --features tonic -- --once        # bursts, print, exit (CI)
+//! cargo run --example tonic --features tonic -- --check 127.0.0.1:50051 db   # one call, as a client
 //! ```
 //!
 //! The service is tonic-health's generated `grpc.health.v1.Health` (so no `protoc` is needed)
-//! with a `Health` of our own: a deep health check that probes the backend it is asked about.
-//! Probes are expensive, so at most 2 run at once. The `judge` probe takes longer than the
-//! handler lets it and answers DEADLINE_EXCEEDED, which the metrics show as `timeout`. Client and
-//! server talk over 127.0.0.1; the metrics go to an in-memory exporter, printed at the end.
+//! with a `Health` of our own: a deep health check that probes the backend it is asked about
+//! (`Check`, unary), and a watch that streams five probe results 30 ms apart (`Watch`,
+//! server-streaming). Probes are expensive, so a limit bounds them. Client and server talk over
+//! 127.0.0.1; the metrics go to an in-memory exporter and are printed after each burst.
+//!
+//! Failures injected on purpose, so that every outcome shows:
+//! - the `judge` probe takes 400 ms, longer than the handler's 150 ms deadline: the handler
+//!   answers DEADLINE_EXCEEDED (trailers-only), which the metrics count as `timeout`;
+//! - the `cache` backend is down: its check answers UNAVAILABLE (`error`), and its watch fails
+//!   after two messages with UNAVAILABLE in the trailers, which only the body-end form sees;
+//! - one watch of `db` is called with a 60 ms client deadline: the client gives up mid-stream,
+//!   and the layer, which reads `grpc-timeout`, counts it as `timeout`, not `cancelled`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use opentelemetry::metrics::MeterProvider as _;
@@ -20,7 +34,7 @@ use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use opentelemetry_sdk::metrics::{
     InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
 };
-use tonic::codegen::tokio_stream;
+use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Request, Response, Status};
@@ -30,9 +44,10 @@ use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::ServiceBuilder;
 use tower_resources_operation::{
-    Executor, Operation, OperationMetrics, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    ByGrpcMethod, Choice, Executor, Operation, OperationMetrics, ResourcesOperationLayer,
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
+    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    REJECTED_INSTRUMENT,
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -41,12 +56,33 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 const PROBE_DEADLINE: Duration = Duration::from_millis(150);
 /// The backends clients ask about, in turn.
 const BACKENDS: [&str; 4] = ["db", "verifier", "judge", "cache"];
-/// Calls per burst, each backend asked about as often, over [`CONNECTIONS`] connections.
-const CALLS: usize = 16;
+/// Checks and watches per burst, over [`CONNECTIONS`] connections.
+const CHECKS: usize = 12;
+const WATCHES: usize = 6;
 const CONNECTIONS: usize = 4;
+/// A watch sends this many probe results, this far apart.
+const WATCH_MESSAGES: u32 = 5;
+const WATCH_INTERVAL: Duration = Duration::from_millis(30);
 
 /// The gRPC handler: probes the named backend under [`PROBE_DEADLINE`].
 struct Prober;
+
+/// How long a probe of `name` takes, and whether the backend is up.
+fn backend(name: &str) -> Result<(u64, bool), Status> {
+    match name {
+        "db" => Ok((20, true)),
+        "verifier" => Ok((60, true)),
+        "judge" => Ok((400, true)), // slower than the deadline
+        "cache" => Ok((10, false)),
+        _ => Err(Status::not_found(format!("no backend {name:?}"))),
+    }
+}
+
+fn serving() -> HealthCheckResponse {
+    HealthCheckResponse {
+        status: ServingStatus::Serving as i32,
+    }
+}
 
 #[tonic::async_trait]
 impl Health for Prober {
@@ -55,13 +91,7 @@ impl Health for Prober {
         request: Request<HealthCheckRequest>,
     ) -> Result<Response<HealthCheckResponse>, Status> {
         let name = request.into_inner().service;
-        let (probe_time, up) = match name.as_str() {
-            "db" => (20, true),
-            "verifier" => (60, true),
-            "judge" => (400, true), // slower than the deadline
-            "cache" => (10, false),
-            _ => return Err(Status::not_found(format!("no backend {name:?}"))),
-        };
+        let (probe_time, up) = backend(&name)?;
         let probe = tokio::time::sleep(Duration::from_millis(probe_time));
         if tokio::time::timeout(PROBE_DEADLINE, probe).await.is_err() {
             // A trailers-only answer with grpc-status 4: the metrics say `timeout`.
@@ -72,74 +102,187 @@ impl Health for Prober {
         if !up {
             return Err(Status::unavailable(format!("{name} is down")));
         }
-        let status = ServingStatus::Serving as i32;
-        Ok(Response::new(HealthCheckResponse { status }))
+        Ok(Response::new(serving()))
     }
 
-    type WatchStream = tokio_stream::Empty<Result<HealthCheckResponse, Status>>;
+    type WatchStream = Pin<Box<dyn Stream<Item = Result<HealthCheckResponse, Status>> + Send>>;
 
+    /// Five probe results, 30 ms apart; a backend that is down fails after two, with its
+    /// status in the trailers.
     async fn watch(
         &self,
-        _request: Request<HealthCheckRequest>,
+        request: Request<HealthCheckRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        Err(Status::unimplemented("this demo only checks"))
+        let name = request.into_inner().service;
+        let (_, up) = backend(&name)?;
+        // The results, 30 ms apart; tonic ends the stream at the first `Err`, with its status
+        // in the trailers.
+        let stream = futures_util::stream::unfold(1, move |n| {
+            let name = name.clone();
+            async move {
+                if n > WATCH_MESSAGES {
+                    return None;
+                }
+                tokio::time::sleep(WATCH_INTERVAL).await;
+                let result = if !up && n > 2 {
+                    Err(Status::unavailable(format!("{name} went down")))
+                } else {
+                    Ok(serving())
+                };
+                let next = if result.is_err() {
+                    WATCH_MESSAGES + 1
+                } else {
+                    n + 1
+                };
+                Some((result, next))
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
+}
+
+/// `--addr HOST:PORT`, `--once`, `--check ADDR BACKEND`.
+enum Mode {
+    Serve { addr: SocketAddr, once: bool },
+    Check { addr: SocketAddr, backend: String },
+}
+
+const USAGE: &str =
+    "usage: tonic [--addr 127.0.0.1:50051] [--once] | --check ADDR BACKEND (db, verifier, judge, cache)";
+
+fn parse_args() -> Result<Mode, Error> {
+    let mut args = std::env::args().skip(1);
+    let mut addr: SocketAddr = "127.0.0.1:50051".parse()?;
+    let mut once = false;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--addr" => addr = args.next().ok_or("--addr needs HOST:PORT")?.parse()?,
+            "--once" => once = true,
+            "--check" => {
+                let addr = args.next().ok_or(USAGE)?.parse()?;
+                let backend = args.next().ok_or(USAGE)?;
+                return Ok(Mode::Check { addr, backend });
+            }
+            _ => return Err(format!("unknown argument {arg:?}; {USAGE}").into()),
+        }
+    }
+    Ok(Mode::Serve { addr, once })
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Error> {
+    let (addr, once) = match parse_args()? {
+        Mode::Serve { addr, once } => (addr, once),
+        Mode::Check { addr, backend } => return check_once(addr, backend).await,
+    };
+    println!(
+        "tonic example: grpc.health.v1.Health's Check (unary) and Watch (a stream of {WATCH_MESSAGES}),"
+    );
+    println!(
+        "injected failures: judge's probe runs past the handler's deadline (timeout), cache is \
+         down (error; its watch fails mid-stream), one watch's client gives up after 60 ms (timeout).\n"
+    );
     let telemetry = Telemetry::new();
 
     // 1. One limit for one service. The layered service keeps the generated server's name,
     //    "grpc.health.v1.Health" (the crate's `tonic` feature forwards `NamedService`), which
     //    `add_service` needs; other services on this server would not be limited.
+    //    `until_body_end`: a watch holds its permit, and counts as active, until its stream and
+    //    trailers are sent; a status in the trailers decides its outcome.
+    let per_service = ResourcesOperationLayer::new_for_grpc(2)
+        .operation(Operation::Verify)
+        .executor(Executor::Subprocess)
+        .metrics(telemetry.metrics.clone())
+        .until_body_end();
     let limited = ServiceBuilder::new()
-        .layer(
-            ResourcesOperationLayer::new_for_grpc(2)
-                .operation(Operation::Verify)
-                .executor(Executor::Subprocess)
-                .metrics(telemetry.metrics.clone()),
-        )
+        .layer(per_service)
         .service(HealthServer::new(Prober));
-    let (incoming, addr) = listen()?;
-    let router = Server::builder().add_service(limited);
-    let server = tokio::spawn(router.serve_with_incoming(incoming));
+    let (incoming, local) = listen(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    let server = tokio::spawn(
+        Server::builder()
+            .add_service(limited)
+            .serve_with_incoming(incoming),
+    );
     burst(
-        "per service (add_service), limit 2, reported as verify/subprocess",
-        addr,
+        "per service (add_service), limit 2, verify/subprocess",
+        local,
     )
     .await?;
     server.abort();
+    telemetry.print();
 
-    // 2. One limit for the whole server: every call it takes, to whichever service, shares it.
-    let whole_server = ResourcesOperationLayer::new_for_grpc(2)
-        .operation(Operation::Other)
-        .executor(Executor::Inline)
-        .metrics(telemetry.metrics.clone());
-    let (incoming, addr) = listen()?;
+    // 2. One limit for the whole server, each call choosing its operation by method: checks are
+    //    verify/subprocess, watches judge/inline. tonic applies a server layer once, so this is
+    //    one limit across every connection.
+    let whole_server = ResourcesOperationLayer::new_for_grpc(3)
+        .metrics(telemetry.metrics.clone())
+        .until_body_end()
+        .per_request(
+            ByGrpcMethod::new()
+                .method(
+                    "grpc.health.v1.Health/Check",
+                    Choice::limited(Operation::Verify, Executor::Subprocess),
+                )
+                .method(
+                    "grpc.health.v1.Health/Watch",
+                    Choice::limited(Operation::Judge, Executor::Inline),
+                ),
+        );
+    let (incoming, local) = listen(if once {
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    } else {
+        addr
+    })?;
     let router = Server::builder()
         .layer(whole_server)
         .add_service(HealthServer::new(Prober));
     let server = tokio::spawn(router.serve_with_incoming(incoming));
-    burst(
-        "whole server (Server::builder().layer), limit 2, reported as other/inline",
-        addr,
-    )
-    .await?;
-    server.abort();
+    burst("whole server, limit 3, operation by method", local).await?;
+    telemetry.print();
 
+    if once {
+        server.abort();
+        return Ok(());
+    }
+    println!("\nserving on {local} until Ctrl-C; call it with");
+    println!("  cargo run --example tonic --features tonic -- --check {local} db");
+    println!(
+        "  grpcurl -plaintext -proto health.proto -d '{{\"service\":\"judge\"}}' {local} \
+         grpc.health.v1.Health/Check"
+    );
+    println!(
+        "    (health.proto: grpc/src/proto/grpc/health/v1/health.proto in the grpc repository)"
+    );
+    tokio::signal::ctrl_c().await?;
+    server.abort();
     telemetry.print();
     Ok(())
 }
 
-/// A listener on an ephemeral port of 127.0.0.1.
-fn listen() -> Result<(TcpIncoming, SocketAddr), Error> {
-    let incoming = TcpIncoming::bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+/// `--check`: one call to a running example, as a client.
+async fn check_once(addr: SocketAddr, backend: String) -> Result<(), Error> {
+    let channel = Endpoint::from_shared(format!("http://{addr}"))?
+        .connect()
+        .await?;
+    let answer = HealthClient::new(channel)
+        .check(HealthCheckRequest { service: backend })
+        .await;
+    match answer {
+        Ok(response) => println!("{:?}", response.into_inner()),
+        Err(status) => println!("{:?}: {}", status.code(), status.message()),
+    }
+    Ok(())
+}
+
+/// A listener on `addr`.
+fn listen(addr: SocketAddr) -> Result<(TcpIncoming, SocketAddr), Error> {
+    let incoming = TcpIncoming::bind(addr)?;
     let addr = incoming.local_addr()?;
     Ok((incoming, addr))
 }
 
-/// [`CALLS`] checks at once over [`CONNECTIONS`] connections; prints what the clients saw.
+/// [`CHECKS`] checks and [`WATCHES`] watches at once over [`CONNECTIONS`] connections; prints
+/// what the clients saw.
 async fn burst(title: &str, addr: SocketAddr) -> Result<(), Error> {
     let mut channels: Vec<Channel> = Vec::new();
     for _ in 0..CONNECTIONS {
@@ -150,20 +293,46 @@ async fn burst(title: &str, addr: SocketAddr) -> Result<(), Error> {
         );
     }
     let started = Instant::now();
-    let calls: Vec<_> = (0..CALLS)
-        .map(|i| {
-            let mut client = HealthClient::new(channels[i % CONNECTIONS].clone());
-            let service = BACKENDS[i % BACKENDS.len()].to_owned();
-            tokio::spawn(async move { client.check(HealthCheckRequest { service }).await })
-        })
-        .collect();
+    let mut calls = Vec::new();
+    for i in 0..CHECKS {
+        let mut client = HealthClient::new(channels[i % CONNECTIONS].clone());
+        let service = BACKENDS[i % BACKENDS.len()].to_owned();
+        calls.push(tokio::spawn(async move {
+            let answer = client.check(HealthCheckRequest { service }).await;
+            ("check", answer.map(|_| ()).map_err(|status| status.code()))
+        }));
+    }
+    for i in 0..WATCHES {
+        let mut client = HealthClient::new(channels[i % CONNECTIONS].clone());
+        // db, verifier and cache (judge's watch is as fast as the others).
+        let service = ["db", "verifier", "cache"][i % 3].to_owned();
+        calls.push(tokio::spawn(async move {
+            let mut request = Request::new(HealthCheckRequest { service });
+            let patience = (i == 0).then_some(Duration::from_millis(60));
+            if let Some(patience) = patience {
+                // This client gives up before the stream ends. It says so in `grpc-timeout`,
+                // which the layer reads (and tonic enforces until the response head).
+                request.set_timeout(patience);
+            }
+            let watched = async {
+                let mut stream = client.watch(request).await?.into_inner();
+                while stream.message().await?.is_some() {}
+                Ok::<_, Status>(())
+            };
+            let answer = match patience {
+                Some(patience) => tokio::time::timeout(patience, watched)
+                    .await
+                    .unwrap_or_else(|_| Err(Status::deadline_exceeded("gave up"))),
+                None => watched.await,
+            };
+            ("watch", answer.map_err(|status| status.code()))
+        }));
+    }
     let mut seen: BTreeMap<String, u32> = BTreeMap::new();
     for call in calls {
-        let code = match call.await? {
-            Ok(_) => tonic::Code::Ok,
-            Err(status) => status.code(),
-        };
-        *seen.entry(format!("{code:?}")).or_default() += 1;
+        let (method, answer) = call.await?;
+        let code = answer.err().unwrap_or(tonic::Code::Ok);
+        *seen.entry(format!("{method} {code:?}")).or_default() += 1;
     }
     let seen: Vec<_> = seen
         .iter()
@@ -171,10 +340,12 @@ async fn burst(title: &str, addr: SocketAddr) -> Result<(), Error> {
         .collect();
     println!("== {title}");
     println!(
-        "   {CALLS} calls in {} ms; clients saw {}",
+        "   {CHECKS} checks and {WATCHES} watches in {} ms; clients saw {}",
         started.elapsed().as_millis(),
         seen.join(", ")
     );
+    // Let the server notice the client that gave up, so its operation has ended.
+    tokio::time::sleep(Duration::from_millis(100)).await;
     Ok(())
 }
 
@@ -217,7 +388,7 @@ impl Telemetry {
     }
 
     /// Per series ("operation/executor"): the queue histogram under outcome "", the duration
-    /// histogram under each outcome; and the live counts summed over all series.
+    /// histogram under each outcome; and the live counts summed over all series. Cumulative.
     fn print(&self) {
         self.exporter.reset();
         self.provider.force_flush().expect("flush metrics");
@@ -257,11 +428,16 @@ impl Telemetry {
                     let total: i64 = s.data_points().map(|p| p.value()).sum();
                     *live.entry(metric.name().to_owned()).or_default() += total;
                 }
+                AggregatedMetrics::U64(MetricData::Sum(s)) => {
+                    let total: u64 = s.data_points().map(|p| p.value()).sum();
+                    let total = i64::try_from(total).unwrap_or(i64::MAX);
+                    *live.entry(metric.name().to_owned()).or_default() += total;
+                }
                 _ => {}
             }
         }
 
-        println!("\n== exported metrics");
+        println!("   exported so far:");
         println!(
             "   {:<18} {:>5} {:>10} {:>10} | {:<9} {:>5} {:>9} {:>9}",
             "series", "calls", "queue mean", "queue max", "outcome", "calls", "run mean", "run max"
@@ -291,10 +467,16 @@ impl Telemetry {
                 );
             }
         }
+        let get = |name: &str| live.get(name).copied().unwrap_or_default();
         println!(
-            "   live now: queued {}, active {} (both back to 0 once the bursts are over)",
-            live.get(QUEUED_INSTRUMENT).copied().unwrap_or_default(),
-            live.get(ACTIVE_INSTRUMENT).copied().unwrap_or_default()
+            "   given up while queued (abandoned): {}; turned away (rejected): {}",
+            get(ABANDONED_INSTRUMENT),
+            get(REJECTED_INSTRUMENT)
+        );
+        println!(
+            "   live now: queued {}, active {}\n",
+            get(QUEUED_INSTRUMENT),
+            get(ACTIVE_INSTRUMENT)
         );
     }
 }
