@@ -28,14 +28,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    contended_run, floor, layer, lock_free_floor, naive, oneshot, reused, sdk_meter, Noop,
-    YieldOnce,
+    contended_run, floor, http_oneshot, layer, lock_free_floor, naive, oneshot, reused, sdk_meter,
+    HttpFrames, Noop, YieldOnce,
 };
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
 use tower::limit::ConcurrencyLimit;
 use tower::{Layer, Service};
-use tower_resources_operation::OperationMetrics;
+use tower_resources_operation::{Acquire, Limit, OperationMetrics, ResourcesOperationLayer};
 
 const ROUNDS: usize = 31;
 /// Operations per case and round, uncontended (some 10 ms of tower's limit).
@@ -156,6 +156,70 @@ where
     }
 }
 
+/// Bounded waiting and the body-end form, uncontended, `clone().oneshot()` on HTTP services
+/// whose body is read to its end: what a rejection costs next to an admitted operation, what a
+/// bounded layer that turns nothing away costs next to an unbounded one, and what carrying the
+/// operation in the body costs per frame.
+fn bounded_and_body_end(rt: &Runtime) {
+    const FRAMES: u8 = 8;
+    let (_provider, meter) = sdk_meter();
+    let metrics = OperationMetrics::new(&meter);
+    let http =
+        |limit: Limit| ResourcesOperationLayer::with_limit_for_http(limit).metrics(metrics.clone());
+    let service = HttpFrames { frames: FRAMES };
+    let unbounded = http(Limit::new(64)).layer(service);
+    let bounded = http(Limit::new(64).max_queued(8)).bounded().layer(service);
+    // Every operation of this one finds the limit full and no room to wait: turned away.
+    let full = Limit::new(1).max_queued(0);
+    let _held = full.try_acquire().unwrap().unwrap();
+    let rejecting = http(full.clone()).bounded().layer(service);
+    let body_end = http(Limit::new(64)).until_body_end().layer(service);
+    let head_end_off = http(Limit::new(64))
+        .metrics(OperationMetrics::disabled())
+        .layer(service);
+    let body_end_off = http(Limit::new(64))
+        .metrics(OperationMetrics::disabled())
+        .until_body_end()
+        .layer(service);
+    report(
+        &format!("bounded waiting and body-end, HTTP clone().oneshot(), {FRAMES} frames read"),
+        UNCONTENDED_OPERATIONS / 4,
+        &mut [
+            (
+                "head_end",
+                Box::new(|n| http_oneshot(rt, unbounded.clone(), n)),
+            ),
+            (
+                "bounded",
+                Box::new(|n| http_oneshot(rt, bounded.clone(), n)),
+            ),
+            (
+                "rejected",
+                Box::new(|n| http_oneshot(rt, rejecting.clone(), n)),
+            ),
+            (
+                "body_end",
+                Box::new(|n| http_oneshot(rt, body_end.clone(), n)),
+            ),
+            (
+                "head_end_off",
+                Box::new(|n| http_oneshot(rt, head_end_off.clone(), n)),
+            ),
+            (
+                "body_end_off",
+                Box::new(|n| http_oneshot(rt, body_end_off.clone(), n)),
+            ),
+        ],
+        &[
+            ("bounded", "head_end"),
+            ("rejected", "head_end"),
+            ("body_end", "head_end"),
+            ("body_end_off", "head_end_off"),
+        ],
+    );
+    assert_eq!(full.available(), 0, "the held permit kept the limit full");
+}
+
 fn main() {
     // `cargo test --benches` runs bench targets with `--test`-like arguments; only measure when
     // asked to (cargo bench passes `--bench`).
@@ -172,6 +236,7 @@ fn main() {
     uncontended("uncontended, clone().oneshot()", &rt, |rt, s, n| {
         s.oneshot(rt, n)
     });
+    bounded_and_body_end(&rt);
 
     let (_provider, meter) = sdk_meter();
     let tower = ConcurrencyLimit::with_semaphore(YieldOnce, Arc::new(Semaphore::new(4)));

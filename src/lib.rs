@@ -7,7 +7,8 @@
 //! ran inside it, how it ended, and how many wait and run right now.
 //!
 //! It is the tower form of NeMo Gym's `nemo_gym.telemetry.resources_operations`, with the same
-//! instrument names, attributes, bucket boundaries and outcome rules.
+//! instrument names, attributes, bucket boundaries and outcome rules, and three instruments of
+//! its own (the limit's capacity, the operations it turned away, the waits given up).
 //!
 //! # Example
 //!
@@ -22,6 +23,7 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
+//! // Your provider, with your exporter's reader. The layer reports to it, and only to it.
 //! let provider = SdkMeterProvider::builder().build();
 //! let metrics = OperationMetrics::new(&provider.meter("my-server"));
 //!
@@ -40,11 +42,29 @@
 //! # }
 //! ```
 //!
-//! With axum, put a layer on each route's handler (`get(handler).layer(...)`) to tag that route,
-//! or one on the whole `Router` (`.route_layer(...)`) for one limit across its routes; give
-//! routes that share a cap layers made [`with_semaphore`](ResourcesOperationLayer::with_semaphore)
-//! from one semaphore. Because the semaphore lives in the layer value, the limit holds across
-//! connections, unlike tower's `ConcurrencyLimitLayer` under `axum::serve`.
+//! Without [`metrics`](ResourcesOperationLayer::metrics), a layer reports to the global meter
+//! provider ([`OperationMetrics::global`]) installed when it first serves a request, so "build
+//! the router, install the provider, serve" records.
+//!
+//! # Where the layer goes
+//!
+//! - **One layer per route or gRPC service** tags each with its [`Operation`] and
+//!   [`Executor`]. Routes that share a cap get layers made
+//!   [`with_limit`](ResourcesOperationLayer::with_limit) from clones of one [`Limit`]. The limit
+//!   lives in the layer value, so it holds across connections (what tower's
+//!   `GlobalConcurrencyLimitLayer` does; its `ConcurrencyLimitLayer` makes one per `layer()` call,
+//!   and axum calls `layer()` per connection).
+//! - **One layer over a whole axum `Router` or tonic `Server`** limits everything under it,
+//!   `/metrics` and 404s included, under one tag. Give it
+//!   [`per_request`](ResourcesOperationLayer::per_request) to choose each request's operation,
+//!   or to leave it unlimited ([`ByMatchedPath`] with the `axum` feature, [`ByGrpcMethod`], or a
+//!   closure). Such a layer takes its permit after `call`, in the response future.
+//! - **Streams**: [`until_body_end`](ResourcesOperationLayer::until_body_end) holds each
+//!   operation, its permit and its run time, until the `http::Response` body ends, and reads a
+//!   gRPC status from the trailers.
+//! - **Work that is not a tower service**: [`resources_operation`], NeMo Gym's context manager.
+//! - **Any limit**: a [`Limit`], a tokio `Semaphore`, or an [`Acquire`] of your own (a pool, a
+//!   weighted or a fleet-wide semaphore).
 //!
 //! # Metrics
 //!
@@ -54,38 +74,53 @@
 //! | [`DURATION_INSTRUMENT`] | histogram | `ms` | operation, executor, outcome | once per admitted operation, when it ends |
 //! | [`QUEUED_INSTRUMENT`] | observable up-down counter | `{operation}` | operation, executor | waiting for a permit now |
 //! | [`ACTIVE_INSTRUMENT`] | observable up-down counter | `{operation}` | operation, executor | holding a permit now |
+//! | [`LIMIT_INSTRUMENT`] (this crate's) | observable gauge | `{operation}` | operation, executor | the capacity of the limits the series draws from |
+//! | [`REJECTED_INSTRUMENT`] (this crate's) | counter | `{operation}` | operation, executor, rejection | once per operation turned away without a permit |
+//! | [`ABANDONED_INSTRUMENT`] (this crate's) | counter | `{operation}` | operation, executor | once per operation whose caller went away while it waited |
 //!
-//! Both histograms use the seed's [`OPERATION_BOUNDARIES_MS`], from 1 ms to 30 minutes.
+//! Both histograms use NeMo Gym's [`OPERATION_BOUNDARIES_MS`], from 1 ms to 30 minutes. Every
+//! operation that asks for a permit is exactly one of admitted, rejected or abandoned.
 //!
 //! # Outcomes
 //!
 //! - The classifier ([`ClassifyOutcome`], by default [`DefaultClassifier`]) maps the inner
-//!   result: `Ok` is `ok`, `Err` is `error`, or `timeout` for tower's or tokio's `Elapsed`.
-//! - A response future dropped before it finished is `cancelled`, and so is a permit taken by
+//!   result: `Ok` is `ok`, `Err` is `error`. [`TimeoutClassifier`] also makes tower's and
+//!   tokio's `Elapsed` `timeout`; [`HttpClassifier`] and [`GrpcClassifier`] read the status.
+//! - A response future dropped before it finished is `cancelled` (or `timeout`, once the
+//!   request's deadline has passed: see [`Deadline`]), and so is a permit taken by
 //!   `poll_ready` but never used by `call`.
 //! - A panic in the inner `poll_ready` (once the permit is taken), in `call` or while polling
-//!   its future is `crashed`; the panic goes on.
+//!   its future (or its body) is `crashed`; the panic goes on.
+//! - In the body-end form, the end of the stream, a body error and a body dropped early decide
+//!   too (see [`ClassifyEos`]).
 //! - [`set_outcome`] inside the work wins over all of the above.
 //!
 //! Recording never fails a request: a classifier that panics costs the operation its outcome
 //! (recorded as `error`), and a meter that panics when it records costs that measurement.
 //!
+//! # Where it differs from tower's `ConcurrencyLimitLayer`
+//!
+//! - One limit per layer value, shared by every service it makes (tower's
+//!   `GlobalConcurrencyLimitLayer`), rather than one per `layer()` call.
+//! - The permit goes back when the inner `poll_ready` fails or panics.
+//! - A limit that cannot admit any more (a closed semaphore) panics at `poll_ready`, in every
+//!   build, with a message naming the limit; waiters are woken to that panic, never left
+//!   hanging. tower's limit panics there only in debug builds, and at `call` in release.
+//! - A [bounded](ResourcesOperationLayer::bounded) layer answers an operation its limit turned
+//!   away (`503`, RESOURCE_EXHAUSTED, or [`Rejected`] as the service's error) without calling
+//!   the inner service, as tower's `LoadShed` does. Without it, nothing is ever turned away.
+//!
 //! # Cargo features
 //!
-//! - `tonic`: [`ResourcesOperation`] implements tonic's `NamedService`, so a layered gRPC
+//! - `tonic`: the layered services implement tonic's `NamedService`, so a layered gRPC
 //!   service can go to `Server::add_service`.
-//! - `serde`: [`Operation`], [`Executor`] and [`Outcome`] (de)serialize as the seed's strings.
+//! - `axum`: [`ByMatchedPath`], which chooses each request's operation by axum's matched route.
+//! - `serde`: [`Operation`], [`Executor`], [`Outcome`] and [`Rejection`] (de)serialize as their
+//!   attribute strings.
 //! - `experimental-bound-instruments`: records through OpenTelemetry's bound instruments
 //!   (`Histogram::bind`), several times cheaper per record. Turn on `opentelemetry_sdk`'s
 //!   `experimental_metrics_bound_instruments` feature too: without it the SDK silently drops
 //!   every bound measurement.
-//!
-//! # Closed semaphores
-//!
-//! tower's limit panics when its semaphore is closed (in debug builds at `poll_ready`, in release
-//! at `call`). This crate panics at `poll_ready` in every build, with a message that says the
-//! semaphore was closed; waiters are woken to that panic, never left hanging. Only a semaphore
-//! passed to [`with_semaphore`](ResourcesOperationLayer::with_semaphore) can be closed.
 #![forbid(unsafe_code)]
 #![warn(
     missing_docs,

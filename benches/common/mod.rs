@@ -453,3 +453,81 @@ where
     drop(rt);
     elapsed
 }
+
+// ---------------------------------------------------------------------------------------------
+// HTTP cases: rejections and the body-end form.
+
+/// An HTTP service that answers at once, with a body of `frames` one-byte frames.
+#[derive(Clone, Copy)]
+pub struct HttpFrames {
+    pub frames: u8,
+}
+
+impl Service<http::Request<()>> for HttpFrames {
+    type Response = http::Response<Frames>;
+    type Error = Infallible;
+    type Future = Ready<Result<http::Response<Frames>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<()>) -> Self::Future {
+        ready(Ok(http::Response::new(Frames { left: self.frames })))
+    }
+}
+
+/// A body of `left` one-byte frames, ready at once; allocates nothing.
+#[derive(Default)]
+pub struct Frames {
+    left: u8,
+}
+
+impl http_body::Body for Frames {
+    type Data = bytes::Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, Infallible>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        self.left -= 1;
+        Poll::Ready(Some(Ok(http_body::Frame::data(bytes::Bytes::from_static(
+            b"x",
+        )))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.left == 0
+    }
+}
+
+/// Time per operation of `clone().oneshot()` on an HTTP service, its body read to the end frame
+/// by frame.
+pub fn http_oneshot<S, B>(rt: &Runtime, service: S, iters: u64) -> Duration
+where
+    S: Service<http::Request<()>, Response = http::Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body + Unpin,
+    B::Error: std::fmt::Debug,
+{
+    use http_body_util::BodyExt;
+    rt.block_on(async {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let response = service
+                .clone()
+                .oneshot(http::Request::new(()))
+                .await
+                .unwrap();
+            let mut body = response.into_body();
+            while let Some(frame) = body.frame().await {
+                frame.unwrap();
+            }
+        }
+        start.elapsed()
+    })
+}
