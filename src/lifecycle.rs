@@ -43,7 +43,7 @@ impl<H: Borrow<Series>> Waiting<H> {
     /// The operation got its permit.
     pub(crate) fn admit(mut self) -> Running<H> {
         let series = self.series.take().expect("a wait ends once");
-        admit(series, Some((self.since != UNKNOWN).then_some(self.since)))
+        admit(series, Some(self.since))
     }
 
     /// The operation was turned away after waiting.
@@ -68,24 +68,22 @@ impl<H: Borrow<Series>> Drop for Waiting<H> {
     }
 }
 
-/// Admits an operation: records its queue sample (0 if it never waited, `waited` holds when it
-/// started to wait otherwise) and counts it as active.
-pub(crate) fn admit<H: Borrow<Series>>(series: H, waited: Option<Option<i64>>) -> Running<H> {
+/// Admits an operation: records its queue sample (0 if it never waited, the time since
+/// `waited_since` otherwise) and counts it as active.
+pub(crate) fn admit<H: Borrow<Series>>(series: H, waited_since: Option<i64>) -> Running<H> {
     let Some(shared) = series.borrow().shared() else {
         return Running::EMPTY;
     };
-    let now = shared.now();
-    shared.admit(series.borrow().index(), waited.map(|since| (since, now)));
-    let queued_us = match (waited.flatten(), now) {
-        (Some(since), Some(now)) => {
-            u32::try_from(now.saturating_sub(since).max(0) / 1_000).unwrap_or(u32::MAX)
-        }
+    let now = shared.now().unwrap_or(UNKNOWN);
+    let queued_ns = match waited_since {
+        Some(since) if since != UNKNOWN && now != UNKNOWN => now.saturating_sub(since).max(0),
         _ => 0,
     };
+    shared.admit(series.borrow().index(), waited_since.is_some(), queued_ns);
     Running {
         series: Some(series),
-        start: now.unwrap_or(UNKNOWN),
-        queued_us,
+        start: now,
+        queued_us: u32::try_from(queued_ns / 1_000).unwrap_or(u32::MAX),
         deadline_ms: 0,
         chosen: None,
     }
@@ -105,7 +103,7 @@ pub(crate) fn abandon(series: &Series) {
     }
 }
 
-/// An instant the clock could not read.
+/// An instant the clock could not read: a duration from or to it is 0.
 const UNKNOWN: i64 = i64::MIN;
 
 /// An admitted operation: counted as active until it ends, and recorded exactly once, with the
@@ -195,18 +193,22 @@ impl<H: Borrow<Series>> Running<H> {
         let Some(shared) = series.shared() else {
             return;
         };
-        let now = shared.now();
+        let now = shared.now().unwrap_or(UNKNOWN);
         let outcome = self.chosen.or(outcome).unwrap_or_else(|| self.dropped(now));
-        let start = (self.start != UNKNOWN).then_some(self.start);
-        shared.end(series.index(), outcome, start, now);
+        let ran_ns = if self.start == UNKNOWN || now == UNKNOWN {
+            0
+        } else {
+            now.saturating_sub(self.start).max(0)
+        };
+        shared.end(series.index(), outcome, ran_ns);
     }
 
     /// The outcome of an operation dropped at `now`: `timeout` if its deadline has passed,
     /// `cancelled` otherwise.
-    fn dropped(&self, now: Option<i64>) -> Outcome {
-        let (Some(now), false, true) = (now, self.start == UNKNOWN, self.deadline_ms > 0) else {
+    fn dropped(&self, now: i64) -> Outcome {
+        if now == UNKNOWN || self.start == UNKNOWN || self.deadline_ms == 0 {
             return Outcome::Cancelled;
-        };
+        }
         let deadline = Duration::from_millis(u64::from(self.deadline_ms));
         let slack = DEADLINE_SLACK.min(deadline / 10);
         let waited = Duration::from_micros(u64::from(self.queued_us));

@@ -375,18 +375,15 @@ impl Shared {
         self.cells[index].queued.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A wait of series `index` that began at `since` got its permit at `now`.
-    pub(crate) fn admit(&self, index: usize, waited: Option<(Option<i64>, Option<i64>)>) {
+    /// An operation of series `index` got its permit, after waiting `queued_ns` if it `waited`
+    /// (counted in `queued` until now).
+    pub(crate) fn admit(&self, index: usize, waited: bool, queued_ns: i64) {
         let cell = &self.cells[index];
-        let queued_ms = match waited {
-            Some((since, now)) => {
-                cell.queued.fetch_sub(1, Ordering::Relaxed);
-                millis(since, now)
-            }
-            None => 0.0,
-        };
+        if waited {
+            cell.queued.fetch_sub(1, Ordering::Relaxed);
+        }
         cell.active.fetch_add(1, Ordering::Relaxed);
-        guarded(|| self.record_queue(index, queued_ms));
+        guarded(|| self.record_queue(index, millis(queued_ns)));
     }
 
     /// An operation of series `index` was turned away, after waiting or not.
@@ -407,10 +404,10 @@ impl Shared {
         cell.abandoned.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// An operation of series `index` that started at `start` ended with `outcome` at `now`.
-    pub(crate) fn end(&self, index: usize, outcome: Outcome, start: Option<i64>, now: Option<i64>) {
+    /// An operation of series `index` that ran `ran_ns` ended with `outcome`.
+    pub(crate) fn end(&self, index: usize, outcome: Outcome, ran_ns: i64) {
         self.cells[index].active.fetch_sub(1, Ordering::Relaxed);
-        guarded(|| self.record_duration(index, outcome, millis(start, now)));
+        guarded(|| self.record_duration(index, outcome, millis(ran_ns)));
     }
 
     fn record_queue(&self, index: usize, ms: f64) {
@@ -582,12 +579,9 @@ impl Clock {
     }
 }
 
-/// The milliseconds from `start` to `end`, 0 if either is unknown.
-pub(crate) fn millis(start: Option<i64>, end: Option<i64>) -> f64 {
-    match (start, end) {
-        (Some(start), Some(end)) => end.saturating_sub(start).max(0) as f64 / 1e6,
-        _ => 0.0,
-    }
+/// Nanoseconds as the milliseconds the histograms take.
+fn millis(nanos: i64) -> f64 {
+    nanos as f64 / 1e6
 }
 
 #[cfg(test)]
@@ -607,12 +601,5 @@ mod tests {
         {
             assert_eq!(clock.nanos(long_before), -3_600_000_000_000);
         }
-    }
-
-    #[test]
-    fn millis_of_unknown_instants_is_zero() {
-        assert_eq!(millis(Some(1_000_000), Some(3_000_000)), 2.0);
-        assert_eq!(millis(None, Some(3)), 0.0);
-        assert_eq!(millis(Some(5), Some(3)), 0.0);
     }
 }
