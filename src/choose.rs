@@ -335,6 +335,7 @@ where
             self.limit.clone(),
             self.rejections.clone(),
             series,
+            None,
         );
         PerRequestFuture::limited(service.oneshot(request))
     }

@@ -401,6 +401,7 @@ where
             self.limit.clone(),
             self.rejections.clone(),
             series,
+            self.capacity.clone(),
         )
     }
 }

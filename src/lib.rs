@@ -166,7 +166,7 @@ pub use reject::{
     Rejections, RespondRejected, TakeAnswer, Unbounded,
 };
 pub use scope::set_outcome;
-pub use scoped::resources_operation;
+pub use scoped::{resources_operation, resources_operation_with};
 pub use service::ResourcesOperation;
 
 /// Observable up-down counter: operations holding a permit now.

@@ -456,26 +456,39 @@ impl Shared {
     }
 
     /// Observes, for each series with at least one known limit, the sum of the capacities of its
-    /// distinct limits; forgets the limits that are gone.
+    /// distinct limits; forgets the limits that are gone. A capacity that panics when read costs
+    /// its series that collection.
     fn observe_limits(&self, mut observe: impl FnMut(i64, &[KeyValue])) {
         let mut totals = [None::<usize>; SERIES];
         {
             let mut limits = self.limits.lock().unwrap_or_else(|p| p.into_inner());
             limits.retain(|limit| {
-                let Some(capacity) = catch_unwind(AssertUnwindSafe(|| limit.capacity.get()))
-                    .ok()
-                    .flatten()
-                else {
-                    let key = limit.capacity.key();
-                    for known in &self.cells[limit.index].known_limits {
-                        let _ =
-                            known.compare_exchange(key, 0, Ordering::Relaxed, Ordering::Relaxed);
-                    }
-                    return false;
+                let read = if limit.capacity.is_last() {
+                    Ok(None)
+                } else {
+                    catch_unwind(AssertUnwindSafe(|| limit.capacity.get()))
                 };
-                let total = totals[limit.index].get_or_insert(0);
-                *total = total.saturating_add(capacity);
-                true
+                match read {
+                    Ok(Some(capacity)) => {
+                        let total = totals[limit.index].get_or_insert(0);
+                        *total = total.saturating_add(capacity);
+                        true
+                    }
+                    // Read again at the next collection.
+                    Err(_) => true,
+                    Ok(None) => {
+                        let key = limit.capacity.key();
+                        for known in &self.cells[limit.index].known_limits {
+                            let _ = known.compare_exchange(
+                                key,
+                                0,
+                                Ordering::Relaxed,
+                                Ordering::Relaxed,
+                            );
+                        }
+                        false
+                    }
+                }
             });
         }
         for (index, total) in totals.iter().enumerate() {

@@ -67,6 +67,40 @@ where
         .await
 }
 
+/// [`resources_operation`] for work that uses its permit: `work` is given the permit (a
+/// resource checked out of a pool, say), and the permit goes back when the work is done.
+///
+/// ```
+/// use tokio::sync::Semaphore;
+/// use tower_resources_operation::{resources_operation_with, Executor, Operation};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let slots = Semaphore::new(3);
+/// let held = resources_operation_with(&slots, Operation::Tool, Executor::Thread, async |permit| {
+///     Ok::<_, std::io::Error>(permit.num_permits())
+/// })
+/// .await??;
+/// assert_eq!(held, 1);
+/// # Ok(())
+/// # }
+/// ```
+pub async fn resources_operation_with<A, W, T>(
+    limit: A,
+    operation: Operation,
+    executor: Executor,
+    work: W,
+) -> Result<T, Rejected>
+where
+    A: Acquire,
+    W: AsyncFnOnce(&A::Permit) -> T,
+    T: OperationOutput,
+{
+    OperationMetrics::global()
+        .resources_operation_with(limit, operation, executor, work)
+        .await
+}
+
 impl OperationMetrics {
     /// [`resources_operation`] reporting through these metrics instead of the global ones.
     ///
@@ -100,29 +134,65 @@ impl OperationMetrics {
         F: Future,
         F::Output: OperationOutput,
     {
+        let (permit, running) = self.enter(&limit, operation, executor).await?;
+        let output = run(work, running).await;
+        drop(permit);
+        Ok(output)
+    }
+
+    /// [`resources_operation_with`] reporting through these metrics instead of the global ones.
+    pub async fn resources_operation_with<A, W, T>(
+        &self,
+        limit: A,
+        operation: Operation,
+        executor: Executor,
+        work: W,
+    ) -> Result<T, Rejected>
+    where
+        A: Acquire,
+        W: AsyncFnOnce(&A::Permit) -> T,
+        T: OperationOutput,
+    {
+        let (permit, running) = self.enter(&limit, operation, executor).await?;
+        let output = run(work(&permit), running).await;
+        drop(permit);
+        Ok(output)
+    }
+
+    /// Takes the permit of an operation of (`operation`, `executor`) from `limit`, waiting for it
+    /// if it has to: the operation is admitted, with what records it, or turned away.
+    async fn enter<A: Acquire>(
+        &self,
+        limit: &A,
+        operation: Operation,
+        executor: Executor,
+    ) -> Result<(A::Permit, Running<&Series>), Rejected> {
         let series = self.series(operation, executor, limit.capacity());
-        let (permit, running) = match limit.try_acquire() {
-            Some(Ok(permit)) => (permit, admit(series, None)),
-            Some(Err(error)) => return Err(refused::<A>(series, None, &error)),
+        match limit.try_acquire() {
+            Some(Ok(permit)) => Ok((permit, admit(series, None))),
+            Some(Err(error)) => Err(refused::<A>(series, None, &error)),
             None => {
                 let waiting = series.and_then(Waiting::start);
                 match limit.acquire().await {
-                    Ok(permit) => (permit, admit(series, waiting)),
-                    Err(error) => return Err(refused::<A>(series, waiting, &error)),
+                    Ok(permit) => Ok((permit, admit(series, waiting))),
+                    Err(error) => Err(refused::<A>(series, waiting, &error)),
                 }
             }
-        };
-        if !running.is_recording() {
-            let output = work.await;
-            drop(permit);
-            return Ok(output);
         }
-        Ok(Scoped {
-            work,
-            running,
-            _permit: permit,
-        }
-        .await)
+    }
+}
+
+/// Runs `work` as the admitted operation that `running` records (just runs it when that records
+/// nothing).
+async fn run<F>(work: F, running: Running<&Series>) -> F::Output
+where
+    F: Future,
+    F::Output: OperationOutput,
+{
+    if running.is_recording() {
+        Scoped { work, running }.await
+    } else {
+        work.await
     }
 }
 
@@ -167,15 +237,14 @@ fn refused<A>(
 
 pin_project! {
     /// Polls the work as the current operation, and ends the operation with the work's outcome.
-    struct Scoped<'a, F, P> {
+    struct Scoped<'a, F> {
         #[pin]
         work: F,
         running: Running<&'a Series>,
-        _permit: P,
     }
 }
 
-impl<F, P> Future for Scoped<'_, F, P>
+impl<F> Future for Scoped<'_, F>
 where
     F: Future,
     F::Output: OperationOutput,

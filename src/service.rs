@@ -16,8 +16,8 @@ use crate::lifecycle::{self, Running, Waiting};
 use crate::metrics::Series;
 use crate::reject::{unanswerable, Rejections, RespondRejected};
 use crate::{
-    scope, Acquire, AcquireError, DefaultClassifier, Limit, Outcome, PollAcquire, Rejected,
-    ResourcesOperationLayer, SharedClassifier, Unbounded,
+    scope, Acquire, AcquireError, Capacity, DefaultClassifier, Limit, Outcome, PollAcquire,
+    Rejected, ResourcesOperationLayer, SharedClassifier, Unbounded,
 };
 
 /// A service limited to a number of operations at once, made by
@@ -66,6 +66,9 @@ enum Ready<P, H> {
 /// The metrics side of a service: its series, and the operation it is preparing.
 struct Tracked {
     series: Series,
+    /// The capacity the layer was given for its limit, kept while the service lives, so that
+    /// the series counts it (the metrics forget a limit nothing else describes).
+    capacity: Option<Capacity>,
     /// Counted in `queued` from the first `poll_ready` that had to wait.
     waiting: Option<Waiting<Series>>,
     /// The operation admitted by the permit `poll_ready` took; empty until then.
@@ -73,9 +76,10 @@ struct Tracked {
 }
 
 impl Tracked {
-    fn new(series: Series) -> Self {
+    fn new(series: Series, capacity: Option<Capacity>) -> Self {
         Self {
             series,
+            capacity,
             waiting: None,
             running: Running::EMPTY,
         }
@@ -132,6 +136,7 @@ where
         limit: L,
         rejections: R,
         series: Option<Series>,
+        capacity: Option<Capacity>,
     ) -> Self {
         Self {
             inner,
@@ -139,7 +144,7 @@ where
             limit: PollAcquire::new(limit),
             rejections,
             ready: Ready::Empty,
-            tracked: series.map(Tracked::new),
+            tracked: series.map(|series| Tracked::new(series, capacity)),
             _end: PhantomData,
         }
     }
@@ -360,7 +365,7 @@ where
             tracked: self
                 .tracked
                 .as_ref()
-                .map(|tracked| Tracked::new(tracked.series.clone())),
+                .map(|tracked| Tracked::new(tracked.series.clone(), tracked.capacity.clone())),
             _end: PhantomData,
         }
     }

@@ -9,7 +9,8 @@
 mod support;
 
 use std::convert::Infallible;
-use std::sync::{Mutex, MutexGuard};
+
+use tokio::sync::{Mutex, MutexGuard};
 
 use tower::{service_fn, Layer, ServiceExt};
 use tower_resources_operation::{
@@ -20,10 +21,10 @@ use tower_resources_operation::{
 
 use support::{pipeline, Telemetry};
 
-/// One test at a time installs the global provider.
-fn global_provider_turn() -> MutexGuard<'static, ()> {
-    static TURN: Mutex<()> = Mutex::new(());
-    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+/// One test at a time installs the global provider, and holds its turn across its awaits.
+async fn global_provider_turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::const_new(());
+    TURN.lock().await
 }
 
 /// A fresh provider with an in-memory exporter, not installed anywhere yet.
@@ -53,7 +54,7 @@ async fn serve_once(layer: &ResourcesOperationLayer, n: u32) {
 
 #[tokio::test]
 async fn the_common_order_build_then_install_then_serve_reports_to_the_installed_provider() {
-    let _turn = global_provider_turn();
+    let _turn = global_provider_turn().await;
     let own = Telemetry::new();
     // Built before any provider is installed: a default layer, and one with metrics of its own
     // (which used to snapshot the global meter, a no-op then, for the life of the process).
@@ -86,7 +87,7 @@ async fn the_common_order_build_then_install_then_serve_reports_to_the_installed
 
 #[tokio::test]
 async fn a_default_layer_keeps_the_provider_it_first_served_with() {
-    let _turn = global_provider_turn();
+    let _turn = global_provider_turn().await;
     let layer = ResourcesOperationLayer::new(1).operation(Operation::Verify);
     let service = layer.layer(service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }));
 
@@ -111,7 +112,7 @@ async fn a_default_layer_keeps_the_provider_it_first_served_with() {
 
 #[tokio::test]
 async fn the_free_function_reports_to_the_provider_installed_when_it_is_called() {
-    let _turn = global_provider_turn();
+    let _turn = global_provider_turn().await;
     let limit = Limit::new(1);
     let first = provider();
     install(&first);
@@ -136,7 +137,7 @@ async fn the_free_function_reports_to_the_provider_installed_when_it_is_called()
 
 #[tokio::test]
 async fn global_metrics_are_one_set_per_provider_so_live_counts_are_not_hidden() {
-    let _turn = global_provider_turn();
+    let _turn = global_provider_turn().await;
     let global = provider();
     install(&global);
     // Two calls under one provider share the instruments: one callback per series, not two
@@ -174,7 +175,7 @@ async fn global_metrics_are_one_set_per_provider_so_live_counts_are_not_hidden()
 
 #[tokio::test]
 async fn a_per_request_layer_on_the_default_resolves_the_provider_when_it_first_serves() {
-    let _turn = global_provider_turn();
+    let _turn = global_provider_turn().await;
     let layer = ResourcesOperationLayer::new_for_http(2).per_request(ByGrpcMethod::new().service(
         "pkg.Verifier",
         Choice::limited(Operation::Verify, Executor::Process),

@@ -8,6 +8,8 @@ use std::sync::Arc;
 /// It is also the limit's identity in the metrics: a series served by several limits reports
 /// the sum of their capacities, and a limit reached through several layers counts once. So make
 /// one `Capacity` per limit and hand out clones of it; each `Capacity` made anew is another limit.
+/// A limit counts as long as something other than the metrics holds one of its `Capacity`
+/// values: the limit itself, or a layer or service given it.
 ///
 /// ```
 /// use tower_resources_operation::Capacity;
@@ -45,6 +47,12 @@ impl Capacity {
     /// Whether `self` and `other` describe the same limit (one is a clone of the other).
     pub fn same_limit(&self, other: &Capacity) -> bool {
         self.key() == other.key()
+    }
+
+    /// Whether this is the last `Capacity` of its limit: nothing else (the limit, a layer, a
+    /// service) describes that limit any more, so it is gone.
+    pub(crate) fn is_last(&self) -> bool {
+        Arc::strong_count(&self.0) == 1
     }
 
     /// The identity of the limit, for the metrics' registry.

@@ -1,0 +1,1023 @@
+//! Limits that are user-defined `Acquire` implementations, written here as a user would: a
+//! weighted semaphore, a pool of reusable resources whose permit hands the resource to the work,
+//! a limit that never admits, one that fails, and one that admits slowly. Each is driven through
+//! the layer and through `resources_operation`, and the crate's rules must hold with every one:
+//! outcomes as the work ended, one queue and one duration sample per admitted operation, live
+//! counts back to 0, turned-away and abandoned operations counted, no permit leaked, no hang.
+//! Also: the crate's own limits (`Arc<Semaphore>`, `&Semaphore`, `&Limit`) in the scoped API, and
+//! `PollAcquire` polled directly.
+
+mod support;
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
+use tokio_test::{assert_pending, assert_ready, task};
+use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
+use tower_test::mock;
+
+use support::{panic_message, settle, Telemetry};
+use tower_resources_operation::{
+    Acquire, AcquireError, Capacity, Executor, Limit, Operation, PollAcquire, Rejected, Rejection,
+    ResourcesOperationLayer, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+};
+
+/// A safety net so a limit that hangs fails the test instead; not a performance bound.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+// ---------------------------------------------------------------------------------------------
+// The limits
+// ---------------------------------------------------------------------------------------------
+
+/// A weighted limit: each operation takes `weight` of the `units` that all its clones share.
+#[derive(Clone)]
+struct Weighted {
+    units: Arc<Semaphore>,
+    weight: u32,
+    capacity: Capacity,
+}
+
+impl Weighted {
+    /// A limit of `total` units, and a handle on it whose operations each take one.
+    fn new(total: usize) -> Self {
+        Self {
+            units: Arc::new(Semaphore::new(total)),
+            weight: 1,
+            capacity: Capacity::fixed(total),
+        }
+    }
+
+    /// A handle on the same units whose operations each take `weight`.
+    fn weighing(&self, weight: u32) -> Self {
+        Self {
+            weight,
+            ..self.clone()
+        }
+    }
+
+    /// Units held now.
+    fn in_use(&self) -> usize {
+        self.capacity.get().unwrap() - self.units.available_permits()
+    }
+}
+
+impl Acquire for Weighted {
+    type Permit = OwnedSemaphorePermit;
+
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+        let units = Arc::clone(&self.units);
+        let weight = self.weight;
+        async move {
+            units
+                .acquire_many_owned(weight)
+                .await
+                .map_err(|_| AcquireError::closed())
+        }
+    }
+
+    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+        match Arc::clone(&self.units).try_acquire_many_owned(self.weight) {
+            Ok(permit) => Some(Ok(permit)),
+            Err(TryAcquireError::NoPermits) => None,
+            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
+        }
+    }
+
+    fn capacity(&self) -> Option<&Capacity> {
+        Some(&self.capacity)
+    }
+}
+
+tokio::task_local! {
+    /// The sandbox the current operation was handed, in the caller's task.
+    static SANDBOX: Cell<Option<usize>>;
+}
+
+/// A pool of reusable sandboxes: the permit is the checkout of one, which it hands to the work
+/// (through the caller's task-local [`SANDBOX`]: the layer and `resources_operation` hold the
+/// permit, the work only runs inside it) and puts back in the pool when it drops.
+#[derive(Clone)]
+struct Sandboxes {
+    pool: Arc<Pool>,
+}
+
+struct Pool {
+    free: Mutex<Vec<usize>>,
+    places: Arc<Semaphore>,
+    capacity: Capacity,
+}
+
+/// One sandbox, checked out; back in the pool on drop (before its place frees, so whoever gets
+/// the place finds a sandbox).
+struct Checkout {
+    sandbox: usize,
+    pool: Arc<Pool>,
+    _place: OwnedSemaphorePermit,
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        self.pool.free.lock().unwrap().push(self.sandbox);
+    }
+}
+
+impl Sandboxes {
+    fn new(ids: &[usize]) -> Self {
+        Self {
+            pool: Arc::new(Pool {
+                free: Mutex::new(ids.to_vec()),
+                places: Arc::new(Semaphore::new(ids.len())),
+                capacity: Capacity::fixed(ids.len()),
+            }),
+        }
+    }
+
+    fn check_out(&self, place: OwnedSemaphorePermit) -> Checkout {
+        let sandbox = self
+            .pool
+            .free
+            .lock()
+            .unwrap()
+            .pop()
+            .expect("a place means a free sandbox");
+        let _ = SANDBOX.try_with(|current| current.set(Some(sandbox)));
+        Checkout {
+            sandbox,
+            pool: Arc::clone(&self.pool),
+            _place: place,
+        }
+    }
+
+    /// The sandbox handed to the operation running in this task.
+    fn current() -> Option<usize> {
+        SANDBOX.try_with(Cell::get).ok().flatten()
+    }
+
+    fn free(&self) -> BTreeSet<usize> {
+        self.pool.free.lock().unwrap().iter().copied().collect()
+    }
+}
+
+impl Acquire for Sandboxes {
+    type Permit = Checkout;
+
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+        let this = self.clone();
+        async move {
+            let place = Arc::clone(&this.pool.places)
+                .acquire_owned()
+                .await
+                .map_err(|_| AcquireError::closed())?;
+            Ok(this.check_out(place))
+        }
+    }
+
+    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+        match Arc::clone(&self.pool.places).try_acquire_owned() {
+            Ok(place) => Some(Ok(self.check_out(place))),
+            Err(TryAcquireError::NoPermits) => None,
+            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
+        }
+    }
+
+    fn capacity(&self) -> Option<&Capacity> {
+        Some(&self.pool.capacity)
+    }
+}
+
+/// A limit that never admits anyone; it counts the waits it was asked for and those whose
+/// future was dropped.
+#[derive(Clone, Default)]
+struct Never {
+    asked: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+}
+
+struct CountOnDrop(Arc<AtomicUsize>);
+
+impl Drop for CountOnDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Never {
+    fn asked(&self) -> usize {
+        self.asked.load(Ordering::SeqCst)
+    }
+
+    fn dropped(&self) -> usize {
+        self.dropped.load(Ordering::SeqCst)
+    }
+}
+
+impl Acquire for Never {
+    type Permit = ();
+
+    fn acquire(&self) -> impl Future<Output = Result<(), AcquireError>> + Send {
+        self.asked.fetch_add(1, Ordering::SeqCst);
+        let dropped = CountOnDrop(Arc::clone(&self.dropped));
+        async move {
+            let _dropped = dropped;
+            std::future::pending::<Result<(), AcquireError>>().await
+        }
+    }
+}
+
+/// A limit kept in a store it cannot reach: it fails, after `after`.
+#[derive(Clone)]
+struct Unreachable {
+    after: Duration,
+}
+
+impl Acquire for Unreachable {
+    type Permit = ();
+
+    fn acquire(&self) -> impl Future<Output = Result<(), AcquireError>> + Send {
+        let after = self.after;
+        async move {
+            if !after.is_zero() {
+                tokio::time::sleep(after).await;
+            }
+            Err(AcquireError::failed("store unreachable"))
+        }
+    }
+}
+
+/// A limit that admits slowly: each admission costs `delay` before it even asks its semaphore.
+/// `try_acquire` is left at its default, `None`.
+#[derive(Clone)]
+struct Slow {
+    places: Arc<Semaphore>,
+    delay: Duration,
+}
+
+impl Acquire for Slow {
+    type Permit = OwnedSemaphorePermit;
+
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+        let places = Arc::clone(&self.places);
+        let delay = self.delay;
+        async move {
+            tokio::time::sleep(delay).await;
+            places
+                .acquire_owned()
+                .await
+                .map_err(|_| AcquireError::closed())
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+/// Checks series `operation` after `ok` + `error` admitted operations: one queue and one
+/// duration sample each, those outcomes, nothing turned away or abandoned, and nothing left
+/// waiting or running.
+fn assert_books(t: &Telemetry, operation: &str, ok: u64, error: u64) {
+    let filter = [(OPERATION_ATTRIBUTE, operation)];
+    assert_eq!(
+        t.count(QUEUE_DURATION_INSTRUMENT, &filter),
+        ok + error,
+        "{operation}: one queue sample per admitted operation"
+    );
+    assert_eq!(
+        t.count(DURATION_INSTRUMENT, &filter),
+        ok + error,
+        "{operation}: one duration sample per admitted operation"
+    );
+    let expected: BTreeMap<String, u64> = [("ok", ok), ("error", error)]
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(outcome, n)| (outcome.to_owned(), n))
+        .collect();
+    assert_eq!(t.outcomes(&filter), expected, "{operation}: outcomes");
+    assert_eq!(t.live_value(REJECTED_INSTRUMENT, &filter), 0, "{operation}");
+    assert_eq!(
+        t.live_value(ABANDONED_INSTRUMENT, &filter),
+        0,
+        "{operation}"
+    );
+    assert_eq!(t.live_value(QUEUED_INSTRUMENT, &filter), 0, "{operation}");
+    assert_eq!(t.live_value(ACTIVE_INSTRUMENT, &filter), 0, "{operation}");
+}
+
+fn limit_of(t: &Telemetry, operation: &str) -> i64 {
+    t.live_value(LIMIT_INSTRUMENT, &[(OPERATION_ATTRIBUTE, operation)])
+}
+
+fn abandoned(t: &Telemetry, operation: &str) -> i64 {
+    t.live_value(ABANDONED_INSTRUMENT, &[(OPERATION_ATTRIBUTE, operation)])
+}
+
+/// `(queued, active)` over every series.
+fn live(t: &Telemetry) -> (i64, i64) {
+    (
+        t.live_value(QUEUED_INSTRUMENT, &[]),
+        t.live_value(ACTIVE_INSTRUMENT, &[]),
+    )
+}
+
+/// The inner service of a layer whose limit admits no one.
+fn not_called(_: ()) -> std::future::Ready<Result<(), BoxError>> {
+    panic!("never admitted, never called")
+}
+
+/// Work that its limit never admits.
+async fn never_run() {
+    panic!("never admitted, never run")
+}
+
+/// The most of something at once.
+#[derive(Default)]
+struct Peak(AtomicUsize);
+
+impl Peak {
+    fn saw(&self, now: usize) {
+        self.0.fetch_max(now, Ordering::SeqCst);
+    }
+
+    fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A weighted limit
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn a_weighted_limit_keeps_its_units_through_the_layer_and_the_rules_hold() {
+    let t = Telemetry::new();
+    let units = Weighted::new(4);
+    let peak = Arc::new(Peak::default());
+    let work = {
+        let (units, peak) = (units.clone(), Arc::clone(&peak));
+        service_fn(move |job: u64| {
+            peak.saw(units.in_use());
+            async move {
+                tokio::time::sleep(Duration::from_millis(10 + job % 7)).await;
+                if job % 5 == 0 {
+                    Err::<u64, BoxError>("job failed".into())
+                } else {
+                    Ok(job)
+                }
+            }
+        })
+    };
+    let small = ResourcesOperationLayer::with_limit(units.weighing(1))
+        .operation(Operation::Tool)
+        .metrics(t.metrics.clone())
+        .layer(work.clone());
+    let big = ResourcesOperationLayer::with_limit(units.weighing(3))
+        .operation(Operation::Tool)
+        .metrics(t.metrics.clone())
+        .layer(work);
+    assert_eq!(
+        limit_of(&t, "tool"),
+        4,
+        "two handles on one weighted limit report its one capacity once"
+    );
+
+    let tasks: Vec<_> = (1..=24u64)
+        .map(|job| {
+            if job % 3 == 0 {
+                tokio::spawn(big.clone().oneshot(job))
+            } else {
+                tokio::spawn(small.clone().oneshot(job))
+            }
+        })
+        .collect();
+    let mut failed = 0;
+    for task in tasks {
+        failed += u64::from(task.await.unwrap().is_err());
+    }
+
+    assert_eq!(peak.get(), 4, "the units were all used, and never more");
+    assert_books(&t, "tool", 24 - failed, failed);
+    assert_eq!(failed, 4);
+    assert_eq!(units.units.available_permits(), 4, "no unit leaked");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_weighted_limit_keeps_its_units_through_resources_operation_and_the_rules_hold() {
+    let t = Telemetry::new();
+    let units = Weighted::new(4);
+    let peak = Arc::new(Peak::default());
+    let tasks: Vec<_> = (1..=24u64)
+        .map(|job| {
+            let limit = units.weighing(if job % 3 == 0 { 3 } else { 1 });
+            let (metrics, units, peak) = (t.metrics.clone(), units.clone(), Arc::clone(&peak));
+            tokio::spawn(async move {
+                metrics
+                    .resources_operation(limit, Operation::Judge, Executor::Inline, async {
+                        peak.saw(units.in_use());
+                        tokio::time::sleep(Duration::from_millis(10 + job % 7)).await;
+                        if job % 5 == 0 {
+                            Err::<u64, BoxError>("job failed".into())
+                        } else {
+                            Ok(job)
+                        }
+                    })
+                    .await
+                    .expect("never turned away")
+            })
+        })
+        .collect();
+    let mut failed = 0;
+    for task in tasks {
+        failed += u64::from(task.await.unwrap().is_err());
+    }
+    assert_eq!(peak.get(), 4);
+    assert_books(&t, "judge", 24 - failed, failed);
+    assert_eq!(limit_of(&t, "judge"), 4);
+    assert_eq!(units.units.available_permits(), 4, "no unit leaked");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_weighted_operation_waits_until_its_whole_weight_is_free() {
+    let t = Telemetry::new();
+    let units = Weighted::new(4);
+    let held = units.units.clone().try_acquire_many_owned(2).unwrap();
+    let big = ResourcesOperationLayer::with_limit(units.weighing(3))
+        .operation(Operation::Verify)
+        .metrics(t.metrics.clone())
+        .layer(service_fn(|()| async { Ok::<_, BoxError>(()) }));
+    let waiting = tokio::spawn(big.oneshot(()));
+    settle().await;
+    assert_eq!(live(&t), (1, 0), "two free units are not enough for three");
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    drop(held);
+    waiting.await.unwrap().unwrap();
+    assert_eq!(t.sum(QUEUE_DURATION_INSTRUMENT, &[]), 40.0);
+    assert_books(&t, "verify", 1, 0);
+    assert_eq!(units.units.available_permits(), 4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A pool of reusable resources
+// ---------------------------------------------------------------------------------------------
+
+/// Runs in sandbox [`Sandboxes::current`], which no other operation may hold meanwhile.
+async fn use_sandbox(
+    in_use: &Mutex<BTreeSet<usize>>,
+    used: &Mutex<BTreeSet<usize>>,
+    job: u64,
+) -> Result<usize, BoxError> {
+    let sandbox = Sandboxes::current().expect("the permit handed a sandbox to the work");
+    assert!(
+        in_use.lock().unwrap().insert(sandbox),
+        "sandbox {sandbox} handed to two operations at once"
+    );
+    used.lock().unwrap().insert(sandbox);
+    tokio::time::sleep(Duration::from_millis(5 + job % 4)).await;
+    in_use.lock().unwrap().remove(&sandbox);
+    if job % 4 == 0 {
+        Err(format!("job {job} failed in sandbox {sandbox}").into())
+    } else {
+        Ok(sandbox)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_the_layer_and_gets_it_back() {
+    let t = Telemetry::new();
+    let pool = Sandboxes::new(&[7, 8]);
+    let in_use = Arc::new(Mutex::new(BTreeSet::new()));
+    let used = Arc::new(Mutex::new(BTreeSet::new()));
+    let service = ResourcesOperationLayer::with_limit(pool.clone())
+        .operation(Operation::Tool)
+        .executor(Executor::Subprocess)
+        .metrics(t.metrics.clone())
+        .layer(service_fn({
+            let (in_use, used) = (Arc::clone(&in_use), Arc::clone(&used));
+            move |job: u64| {
+                let (in_use, used) = (Arc::clone(&in_use), Arc::clone(&used));
+                async move { use_sandbox(&in_use, &used, job).await }
+            }
+        }));
+    let tasks: Vec<_> = (1..=12u64)
+        .map(|job| tokio::spawn(SANDBOX.scope(Cell::new(None), service.clone().oneshot(job))))
+        .collect();
+    let mut failed = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok(sandbox) => assert!([7, 8].contains(&sandbox)),
+            Err(_) => failed += 1,
+        }
+    }
+    assert_eq!(failed, 3);
+    assert_eq!(
+        *used.lock().unwrap(),
+        BTreeSet::from([7, 8]),
+        "both sandboxes served"
+    );
+    assert_eq!(pool.free(), BTreeSet::from([7, 8]), "every sandbox is back");
+    assert_eq!(pool.pool.places.available_permits(), 2);
+    assert_books(&t, "tool", 9, 3);
+    assert_eq!(limit_of(&t, "tool"), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_resources_operation() {
+    let t = Telemetry::new();
+    let pool = Sandboxes::new(&[1, 2]);
+    let in_use = Arc::new(Mutex::new(BTreeSet::new()));
+    let used = Arc::new(Mutex::new(BTreeSet::new()));
+    let tasks: Vec<_> = (1..=12u64)
+        .map(|job| {
+            let (metrics, pool) = (t.metrics.clone(), pool.clone());
+            let (in_use, used) = (Arc::clone(&in_use), Arc::clone(&used));
+            tokio::spawn(SANDBOX.scope(Cell::new(None), async move {
+                metrics
+                    .resources_operation(&pool, Operation::Verify, Executor::Process, async {
+                        use_sandbox(&in_use, &used, job).await
+                    })
+                    .await
+                    .expect("never turned away")
+            }))
+        })
+        .collect();
+    let mut failed = 0;
+    for task in tasks {
+        failed += u64::from(task.await.unwrap().is_err());
+    }
+    assert_eq!(*used.lock().unwrap(), BTreeSet::from([1, 2]));
+    assert_eq!(pool.free(), BTreeSet::from([1, 2]), "every sandbox is back");
+    assert_eq!(pool.pool.places.available_permits(), 2);
+    assert_books(&t, "verify", 12 - failed, failed);
+    assert_eq!(failed, 3);
+    assert_eq!(limit_of(&t, "verify"), 2);
+}
+
+/// `resources_operation_with` hands the permit itself to the work: the sandbox the checkout
+/// holds, no task-local needed; it goes back to the pool once the work is done, or dropped.
+#[tokio::test(start_paused = true)]
+async fn resources_operation_with_hands_the_checkout_to_the_work_and_takes_it_back_after() {
+    let t = Telemetry::new();
+    let pool = Sandboxes::new(&[7]);
+    let seen = t
+        .metrics
+        .resources_operation_with(
+            &pool,
+            Operation::Tool,
+            Executor::Process,
+            async |checkout| {
+                assert!(pool.free().is_empty(), "checked out while the work runs");
+                Ok::<_, BoxError>(checkout.sandbox)
+            },
+        )
+        .await
+        .expect("never turned away")
+        .unwrap();
+    assert_eq!(seen, 7);
+    assert_eq!(
+        pool.free(),
+        BTreeSet::from([7]),
+        "back once the work is done"
+    );
+
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let holder = tokio::spawn({
+        let (metrics, pool) = (t.metrics.clone(), pool.clone());
+        async move {
+            metrics
+                .resources_operation_with(&pool, Operation::Tool, Executor::Process, async |c| {
+                    started_tx.send(c.sandbox).unwrap();
+                    std::future::pending::<Result<(), BoxError>>().await
+                })
+                .await
+        }
+    });
+    assert_eq!(started.await.unwrap(), 7);
+    holder.abort();
+    assert!(holder.await.unwrap_err().is_cancelled());
+    assert_eq!(
+        pool.free(),
+        BTreeSet::from([7]),
+        "back when the work is dropped"
+    );
+    let outcomes = t.outcomes(&[(OPERATION_ATTRIBUTE, "tool")]);
+    assert_eq!(
+        outcomes,
+        BTreeMap::from([("cancelled".to_owned(), 1), ("ok".to_owned(), 1)])
+    );
+    assert_eq!(live(&t), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pool_gets_its_sandbox_back_from_a_cancelled_operation() {
+    let t = Telemetry::new();
+    let pool = Sandboxes::new(&[3]);
+    let service = ResourcesOperationLayer::with_limit(pool.clone())
+        .metrics(t.metrics.clone())
+        .layer(service_fn(|()| async {
+            std::future::pending::<()>().await;
+            Ok::<_, BoxError>(())
+        }));
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(30),
+        SANDBOX.scope(Cell::new(None), service.oneshot(())),
+    )
+    .await;
+    assert!(gave_up.is_err());
+    assert_eq!(pool.free(), BTreeSet::from([3]));
+    assert_eq!(
+        t.outcomes(&[]),
+        BTreeMap::from([("cancelled".to_owned(), 1)])
+    );
+    assert_eq!(live(&t), (0, 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// A limit that never admits
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn a_limit_that_never_admits_is_answered_with_queue_timeout_by_a_layer_with_a_queue_timeout()
+{
+    let t = Telemetry::new();
+    let never = Never::default();
+    let service = ResourcesOperationLayer::with_limit(never.clone())
+        .operation(Operation::Judge)
+        .metrics(t.metrics.clone())
+        .queue_timeout(Duration::from_millis(250))
+        .layer(service_fn(not_called));
+    let error = tokio::time::timeout(DEADLINE, service.oneshot(()))
+        .await
+        .expect("no hang")
+        .unwrap_err();
+    assert_eq!(
+        error.downcast_ref::<Rejected>().map(Rejected::rejection),
+        Some(Rejection::QueueTimeout)
+    );
+    assert_eq!(
+        t.live_value(
+            REJECTED_INSTRUMENT,
+            &[
+                (OPERATION_ATTRIBUTE, "judge"),
+                (REJECTION_ATTRIBUTE, "queue_timeout")
+            ]
+        ),
+        1
+    );
+    assert_eq!(abandoned(&t, "judge"), 0);
+    assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
+    assert_eq!(t.count(DURATION_INSTRUMENT, &[]), 0);
+    assert_eq!(live(&t), (0, 0));
+    assert_eq!(
+        (never.asked(), never.dropped()),
+        (1, 1),
+        "the limit saw its wait given up"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_limit_that_never_admits_counts_a_caller_that_gives_up_as_abandoned_and_leaks_nothing() {
+    let t = Telemetry::new();
+    let never = Never::default();
+    let layer = ResourcesOperationLayer::with_limit(never.clone())
+        .operation(Operation::Tool)
+        .metrics(t.metrics.clone());
+
+    // A tower caller that gives up on a pending poll_ready.
+    let (mut waiting, _handle) = mock::spawn_layer::<(), (), _>(layer.clone());
+    assert_pending!(waiting.poll_ready());
+    assert_pending!(waiting.poll_ready());
+    assert_eq!(live(&t), (1, 0));
+    assert_eq!(
+        (never.asked(), never.dropped()),
+        (1, 0),
+        "one wait, however often polled"
+    );
+    drop(waiting);
+    assert_eq!((never.asked(), never.dropped()), (1, 1));
+    assert_eq!(abandoned(&t, "tool"), 1);
+
+    // A caller that times its request out.
+    let service = layer.layer(service_fn(|()| async { Ok::<_, BoxError>(()) }));
+    let gave_up = tokio::time::timeout(Duration::from_secs(5), service.oneshot(())).await;
+    assert!(gave_up.is_err());
+    assert_eq!((never.asked(), never.dropped()), (2, 2));
+    assert_eq!(abandoned(&t, "tool"), 2);
+
+    // A scoped caller that times out.
+    let gave_up = tokio::time::timeout(
+        Duration::from_secs(5),
+        t.metrics
+            .resources_operation(&never, Operation::Tool, Executor::Inline, never_run()),
+    )
+    .await;
+    assert!(gave_up.is_err());
+    assert_eq!((never.asked(), never.dropped()), (3, 3));
+    assert_eq!(
+        t.live_value(ABANDONED_INSTRUMENT, &[(OPERATION_ATTRIBUTE, "tool")]),
+        3
+    );
+    assert_eq!(live(&t), (0, 0));
+    assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
+    assert_eq!(t.count(DURATION_INSTRUMENT, &[]), 0);
+    assert_eq!(t.live_value(REJECTED_INSTRUMENT, &[]), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A limit that fails
+// ---------------------------------------------------------------------------------------------
+
+/// Checks a caller's panic: it names the limit's type and the cause.
+fn assert_names_limit_and_cause(message: &str) {
+    assert!(
+        message.contains(std::any::type_name::<Unreachable>()),
+        "names the limit's type: {message}"
+    );
+    assert!(
+        message.contains("store unreachable"),
+        "names the cause: {message}"
+    );
+}
+
+async fn a_failing_limit_panics_the_caller_and_counts_it_abandoned(after: Duration) {
+    let t = Telemetry::new();
+    let limit = Unreachable { after };
+
+    let service = ResourcesOperationLayer::with_limit(limit.clone())
+        .operation(Operation::Verify)
+        .metrics(t.metrics.clone())
+        .layer(service_fn(not_called));
+    let panicked = tokio::time::timeout(DEADLINE, tokio::spawn(service.oneshot(())))
+        .await
+        .expect("the caller ends, it does not hang")
+        .unwrap_err();
+    assert_names_limit_and_cause(&panic_message(&*panicked.into_panic()));
+
+    let metrics = t.metrics.clone();
+    let scoped = tokio::spawn(async move {
+        metrics
+            .resources_operation(limit, Operation::Judge, Executor::Inline, never_run())
+            .await
+    });
+    let panicked = tokio::time::timeout(DEADLINE, scoped)
+        .await
+        .expect("the caller ends, it does not hang")
+        .unwrap_err();
+    assert_names_limit_and_cause(&panic_message(&*panicked.into_panic()));
+
+    assert_eq!(abandoned(&t, "verify"), 1);
+    assert_eq!(abandoned(&t, "judge"), 1);
+    assert_eq!(
+        t.count(QUEUE_DURATION_INSTRUMENT, &[]),
+        0,
+        "no queue sample"
+    );
+    assert_eq!(t.count(DURATION_INSTRUMENT, &[]), 0);
+    assert_eq!(t.live_value(REJECTED_INSTRUMENT, &[]), 0);
+    assert_eq!(live(&t), (0, 0));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_limit_that_fails_at_once_panics_the_caller_naming_its_type_and_cause_and_counts_it_abandoned(
+) {
+    a_failing_limit_panics_the_caller_and_counts_it_abandoned(Duration::ZERO).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_limit_that_fails_after_a_wait_panics_the_caller_naming_its_type_and_cause_and_counts_it_abandoned(
+) {
+    a_failing_limit_panics_the_caller_and_counts_it_abandoned(Duration::from_millis(300)).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A limit that admits slowly
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_limits_admission_time_is_queue_time_through_the_layer() {
+    let t = Telemetry::new();
+    let slow = Slow {
+        places: Arc::new(Semaphore::new(1)),
+        delay: Duration::from_millis(200),
+    };
+    let service = ResourcesOperationLayer::with_limit(slow.clone())
+        .operation(Operation::Verify)
+        .metrics(t.metrics.clone())
+        .layer(service_fn(|()| async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok::<_, BoxError>(())
+        }));
+    let first = tokio::spawn(service.clone().oneshot(()));
+    let second = tokio::spawn(service.oneshot(()));
+    first.await.unwrap().unwrap();
+    second.await.unwrap().unwrap();
+
+    // Both pay the 200 ms admission; the second also waits for the first's 100 ms of work.
+    let points = t.points(
+        QUEUE_DURATION_INSTRUMENT,
+        &[(OPERATION_ATTRIBUTE, "verify")],
+    );
+    assert_eq!(points.len(), 1);
+    assert_eq!(points[0].count, 2);
+    assert_eq!(points[0].min, Some(200.0));
+    assert_eq!(points[0].max, Some(300.0));
+    assert_eq!(
+        t.sum(DURATION_INSTRUMENT, &[]),
+        200.0,
+        "run time starts at the permit"
+    );
+    assert_books(&t, "verify", 2, 0);
+    assert_eq!(slow.places.available_permits(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_limits_admission_time_is_queue_time_through_resources_operation() {
+    let t = Telemetry::new();
+    let slow = Slow {
+        places: Arc::new(Semaphore::new(2)),
+        delay: Duration::from_millis(150),
+    };
+    let output = t
+        .metrics
+        .resources_operation(&slow, Operation::Tool, Executor::Thread, async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Ok::<_, BoxError>("done")
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(output, "done");
+    assert_eq!(t.sum(QUEUE_DURATION_INSTRUMENT, &[]), 150.0);
+    assert_eq!(t.sum(DURATION_INSTRUMENT, &[]), 50.0);
+    assert_books(&t, "tool", 1, 0);
+    assert_eq!(
+        limit_of(&t, "tool"),
+        0,
+        "a limit that does not report a capacity has no limit series"
+    );
+    assert_eq!(slow.places.available_permits(), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The crate's own limits in the scoped API
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "current_thread")]
+async fn arc_semaphore_ref_semaphore_and_ref_limit_work_with_resources_operation() {
+    let t = Telemetry::new();
+    let shared = Arc::new(Semaphore::new(1));
+    let borrowed = Semaphore::new(1);
+    let limit = Limit::new(1);
+
+    let a = t
+        .metrics
+        .resources_operation(
+            Arc::clone(&shared),
+            Operation::Verify,
+            Executor::Inline,
+            async {
+                assert_eq!(shared.available_permits(), 0, "held while the work runs");
+                Ok::<_, BoxError>(1)
+            },
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let b = t
+        .metrics
+        .resources_operation(&borrowed, Operation::Verify, Executor::Inline, async {
+            assert_eq!(borrowed.available_permits(), 0);
+            Ok::<_, BoxError>(2)
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    let c = t
+        .metrics
+        .resources_operation(&limit, Operation::Verify, Executor::Inline, async {
+            assert_eq!(limit.available(), 0);
+            Ok::<_, BoxError>(3)
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((a, b, c), (1, 2, 3));
+    assert_eq!(
+        (
+            shared.available_permits(),
+            borrowed.available_permits(),
+            limit.available()
+        ),
+        (1, 1, 1)
+    );
+    assert_books(&t, "verify", 3, 0);
+    assert_eq!(
+        limit_of(&t, "verify"),
+        1,
+        "only the Limit reports a capacity"
+    );
+
+    // A user-defined limit by reference, and behind an `Arc`.
+    let units = Weighted::new(2);
+    let by_arc = Arc::new(units.weighing(2));
+    t.metrics
+        .resources_operation(&units, Operation::Judge, Executor::Inline, async {})
+        .await
+        .unwrap();
+    t.metrics
+        .resources_operation(
+            Arc::clone(&by_arc),
+            Operation::Judge,
+            Executor::Inline,
+            async {
+                assert_eq!(units.in_use(), 2);
+            },
+        )
+        .await
+        .unwrap();
+    assert_books(&t, "judge", 2, 0);
+    assert_eq!(limit_of(&t, "judge"), 2, "one capacity, reached two ways");
+    assert_eq!(units.units.available_permits(), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// `PollAcquire`
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "current_thread")]
+async fn poll_acquire_polls_a_limit_pending_then_ready_once_a_permit_is_released() {
+    let limit = Limit::new(1);
+    let mut poller = PollAcquire::new(limit.clone());
+    let mut cx = task::spawn(());
+
+    let first = assert_ready!(cx.enter(|cx, _| poller.poll_acquire(cx))).unwrap();
+    assert!(!poller.is_waiting());
+    assert_eq!(limit.available(), 0);
+
+    assert_pending!(cx.enter(|cx, _| poller.poll_acquire(cx)));
+    assert!(poller.is_waiting());
+    assert_eq!(limit.queued(), 1);
+    assert!(!cx.is_woken());
+
+    drop(first);
+    assert!(cx.is_woken(), "the release wakes the poller");
+    let second = assert_ready!(cx.enter(|cx, _| poller.poll_acquire(cx))).unwrap();
+    assert!(!poller.is_waiting());
+    assert_eq!((limit.available(), limit.queued()), (0, 0));
+
+    // It waits again, reusing its future; dropped while it waits, it gives up its place.
+    assert_pending!(cx.enter(|cx, _| poller.poll_acquire(cx)));
+    let mut clone = poller.clone();
+    assert!(
+        !clone.is_waiting(),
+        "a clone starts with no wait of its own"
+    );
+    assert_pending!(cx.enter(|cx, _| clone.poll_acquire(cx)));
+    assert_eq!(limit.queued(), 2);
+    drop(poller);
+    assert_eq!(limit.queued(), 1);
+    drop(second);
+    let third = assert_ready!(cx.enter(|cx, _| clone.poll_acquire(cx))).unwrap();
+    drop(third);
+    assert_eq!((limit.available(), limit.queued()), (1, 0));
+    assert_eq!(clone.get_ref().capacity(), 1);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn poll_acquire_polls_a_user_defined_limit_and_reports_its_failures() {
+    let units = Weighted::new(3);
+    let mut poller = PollAcquire::new(units.weighing(2));
+    let mut cx = task::spawn(());
+    let held = assert_ready!(cx.enter(|cx, _| poller.poll_acquire(cx))).unwrap();
+    assert_eq!(held.num_permits(), 2);
+    assert_pending!(
+        cx.enter(|cx, _| poller.poll_acquire(cx)),
+        "1 unit left of 3"
+    );
+    drop(held);
+    assert!(cx.is_woken());
+    let again = assert_ready!(cx.enter(|cx, _| poller.poll_acquire(cx))).unwrap();
+    drop(again);
+    assert_eq!(units.units.available_permits(), 3);
+
+    let mut failing = PollAcquire::new(Unreachable {
+        after: Duration::ZERO,
+    });
+    let error = assert_ready!(cx.enter(|cx, _| failing.poll_acquire(cx))).unwrap_err();
+    assert_eq!(error.rejection(), None, "a failure, not a rejection");
+    assert!(error.to_string().contains("store unreachable"), "{error}");
+    assert!(std::error::Error::source(&error).is_some());
+}
+
+#[test]
+fn a_user_defined_limit_is_neither_rejecting_nor_reporting_by_default() {
+    let never = Never::default();
+    assert!(!never.may_reject());
+    assert!(never.capacity().is_none());
+    assert!(never.try_acquire().is_none());
+}
