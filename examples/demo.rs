@@ -362,7 +362,7 @@ struct Buckets {
 
 impl Buckets {
     /// The `q` quantile, interpolated inside its bucket as Prometheus's `histogram_quantile`
-    /// does, then kept within the exported min and max (the seed's buckets are wide).
+    /// does, then kept within the exported min and max (NeMo Gym's buckets are wide).
     fn quantile(&self, q: f64) -> f64 {
         self.interpolated(q).clamp(self.min, self.max)
     }

@@ -1,5 +1,5 @@
 //! No input adds a series: arbitrary operation and executor names, arbitrary HTTP statuses and
-//! `grpc-status` bytes, errors and panics all land in the seed's bounded attribute values; and
+//! `grpc-status` bytes, errors and panics all land in NeMo Gym's bounded attribute values; and
 //! the parsers and classifiers never panic, whatever they are given.
 
 mod reliability;
@@ -25,7 +25,7 @@ use tower_resources_operation::{
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A name that is sometimes a seed value, sometimes nearly one, and sometimes anything at all.
+/// A name that is sometimes one of NeMo Gym's values, sometimes nearly one, and sometimes anything at all.
 fn name(values: &'static [&'static str]) -> impl Strategy<Value = String> {
     let values = values.to_vec();
     prop_oneof![
@@ -75,7 +75,7 @@ fn answer() -> impl Strategy<Value = Answer> {
     ]
 }
 
-/// The seed's outcome rules, written out independently of the crate.
+/// NeMo Gym's outcome rules, written out independently of the crate.
 fn expected_outcome(answer: &Answer) -> Outcome {
     match answer {
         Answer::Status(408 | 504) => Outcome::Timeout,
@@ -147,7 +147,7 @@ async fn run(
     }
 }
 
-/// Asserts that every exported series of the crate's four instruments stays within the seed's
+/// Asserts that every exported series of the crate's four instruments stays within NeMo Gym's
 /// values: at most 4 x 5 series for the queue histogram and the live counts, 4 x 5 x 5 for the
 /// duration histogram, with exactly the expected attribute keys.
 fn assert_series_bounded(telemetry: &Telemetry) {
@@ -216,7 +216,7 @@ fn assert_series_bounded(telemetry: &Telemetry) {
 }
 
 #[test]
-fn arbitrary_names_statuses_headers_errors_and_panics_stay_within_the_seed_series() {
+fn arbitrary_names_statuses_headers_errors_and_panics_stay_within_nemo_gyms_series() {
     quiet_expected_panics();
     let telemetry = Telemetry::new();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -239,7 +239,7 @@ fn arbitrary_names_statuses_headers_errors_and_panics_stay_within_the_seed_serie
             |(operation_name, executor_name, answer)| {
                 let operation = Operation::from_str_lossy(&operation_name);
                 let executor = Executor::from_str_lossy(&executor_name);
-                // Lossy parsing keeps seed values and sends everything else to `other`.
+                // Lossy parsing keeps NeMo Gym's values and sends everything else to `other`.
                 let exact_operation = OPERATIONS.contains(&operation_name.as_str());
                 prop_assert_eq!(
                     operation.as_str() == operation_name,
@@ -274,7 +274,7 @@ fn arbitrary_names_statuses_headers_errors_and_panics_stay_within_the_seed_serie
     assert_series_bounded(&telemetry);
     let expected = expected.into_inner().unwrap();
     assert_eq!(expected.admitted_total(), cases.load(Ordering::Relaxed));
-    // Every operation recorded once, with the outcome the seed's rules give its answer.
+    // Every operation recorded once, with the outcome NeMo Gym's rules give its answer.
     assert_books(&telemetry, &expected);
     reliability::assert_live_counts_zero(&telemetry);
 }

@@ -24,7 +24,7 @@ use tower_resources_operation::{
 /// Paused time moves in whole milliseconds; a recorded duration may be off by a tick or two.
 const TOLERANCE_MS: f64 = 3.0;
 
-const SEED_BOUNDARIES_MS: [f64; 13] = [
+const NEMO_GYM_BOUNDARIES_MS: [f64; 13] = [
     1.0, 5.0, 10.0, 50.0, 100.0, 500.0, 1000.0, 5000.0, 10000.0, 30000.0, 60000.0, 300000.0,
     1800000.0,
 ];
@@ -75,7 +75,7 @@ fn set(values: &[&str]) -> BTreeSet<String> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Instruments exactly as the seed
+// Instruments exactly as NeMo Gym's module
 // ---------------------------------------------------------------------------------------------
 
 #[test]
@@ -93,18 +93,18 @@ fn instrument_and_attribute_names_are_the_seeds() {
 }
 
 #[test]
-fn operation_executor_and_outcome_values_are_the_seeds_sets() {
-    let seed_operations = ["verify", "tool", "judge", "other"];
-    let seed_executors = ["inline", "thread", "process", "subprocess", "other"];
-    let seed_outcomes = ["ok", "error", "timeout", "cancelled", "crashed"];
+fn operation_executor_and_outcome_values_are_nemo_gyms_sets() {
+    let nemo_gym_operations = ["verify", "tool", "judge", "other"];
+    let nemo_gym_executors = ["inline", "thread", "process", "subprocess", "other"];
+    let nemo_gym_outcomes = ["ok", "error", "timeout", "cancelled", "crashed"];
 
-    // Sets as in the seed's frozensets, and no duplicates.
-    assert_eq!(set(OPERATIONS), set(&seed_operations));
-    assert_eq!(OPERATIONS.len(), seed_operations.len());
-    assert_eq!(set(EXECUTORS), set(&seed_executors));
-    assert_eq!(EXECUTORS.len(), seed_executors.len());
-    assert_eq!(set(OUTCOMES), set(&seed_outcomes));
-    assert_eq!(OUTCOMES.len(), seed_outcomes.len());
+    // Sets as in NeMo Gym's frozensets, and no duplicates.
+    assert_eq!(set(OPERATIONS), set(&nemo_gym_operations));
+    assert_eq!(OPERATIONS.len(), nemo_gym_operations.len());
+    assert_eq!(set(EXECUTORS), set(&nemo_gym_executors));
+    assert_eq!(EXECUTORS.len(), nemo_gym_executors.len());
+    assert_eq!(set(OUTCOMES), set(&nemo_gym_outcomes));
+    assert_eq!(OUTCOMES.len(), nemo_gym_outcomes.len());
 
     // The enums export exactly those strings.
     let ops: Vec<&str> = Operation::ALL.iter().map(|o| o.as_str()).collect();
@@ -116,8 +116,8 @@ fn operation_executor_and_outcome_values_are_the_seeds_sets() {
 }
 
 #[test]
-fn boundaries_constant_is_the_seeds_thirteen_boundaries() {
-    assert_eq!(OPERATION_BOUNDARIES_MS, SEED_BOUNDARIES_MS);
+fn boundaries_constant_is_nemo_gyms_thirteen_boundaries() {
+    assert_eq!(OPERATION_BOUNDARIES_MS, NEMO_GYM_BOUNDARIES_MS);
 }
 
 #[tokio::test]
@@ -152,8 +152,8 @@ async fn exported_instruments_have_the_names_units_bounds_and_kinds_of_nemo_gym_
                 };
                 assert!(!points.is_empty(), "{} exported no point", m.name);
                 for p in points {
-                    assert_eq!(p.bounds, SEED_BOUNDARIES_MS, "bounds of {}", m.name);
-                    assert_eq!(p.bucket_counts.len(), SEED_BOUNDARIES_MS.len() + 1);
+                    assert_eq!(p.bounds, NEMO_GYM_BOUNDARIES_MS, "bounds of {}", m.name);
+                    assert_eq!(p.bucket_counts.len(), NEMO_GYM_BOUNDARIES_MS.len() + 1);
                 }
             }
             QUEUED_INSTRUMENT | ACTIVE_INSTRUMENT => {
@@ -191,7 +191,7 @@ async fn exported_instruments_have_the_names_units_bounds_and_kinds_of_nemo_gym_
 }
 
 #[tokio::test]
-async fn exported_attributes_are_exactly_the_seed_keys_and_values() {
+async fn exported_attributes_are_exactly_nemo_gyms_keys_and_values() {
     let t = Telemetry::new();
     // One operation per (operation, executor, outcome).
     for &operation in Operation::ALL {

@@ -172,7 +172,7 @@ async fn scrape(addr: SocketAddr) -> (String, Exposition) {
     (body, exposition)
 }
 
-/// The `le` values Prometheus should see: the seed's boundaries, then `+Inf`.
+/// The `le` values Prometheus should see: NeMo Gym's boundaries, then `+Inf`.
 fn expected_le() -> Vec<String> {
     OPERATION_BOUNDARIES_MS
         .iter()
@@ -181,7 +181,7 @@ fn expected_le() -> Vec<String> {
         .collect()
 }
 
-/// Checks every bucket series of histogram `family`: `le` in the seed's order, cumulative
+/// Checks every bucket series of histogram `family`: `le` in NeMo Gym's order, cumulative
 /// counts that never go down, `+Inf` equal to `_count`; returns `_count` per series.
 fn check_histogram(
     exposition: &Exposition,
@@ -349,7 +349,7 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
         assert_eq!(sample.label(SCOPE), METER_NAME, "{sample:?}");
     }
 
-    // Buckets: the seed's boundaries; counts per outcome as the load produced them.
+    // Buckets: NeMo Gym's boundaries; counts per outcome as the load produced them.
     let queue = check_histogram(&after, QUEUE);
     let run = check_histogram(&after, DURATION);
     let scope = (SCOPE, METER_NAME);

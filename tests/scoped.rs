@@ -1,4 +1,4 @@
-//! `resources_operation`: the seed's context manager for work that is not a tower service; and
+//! `resources_operation`: NeMo Gym's context manager for work that is not a tower service; and
 //! parsing the attribute values.
 
 mod support;

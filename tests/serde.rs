@@ -1,5 +1,5 @@
 #![cfg(feature = "serde")]
-//! The `serde` feature: `Operation`, `Executor` and `Outcome` are the seed's lower-case strings
+//! The `serde` feature: `Operation`, `Executor` and `Outcome` are NeMo Gym's lower-case strings
 //! in both directions, so a config file names them as the metrics export them, and a name that
 //! is not one of them is an error that lists the valid values.
 
@@ -18,7 +18,7 @@ struct LimitConfig {
 }
 
 #[test]
-fn values_serialize_to_the_seeds_strings() {
+fn values_serialize_to_nemo_gyms_strings() {
     let operations: Vec<_> = Operation::ALL.iter().map(|v| json!(v)).collect();
     assert_eq!(
         operations,

@@ -80,7 +80,7 @@ impl Books {
     }
 
     /// What the two histograms exported, as books. Panics on an attribute value that is not
-    /// one of the seed's strings, or a point without the expected attribute keys.
+    /// one of NeMo Gym's strings, or a point without the expected attribute keys.
     pub fn exported(telemetry: &Telemetry) -> Books {
         let exported = telemetry.collect();
         let mut books = Books::default();
@@ -111,7 +111,7 @@ impl Books {
     }
 }
 
-/// The attribute `key` of a point, parsed; panics if it is missing or not a seed string.
+/// The attribute `key` of a point, parsed; panics if it is missing or not one of NeMo Gym's strings.
 fn attribute<T>(attributes: &support::Attributes, key: &str) -> T
 where
     T: std::str::FromStr,
@@ -122,7 +122,7 @@ where
         .unwrap_or_else(|| panic!("no {key} in {attributes:?}"));
     value
         .parse()
-        .unwrap_or_else(|e| panic!("{key}={value:?} is not a seed value: {e}"))
+        .unwrap_or_else(|e| panic!("{key}={value:?} is not one of NeMo Gym's values: {e}"))
 }
 
 /// Asserts that the metrics' books are `expected`, exactly.
