@@ -1,22 +1,33 @@
 //! Shared by the reliability tests (`stress`, `properties`, `soak`, `cardinality`, `faults`):
-//! the books the test side keeps of how each operation ended, read against what the metrics
-//! exported, a concurrency gauge for the inner work, and a panic hook that keeps the thousands
-//! of deliberate panics out of the output.
+//! the books the test side keeps of what became of each operation that asked for a permit
+//! (admitted and ended with an outcome, rejected for a reason, or abandoned), read against what
+//! the metrics exported, a concurrency gauge for the inner work, and a panic hook that keeps the
+//! thousands of deliberate panics out of the output.
 #![allow(dead_code, unreachable_pub)]
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Once};
 
 use tower_resources_operation::{
-    Executor, Operation, Outcome, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
-    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    Executor, Operation, Outcome, Rejection, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT,
+    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 
 use crate::support::{self, Telemetry};
 
 /// Every deliberate panic of these tests carries this text; the hook below keeps them quiet.
 pub const EXPECTED_PANIC: &str = "expected test panic";
+
+/// What the crate's panic says when a limit was closed under its callers (a closed [`Limit`]'s
+/// waiters and later callers end with it); the message also names the limit's type.
+///
+/// [`Limit`]: tower_resources_operation::Limit
+pub const LIMIT_CLOSED_PANIC: &str = "cannot admit any operation: the limit is closed";
+
+/// Whether the hook also keeps [`LIMIT_CLOSED_PANIC`]s quiet.
+static QUIET_CLOSED_LIMITS: AtomicBool = AtomicBool::new(false);
 
 /// Installs (once per test binary) a panic hook that drops the report of panics whose message
 /// contains [`EXPECTED_PANIC`] and hands every other panic to the default hook.
@@ -25,7 +36,11 @@ pub fn quiet_expected_panics() {
     ONCE.call_once(|| {
         let default = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            if support::panic_message(info.payload()).contains(EXPECTED_PANIC) {
+            let message = support::panic_message(info.payload());
+            if message.contains(EXPECTED_PANIC)
+                || (QUIET_CLOSED_LIMITS.load(Ordering::Relaxed)
+                    && message.contains(LIMIT_CLOSED_PANIC))
+            {
                 return;
             }
             default(info);
@@ -33,19 +48,35 @@ pub fn quiet_expected_panics() {
     });
 }
 
+/// [`quiet_expected_panics`], and the panics of callers of a closed limit too: for a test that
+/// closes a limit on purpose and checks each of those panics itself.
+pub fn quiet_closed_limit_panics() {
+    QUIET_CLOSED_LIMITS.store(true, Ordering::Relaxed);
+    quiet_expected_panics();
+}
+
 /// One (operation, executor) series.
 pub type Series = (Operation, Executor);
 
-/// How many operations were admitted per series, and how many ended per series and outcome.
+/// What became of the operations that asked for a permit, per series: how many were admitted,
+/// how many of those ended with each outcome, how many were turned away for each reason, and how
+/// many were abandoned (their caller went away while they waited, or their limit failed under
+/// them).
 ///
-/// The test side fills one from what each operation did; [`Books::exported`] fills one from the
-/// metrics. Both must be equal: nothing lost, nothing counted twice.
+/// The test side fills one from what each caller saw; [`Books::exported`] fills one from the
+/// metrics. Both must be equal: nothing lost, nothing counted twice, nothing counted as
+/// something else.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Books {
     /// Queue-duration samples per series: one per admitted operation.
     pub admitted: BTreeMap<Series, u64>,
     /// Duration samples per series and outcome: one per admitted operation, when it ended.
     pub ended: BTreeMap<(Operation, Executor, Outcome), u64>,
+    /// `gym.resources.operation.rejected` per series and reason: one per operation turned away.
+    pub rejected: BTreeMap<(Series, Rejection), u64>,
+    /// `gym.resources.operation.abandoned` per series: one per operation given up while it
+    /// waited, or whose limit failed under it.
+    pub abandoned: BTreeMap<Series, u64>,
 }
 
 impl Books {
@@ -55,6 +86,25 @@ impl Books {
         *self.ended.entry((series.0, series.1, outcome)).or_default() += 1;
     }
 
+    /// An operation of `series` was turned away, for `rejection`.
+    pub fn rejected(&mut self, series: Series, rejection: Rejection) {
+        *self.rejected.entry((series, rejection)).or_default() += 1;
+    }
+
+    /// An operation of `series` was abandoned while it waited for its permit.
+    pub fn abandoned(&mut self, series: Series) {
+        *self.abandoned.entry(series).or_default() += 1;
+    }
+
+    /// Records what became of one operation of `series`.
+    pub fn record(&mut self, series: Series, fate: Fate) {
+        match fate {
+            Fate::Ended(outcome) => self.ended(series, outcome),
+            Fate::Rejected(rejection) => self.rejected(series, rejection),
+            Fate::Abandoned => self.abandoned(series),
+        }
+    }
+
     /// Adds `other`'s counts to these.
     pub fn merge(&mut self, other: &Books) {
         for (series, n) in &other.admitted {
@@ -62,6 +112,12 @@ impl Books {
         }
         for (key, n) in &other.ended {
             *self.ended.entry(*key).or_default() += n;
+        }
+        for (key, n) in &other.rejected {
+            *self.rejected.entry(*key).or_default() += n;
+        }
+        for (series, n) in &other.abandoned {
+            *self.abandoned.entry(*series).or_default() += n;
         }
     }
 
@@ -79,36 +135,112 @@ impl Books {
         self.admitted.values().sum()
     }
 
-    /// What the two histograms exported, as books. Panics on an attribute value that is not
-    /// one of NeMo Gym's strings, or a point without the expected attribute keys.
+    /// Operations turned away for `rejection`, over every series.
+    pub fn rejected_total(&self, rejection: Rejection) -> u64 {
+        self.rejected
+            .iter()
+            .filter(|((_, r), _)| *r == rejection)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// Abandoned operations, over every series.
+    pub fn abandoned_total(&self) -> u64 {
+        self.abandoned.values().sum()
+    }
+
+    /// Operations that asked for a permit, over every series: admitted, rejected or abandoned.
+    pub fn asked_total(&self) -> u64 {
+        self.admitted_total() + self.rejected.values().sum::<u64>() + self.abandoned_total()
+    }
+
+    /// Operations of `series` that asked for a permit.
+    pub fn asked(&self, series: Series) -> u64 {
+        self.admitted.get(&series).copied().unwrap_or(0)
+            + self
+                .rejected
+                .iter()
+                .filter(|((s, _), _)| *s == series)
+                .map(|(_, n)| n)
+                .sum::<u64>()
+            + self.abandoned.get(&series).copied().unwrap_or(0)
+    }
+
+    /// What the two histograms and the two counters exported, as books. Panics on an attribute
+    /// value that is not one of the seed's strings, or a point without the expected attribute
+    /// keys. Counters at 0 (a series that was never turned away) are left out, as the test side
+    /// never writes a 0.
     pub fn exported(telemetry: &Telemetry) -> Books {
         let exported = telemetry.collect();
         let mut books = Books::default();
         for metric in &exported {
-            let support::Data::Histogram(points) = &metric.data else {
-                continue;
-            };
-            for point in points {
-                if point.count == 0 {
-                    continue;
+            match &metric.data {
+                support::Data::Histogram(points) => {
+                    for point in points {
+                        if point.count == 0 {
+                            continue;
+                        }
+                        let operation: Operation =
+                            attribute(&point.attributes, OPERATION_ATTRIBUTE);
+                        let executor: Executor = attribute(&point.attributes, EXECUTOR_ATTRIBUTE);
+                        if metric.name == QUEUE_DURATION_INSTRUMENT {
+                            assert_eq!(point.attributes.len(), 2, "{point:?}");
+                            *books.admitted.entry((operation, executor)).or_default() +=
+                                point.count;
+                        } else if metric.name == DURATION_INSTRUMENT {
+                            assert_eq!(point.attributes.len(), 3, "{point:?}");
+                            let outcome: Outcome = attribute(&point.attributes, OUTCOME_ATTRIBUTE);
+                            *books
+                                .ended
+                                .entry((operation, executor, outcome))
+                                .or_default() += point.count;
+                        }
+                    }
                 }
-                let operation: Operation = attribute(&point.attributes, OPERATION_ATTRIBUTE);
-                let executor: Executor = attribute(&point.attributes, EXECUTOR_ATTRIBUTE);
-                if metric.name == QUEUE_DURATION_INSTRUMENT {
-                    assert_eq!(point.attributes.len(), 2, "{point:?}");
-                    *books.admitted.entry((operation, executor)).or_default() += point.count;
-                } else if metric.name == DURATION_INSTRUMENT {
-                    assert_eq!(point.attributes.len(), 3, "{point:?}");
-                    let outcome: Outcome = attribute(&point.attributes, OUTCOME_ATTRIBUTE);
-                    *books
-                        .ended
-                        .entry((operation, executor, outcome))
-                        .or_default() += point.count;
+                support::Data::Sum { monotonic, points }
+                    if metric.name == REJECTED_INSTRUMENT
+                        || metric.name == ABANDONED_INSTRUMENT =>
+                {
+                    assert!(monotonic, "{} is a counter", metric.name);
+                    for point in points {
+                        assert!(point.value >= 0, "{} {point:?}", metric.name);
+                        if point.value == 0 {
+                            continue;
+                        }
+                        let count = point.value as u64;
+                        let operation: Operation =
+                            attribute(&point.attributes, OPERATION_ATTRIBUTE);
+                        let executor: Executor = attribute(&point.attributes, EXECUTOR_ATTRIBUTE);
+                        if metric.name == REJECTED_INSTRUMENT {
+                            assert_eq!(point.attributes.len(), 3, "{point:?}");
+                            let rejection: Rejection =
+                                attribute(&point.attributes, REJECTION_ATTRIBUTE);
+                            *books
+                                .rejected
+                                .entry(((operation, executor), rejection))
+                                .or_default() += count;
+                        } else {
+                            assert_eq!(point.attributes.len(), 2, "{point:?}");
+                            *books.abandoned.entry((operation, executor)).or_default() += count;
+                        }
+                    }
                 }
+                _ => {}
             }
         }
         books
     }
+}
+
+/// What became of one operation that asked for a permit: exactly one of these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Fate {
+    /// Admitted, then ended with this outcome.
+    Ended(Outcome),
+    /// Turned away without a permit, for this reason.
+    Rejected(Rejection),
+    /// Its caller went away while it waited, or its limit failed under it.
+    Abandoned,
 }
 
 /// The attribute `key` of a point, parsed; panics if it is missing or not one of NeMo Gym's strings.
@@ -125,7 +257,8 @@ where
         .unwrap_or_else(|e| panic!("{key}={value:?} is not one of NeMo Gym's values: {e}"))
 }
 
-/// Asserts that the metrics' books are `expected`, exactly.
+/// Asserts that the metrics' books are `expected`, exactly: admitted, ended by outcome,
+/// rejected by reason and abandoned, per series.
 pub fn assert_books(telemetry: &Telemetry, expected: &Books) {
     let exported = Books::exported(telemetry);
     assert_eq!(
@@ -136,6 +269,14 @@ pub fn assert_books(telemetry: &Telemetry, expected: &Books) {
     assert_eq!(
         exported.admitted, expected.admitted,
         "queue-duration samples per (operation, executor): exported (left) vs admitted (right)"
+    );
+    assert_eq!(
+        exported.rejected, expected.rejected,
+        "rejections per ((operation, executor), reason): exported (left) vs turned away (right)"
+    );
+    assert_eq!(
+        exported.abandoned, expected.abandoned,
+        "abandoned waits per (operation, executor): exported (left) vs given up (right)"
     );
 }
 
