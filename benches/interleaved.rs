@@ -60,7 +60,12 @@ type Case<'a> = (&'static str, Box<dyn FnMut(u64) -> Duration + 'a>);
 /// Runs every case once per round, `ROUNDS` times, and prints the median ns per operation of
 /// each case, then the median per-round ratio of each pair `(case, reference)` in `ratios`,
 /// with its quartiles: how far the machine moved that ratio from one round to the next.
-fn report(title: &str, operations: u64, cases: &mut [Case<'_>], ratios: &[(&str, &str)]) {
+fn report(
+    title: &str,
+    operations: u64,
+    cases: &mut [Case<'_>],
+    ratios: &[(&str, &str)],
+) -> std::collections::BTreeMap<&'static str, f64> {
     let mut times = vec![Vec::with_capacity(ROUNDS); cases.len()];
     for _ in 0..ROUNDS {
         for (case, (_, run)) in cases.iter_mut().enumerate() {
@@ -70,11 +75,11 @@ fn report(title: &str, operations: u64, cases: &mut [Case<'_>], ratios: &[(&str,
     let index = |name: &str| cases.iter().position(|(n, _)| *n == name).unwrap();
 
     println!("\n{title}; {ROUNDS} interleaved rounds");
+    let mut medians = std::collections::BTreeMap::new();
     for (case, (name, _)) in cases.iter().enumerate() {
-        println!(
-            "  {name:<16} {:>8.1} ns/op",
-            median(&mut times[case].clone())
-        );
+        let ns = median(&mut times[case].clone());
+        medians.insert(*name, ns);
+        println!("  {name:<16} {ns:>8.1} ns/op");
     }
     for (case, reference) in ratios {
         let (c, r) = (index(case), index(reference));
@@ -85,6 +90,7 @@ fn report(title: &str, operations: u64, cases: &mut [Case<'_>], ratios: &[(&str,
             format!("{case} / {reference}"),
         );
     }
+    medians
 }
 
 /// The uncontended cases, driven by `drive` (reused or oneshot).
@@ -159,63 +165,77 @@ where
 /// Bounded waiting and the body-end form, uncontended, `clone().oneshot()` on HTTP services
 /// whose body is read to its end: what a rejection costs next to an admitted operation, what a
 /// bounded layer that turns nothing away costs next to an unbounded one, and what carrying the
-/// operation in the body costs per frame.
+/// operation in the body costs, per operation and per frame (bodies of 1 and of 8 frames).
 fn bounded_and_body_end(rt: &Runtime) {
-    const FRAMES: u8 = 8;
     let (_provider, meter) = sdk_meter();
     let metrics = OperationMetrics::new(&meter);
     let http =
         |limit: Limit| ResourcesOperationLayer::with_limit_for_http(limit).metrics(metrics.clone());
-    let service = HttpFrames { frames: FRAMES };
-    let unbounded = http(Limit::new(64)).layer(service);
-    let bounded = http(Limit::new(64).max_queued(8)).bounded().layer(service);
+    let one = HttpFrames { frames: 1 };
+    let eight = HttpFrames { frames: 8 };
+    let unbounded = http(Limit::new(64)).layer(eight);
+    let bounded = http(Limit::new(64).max_queued(8)).bounded().layer(eight);
     // Every operation of this one finds the limit full and no room to wait: turned away.
     let full = Limit::new(1).max_queued(0);
     let _held = full.try_acquire().unwrap().unwrap();
-    let rejecting = http(full.clone()).bounded().layer(service);
-    let body_end = http(Limit::new(64)).until_body_end().layer(service);
-    let head_end_off = http(Limit::new(64))
-        .metrics(OperationMetrics::disabled())
-        .layer(service);
-    let body_end_off = http(Limit::new(64))
-        .metrics(OperationMetrics::disabled())
-        .until_body_end()
-        .layer(service);
-    report(
-        &format!("bounded waiting and body-end, HTTP clone().oneshot(), {FRAMES} frames read"),
+    let rejecting = http(full.clone()).bounded().layer(eight);
+    let body_end = http(Limit::new(64)).until_body_end().layer(eight);
+    let off = || http(Limit::new(64)).metrics(OperationMetrics::disabled());
+    let (head_off_1, head_off_8) = (off().layer(one), off().layer(eight));
+    let (body_off_1, body_off_8) = (
+        off().until_body_end().layer(one),
+        off().until_body_end().layer(eight),
+    );
+    let mut cases: [Case<'_>; 8] = [
+        (
+            "head_end",
+            Box::new(|n| http_oneshot(rt, unbounded.clone(), n)),
+        ),
+        (
+            "bounded",
+            Box::new(|n| http_oneshot(rt, bounded.clone(), n)),
+        ),
+        (
+            "rejected",
+            Box::new(|n| http_oneshot(rt, rejecting.clone(), n)),
+        ),
+        (
+            "body_end",
+            Box::new(|n| http_oneshot(rt, body_end.clone(), n)),
+        ),
+        (
+            "head_off_1",
+            Box::new(|n| http_oneshot(rt, head_off_1.clone(), n)),
+        ),
+        (
+            "body_off_1",
+            Box::new(|n| http_oneshot(rt, body_off_1.clone(), n)),
+        ),
+        (
+            "head_off_8",
+            Box::new(|n| http_oneshot(rt, head_off_8.clone(), n)),
+        ),
+        (
+            "body_off_8",
+            Box::new(|n| http_oneshot(rt, body_off_8.clone(), n)),
+        ),
+    ];
+    let medians = report(
+        "bounded waiting and body-end, HTTP clone().oneshot(), 8 frames read unless told",
         UNCONTENDED_OPERATIONS / 4,
-        &mut [
-            (
-                "head_end",
-                Box::new(|n| http_oneshot(rt, unbounded.clone(), n)),
-            ),
-            (
-                "bounded",
-                Box::new(|n| http_oneshot(rt, bounded.clone(), n)),
-            ),
-            (
-                "rejected",
-                Box::new(|n| http_oneshot(rt, rejecting.clone(), n)),
-            ),
-            (
-                "body_end",
-                Box::new(|n| http_oneshot(rt, body_end.clone(), n)),
-            ),
-            (
-                "head_end_off",
-                Box::new(|n| http_oneshot(rt, head_end_off.clone(), n)),
-            ),
-            (
-                "body_end_off",
-                Box::new(|n| http_oneshot(rt, body_end_off.clone(), n)),
-            ),
-        ],
+        &mut cases,
         &[
             ("bounded", "head_end"),
             ("rejected", "head_end"),
             ("body_end", "head_end"),
-            ("body_end_off", "head_end_off"),
+            ("body_off_8", "head_off_8"),
         ],
+    );
+    let ns = |name: &str| medians[name];
+    let per_operation = ns("body_off_1") - ns("head_off_1");
+    let per_frame = ((ns("body_off_8") - ns("head_off_8")) - per_operation) / 7.0;
+    println!(
+        "  body-end, metrics off: {per_operation:.1} ns per operation, {per_frame:.1} ns per further frame"
     );
     assert_eq!(full.available(), 0, "the held permit kept the limit full");
 }

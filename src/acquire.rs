@@ -208,6 +208,7 @@ impl<'a> Acquire for &'a Semaphore {
         }
     }
 
+    #[inline]
     fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
         match Semaphore::try_acquire(self) {
             Ok(permit) => Some(Ok(permit)),
@@ -230,6 +231,7 @@ impl Acquire for Arc<Semaphore> {
         }
     }
 
+    #[inline]
     fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
         match Arc::clone(self).try_acquire_owned() {
             Ok(permit) => Some(Ok(permit)),
@@ -246,6 +248,7 @@ impl<A: Acquire + ?Sized> Acquire for &A {
         (**self).acquire()
     }
 
+    #[inline]
     fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
         (**self).try_acquire()
     }
@@ -266,6 +269,7 @@ impl<A: Acquire + ?Sized> Acquire for Arc<A> {
         (**self).acquire()
     }
 
+    #[inline]
     fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
         (**self).try_acquire()
     }

@@ -8,8 +8,9 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::classify::ClassifyEos;
-use crate::end::{guarded, Admitted};
+use crate::classify::{ClassifiedResponse, ClassifyEos};
+use crate::lifecycle::Running;
+use crate::metrics::Series;
 use crate::{scope, Outcome};
 
 pin_project! {
@@ -21,49 +22,55 @@ pin_project! {
     ///
     /// - at the end of the stream (the trailers, a frame after which `is_end_stream` is true, or
     ///   the end itself; or at once, for a body empty from the start), the operation ends with
-    ///   what the head decided, or what [`ClassifyEos::classify_eos`] says of the trailers;
-    /// - a body error ends it with [`ClassifyEos::classify_body_error`] (`error`);
+    ///   what the head decided, or what the [`ClassifyEos`] says of the trailers;
+    /// - a body error ends it as `error` (or what the [`ClassifyEos`] says of the error);
     /// - dropped before its end (the client hung up), it ends as `cancelled`, or `timeout` past
     ///   the request's deadline;
     /// - a panic while it is polled ends it as `crashed`, and the panic goes on;
     /// - [`set_outcome`](crate::set_outcome) called while the body is polled wins over all of
     ///   these.
-    pub struct OperationBody<B, K, P> {
+    pub struct OperationBody<B, E, P> {
         #[pin]
         inner: B,
         // `None` once the operation has ended, or for a body no operation measured.
-        operation: Option<Streaming<K, P>>,
+        operation: Option<Streaming<E, P>>,
     }
 }
 
-/// An operation that goes on while its body streams.
-struct Streaming<K, P> {
-    admitted: Admitted<K, P>,
-    /// The outcome the head decided, if it did.
-    decided: Option<Outcome>,
+/// An operation that goes on while its body streams. Declared before the permit, so that
+/// dropped together, the operation records its end before the permit goes back.
+struct Streaming<E, P> {
+    running: Running<Series>,
+    /// What ends it: the head's outcome, or the end of the stream.
+    end: ClassifiedResponse<E>,
+    _permit: Option<P>,
 }
 
-impl<B: Body, K: ClassifyEos, P> OperationBody<B, K, P> {
-    pub(crate) fn new(inner: B, admitted: Admitted<K, P>, decided: Option<Outcome>) -> Self {
-        let mut body = Self {
-            operation: Some(Streaming { admitted, decided }),
-            inner,
+impl<B: Body, E: ClassifyEos, P> OperationBody<B, E, P> {
+    pub(crate) fn new(
+        inner: B,
+        running: Running<Series>,
+        permit: Option<P>,
+        end: ClassifiedResponse<E>,
+    ) -> Self {
+        let ended = inner.is_end_stream();
+        let streaming = Streaming {
+            running,
+            end,
+            _permit: permit,
         };
-        if body.inner.is_end_stream() {
-            body.end(None);
+        if ended {
+            streaming.end_of_stream(None);
+            return Self::unmetered(inner);
         }
-        body
-    }
-
-    /// Ends the operation at the end of the stream, with `trailers` if it sent any.
-    fn end(&mut self, trailers: Option<&HeaderMap>) {
-        if let Some(streaming) = self.operation.take() {
-            streaming.end_of_stream(trailers);
+        Self {
+            inner,
+            operation: Some(streaming),
         }
     }
 }
 
-impl<B, K, P> OperationBody<B, K, P> {
+impl<B, E, P> OperationBody<B, E, P> {
     /// A body that carries no operation.
     pub(crate) fn unmetered(inner: B) -> Self {
         Self {
@@ -83,90 +90,77 @@ impl<B, K, P> OperationBody<B, K, P> {
     }
 }
 
-impl<K: ClassifyEos, P> Streaming<K, P> {
-    fn end_of_stream(self, trailers: Option<&HeaderMap>) {
-        let Admitted {
-            mut running,
-            classifier,
-            permit,
-        } = self.admitted;
-        let decided = self.decided;
-        running.finish_with(|| {
-            decided.unwrap_or_else(|| {
-                guarded(|| Some(classifier.classify_eos(trailers))).unwrap_or(Outcome::Error)
-            })
+impl<E: ClassifyEos, P> Streaming<E, P> {
+    /// The stream ended, with `trailers` if it sent any.
+    fn end_of_stream(mut self, trailers: Option<&HeaderMap>) {
+        let end = self.end;
+        self.running.finish_with(|| match end {
+            ClassifiedResponse::Ready(outcome) => outcome,
+            ClassifiedResponse::RequiresEos(eos) => eos.classify_eos(trailers),
         });
-        drop(permit);
     }
 
-    fn failed<E>(self, error: &E) {
-        let Admitted {
-            mut running,
-            classifier,
-            permit,
-        } = self.admitted;
-        running.finish_with(|| classifier.classify_body_error(error));
-        drop(permit);
+    /// The body failed with `error`.
+    fn failed<Err>(mut self, error: &Err) {
+        let end = self.end;
+        self.running.finish_with(|| match end {
+            ClassifiedResponse::Ready(_) => Outcome::Error,
+            ClassifiedResponse::RequiresEos(eos) => eos.classify_body_error(error),
+        });
     }
 }
 
-impl<B: Body, K: ClassifyEos, P> Body for OperationBody<B, K, P> {
+impl<B: Body, E: ClassifyEos, P> Body for OperationBody<B, E, P> {
     type Data = B::Data;
     type Error = B::Error;
 
+    #[inline]
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.project();
-        let Some(streaming) = this.operation.as_mut() else {
+        let Some(streaming) = this.operation else {
             return this.inner.poll_frame(cx);
         };
         let mut inner = this.inner;
-        let polled = if streaming.admitted.running.is_recording() {
-            scope::enter(&mut streaming.admitted.running, || {
-                inner.as_mut().poll_frame(cx)
-            })
+        let polled = if streaming.running.is_recording() {
+            scope::enter(&mut streaming.running, || inner.as_mut().poll_frame(cx))
         } else {
             inner.as_mut().poll_frame(cx)
         };
-        match &polled {
-            Poll::Pending => {}
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(trailers) = frame.trailers_ref() {
-                    if let Some(streaming) = this.operation.take() {
-                        streaming.end_of_stream(Some(trailers));
-                    }
-                } else if inner.is_end_stream() {
-                    if let Some(streaming) = this.operation.take() {
-                        streaming.end_of_stream(None);
-                    }
-                }
-            }
-            Poll::Ready(Some(Err(error))) => {
-                if let Some(streaming) = this.operation.take() {
-                    streaming.failed(error);
-                }
-            }
-            Poll::Ready(None) => {
-                if let Some(streaming) = this.operation.take() {
-                    streaming.end_of_stream(None);
+        let ended = match &polled {
+            Poll::Pending => return polled,
+            Poll::Ready(Some(Ok(frame))) => match frame.trailers_ref() {
+                Some(trailers) => Some(Ok(Some(trailers))),
+                None => inner.is_end_stream().then_some(Ok(None)),
+            },
+            Poll::Ready(Some(Err(error))) => Some(Err(error)),
+            Poll::Ready(None) => Some(Ok(None)),
+        };
+        if let Some(ended) = ended {
+            if let Some(streaming) = this.operation.take() {
+                match ended {
+                    Ok(trailers) => streaming.end_of_stream(trailers),
+                    Err(error) => streaming.failed(error),
                 }
             }
         }
         polled
     }
 
+    #[inline]
     fn is_end_stream(&self) -> bool {
         self.inner.is_end_stream()
     }
 
+    #[inline]
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
     }
 }
 
-impl<B, K, P> fmt::Debug for OperationBody<B, K, P> {
+impl<B, E, P> fmt::Debug for OperationBody<B, E, P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OperationBody")
             .field("ended", &self.operation.is_none())

@@ -1,8 +1,8 @@
 //! Deciding the [`Outcome`] of an operation from what the inner service returned.
 //!
 //! - [`ClassifyOutcome`] reads a result: the layer asks once, when the inner future completes.
-//! - [`ClassifyEos`] reads an HTTP response whose operation ends with its body: at the head, and
-//!   at the end of the stream (with the trailers, if any).
+//! - [`ClassifyResponse`] and [`ClassifyEos`] read an HTTP response whose operation ends with its
+//!   body: at the head, and at the end of the stream (with the trailers, if any).
 //! - [`MakeClassifier`] builds one classifier per request, from the request (tower-http's model):
 //!   [`SharedClassifier`] clones one `ClassifyOutcome` for each, [`Deadline`] also reads the
 //!   request's deadline.
@@ -23,7 +23,7 @@ mod deadline;
 mod http_status;
 
 pub use deadline::Deadline;
-pub use http_status::{GrpcClassifier, HttpClassifier};
+pub use http_status::{GrpcClassifier, GrpcEos, HttpClassifier};
 
 /// Maps the result of the inner service to an [`Outcome`].
 ///
@@ -118,30 +118,57 @@ where
     }
 }
 
-/// Classifies an operation that ends when its HTTP response body ends (the layer's
-/// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form).
+/// Classifies the head of an HTTP response whose operation ends with its body (the layer's
+/// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form): decides now, or
+/// hands the decision to a [`ClassifyEos`] for the end of the stream, as tower-http's
+/// `ClassifyResponse` does.
 ///
-/// The head of a response decides, or leaves the decision to the end of the stream, as
-/// tower-http's `ClassifyResponse` and `ClassifyEos` do. An error from the service itself is
-/// the operation's [`ClassifyOutcome`]'s to classify. Whatever the head decided, a body that
-/// fails is [`classify_body_error`](ClassifyEos::classify_body_error) (`error`), one dropped
-/// before its end is `cancelled`, and a panic while it is polled is `crashed`.
-pub trait ClassifyEos {
-    /// The outcome, if the head of `response` decides it; `None` to decide at the end of the
-    /// stream with [`classify_eos`](ClassifyEos::classify_eos).
-    fn classify_head<B>(&self, response: &Response<B>) -> Option<Outcome>;
+/// An error from the service itself is the operation's [`ClassifyOutcome`]'s to classify.
+/// Whatever the head decided, a body that fails is `error` (or what the `ClassifyEos` says of
+/// the error), one dropped before its end is `cancelled`, and a panic while it is polled is
+/// `crashed`.
+pub trait ClassifyResponse {
+    /// What classifies the end of a stream whose head decided nothing.
+    type ClassifyEos: ClassifyEos;
 
-    /// The outcome at the end of a stream whose head left it open, from its trailers if it sent
-    /// any. Defaults to `ok`.
-    fn classify_eos(&self, trailers: Option<&HeaderMap>) -> Outcome {
-        let _ = trailers;
-        Outcome::Ok
-    }
+    /// The outcome, if the head of `response` decides it, or what will decide it at the end of
+    /// the stream.
+    fn classify_response<B>(&self, response: &Response<B>)
+        -> ClassifiedResponse<Self::ClassifyEos>;
+}
+
+/// What the head of a response says about its operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClassifiedResponse<E> {
+    /// The head decides: this is the outcome, unless the body fails or is dropped.
+    Ready(Outcome),
+    /// The end of the stream decides, through this.
+    RequiresEos(E),
+}
+
+/// Classifies the end of a response stream whose head decided nothing (gRPC: the status in the
+/// trailers).
+pub trait ClassifyEos {
+    /// The outcome at the end of the stream, from its trailers if it sent any.
+    fn classify_eos(self, trailers: Option<&HeaderMap>) -> Outcome;
 
     /// The outcome of a body that failed with `error`. Defaults to `error`.
-    fn classify_body_error<E>(&self, error: &E) -> Outcome {
+    fn classify_body_error<E>(self, error: &E) -> Outcome
+    where
+        Self: Sized,
+    {
         let _ = error;
         Outcome::Error
+    }
+}
+
+/// The [`ClassifyEos`] of a classifier whose head always decides: there is none.
+#[derive(Clone, Copy, Debug)]
+pub enum NeverClassifyEos {}
+
+impl ClassifyEos for NeverClassifyEos {
+    fn classify_eos(self, _trailers: Option<&HeaderMap>) -> Outcome {
+        match self {}
     }
 }
 
@@ -162,9 +189,14 @@ impl<Res, Err> ClassifyOutcome<Res, Err> for DefaultClassifier {
     }
 }
 
-impl ClassifyEos for DefaultClassifier {
-    fn classify_head<B>(&self, _response: &Response<B>) -> Option<Outcome> {
-        Some(Outcome::Ok)
+impl ClassifyResponse for DefaultClassifier {
+    type ClassifyEos = NeverClassifyEos;
+
+    fn classify_response<B>(
+        &self,
+        _response: &Response<B>,
+    ) -> ClassifiedResponse<Self::ClassifyEos> {
+        ClassifiedResponse::Ready(Outcome::Ok)
     }
 }
 
@@ -229,17 +261,14 @@ where
     }
 }
 
-impl<C: ClassifyEos> ClassifyEos for TimeoutClassifier<C> {
-    fn classify_head<B>(&self, response: &Response<B>) -> Option<Outcome> {
-        self.inner.classify_head(response)
-    }
+impl<C: ClassifyResponse> ClassifyResponse for TimeoutClassifier<C> {
+    type ClassifyEos = C::ClassifyEos;
 
-    fn classify_eos(&self, trailers: Option<&HeaderMap>) -> Outcome {
-        self.inner.classify_eos(trailers)
-    }
-
-    fn classify_body_error<E>(&self, error: &E) -> Outcome {
-        self.inner.classify_body_error(error)
+    fn classify_response<B>(
+        &self,
+        response: &Response<B>,
+    ) -> ClassifiedResponse<Self::ClassifyEos> {
+        self.inner.classify_response(response)
     }
 }
 

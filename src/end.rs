@@ -4,7 +4,7 @@
 use http::Response;
 
 use crate::body::OperationBody;
-use crate::classify::{ClassifyEos, ClassifyOutcome};
+use crate::classify::{ClassifiedResponse, ClassifyOutcome, ClassifyResponse};
 use crate::lifecycle::Running;
 use crate::metrics::Series;
 use crate::Outcome;
@@ -75,9 +75,9 @@ impl<Res, Err, K: ClassifyOutcome<Res, Err>, P> End<Res, Err, K, P> for AtHead {
 impl<B, Err, K, P> End<Response<B>, Err, K, P> for AtBodyEnd
 where
     B: http_body::Body,
-    K: ClassifyOutcome<Response<B>, Err> + ClassifyEos + Clone,
+    K: ClassifyOutcome<Response<B>, Err> + ClassifyResponse,
 {
-    type Response = Response<OperationBody<B, K, P>>;
+    type Response = Response<OperationBody<B, K::ClassifyEos, P>>;
 
     fn complete(
         result: Result<Response<B>, Err>,
@@ -85,18 +85,17 @@ where
     ) -> Result<Self::Response, Err> {
         match result {
             Ok(response) => {
-                let decided = if operation.running.is_recording() {
+                // What ends the operation: the head's outcome, or the end of the stream. With
+                // nothing to record, the head is not classified at all.
+                let end = if operation.running.is_recording() {
                     let classifier = &operation.classifier;
-                    guarded(|| classifier.classify_head(&response))
+                    guarded(|| classifier.classify_response(&response))
                 } else {
-                    None
+                    ClassifiedResponse::Ready(Outcome::Ok)
                 };
-                let streaming = Admitted {
-                    running: std::mem::replace(&mut operation.running, Running::EMPTY),
-                    classifier: operation.classifier.clone(),
-                    permit: operation.permit.take(),
-                };
-                Ok(response.map(|body| OperationBody::new(body, streaming, decided)))
+                let running = std::mem::replace(&mut operation.running, Running::EMPTY);
+                let permit = operation.permit.take();
+                Ok(response.map(|body| OperationBody::new(body, running, permit, end)))
             }
             Err(error) => {
                 let classifier = &operation.classifier;
@@ -114,8 +113,9 @@ where
     }
 }
 
-/// Runs a classifier of a stream: one that panics costs the operation its outcome (`error`),
-/// never the response.
-pub(crate) fn guarded(classify: impl FnOnce() -> Option<Outcome>) -> Option<Outcome> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(classify)).unwrap_or(Some(Outcome::Error))
+/// Runs the classifier of a response head: one that panics costs the operation its outcome
+/// (`error`), never the response.
+fn guarded<E>(classify: impl FnOnce() -> ClassifiedResponse<E>) -> ClassifiedResponse<E> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(classify))
+        .unwrap_or(ClassifiedResponse::Ready(Outcome::Error))
 }

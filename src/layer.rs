@@ -268,7 +268,7 @@ impl<C, L, R, E, T> ResourcesOperationLayer<C, L, R, E, T> {
     /// service answers: the permit, the `active` count and the run time last while the body
     /// streams (server-sent events, streamed tokens, gRPC server streams), and the outcome can
     /// come from the trailers. The response body becomes an
-    /// [`OperationBody`](crate::OperationBody). See [`ClassifyEos`](crate::ClassifyEos) for how
+    /// [`OperationBody`](crate::OperationBody). See [`ClassifyResponse`](crate::ClassifyResponse) for how
     /// such an operation ends.
     pub fn until_body_end(self) -> ResourcesOperationLayer<C, L, R, AtBodyEnd, T> {
         ResourcesOperationLayer {

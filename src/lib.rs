@@ -92,7 +92,7 @@
 //! - A panic in the inner `poll_ready` (once the permit is taken), in `call` or while polling
 //!   its future (or its body) is `crashed`; the panic goes on.
 //! - In the body-end form, the end of the stream, a body error and a body dropped early decide
-//!   too (see [`ClassifyEos`]).
+//!   too (see [`ClassifyResponse`]).
 //! - [`set_outcome`] inside the work wins over all of the above.
 //!
 //! Recording never fails a request: a classifier that panics costs the operation its outcome
@@ -153,8 +153,9 @@ pub use body::OperationBody;
 pub use choose::ByMatchedPath;
 pub use choose::{ByGrpcMethod, Choice, ChooseOperation, PerRequestFuture, PerRequestOperation};
 pub use classify::{
-    error_outcome, ClassifyEos, ClassifyOutcome, Deadline, DefaultClassifier, GrpcClassifier,
-    HttpClassifier, MakeClassifier, OperationOutput, SharedClassifier, TimeoutClassifier,
+    error_outcome, ClassifiedResponse, ClassifyEos, ClassifyOutcome, ClassifyResponse, Deadline,
+    DefaultClassifier, GrpcClassifier, GrpcEos, HttpClassifier, MakeClassifier, NeverClassifyEos,
+    OperationOutput, SharedClassifier, TimeoutClassifier,
 };
 pub use end::{AtBodyEnd, AtHead, End};
 pub use future::ResponseFuture;

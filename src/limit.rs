@@ -155,6 +155,7 @@ impl Limit {
         self.state.semaphore.close();
     }
 
+    #[inline]
     fn permit(&self) -> LimitPermit {
         LimitPermit {
             state: Arc::clone(&self.state),
@@ -184,6 +185,7 @@ impl State {
     }
 
     /// A place comes back: to the semaphore, or to pay the debt of a lowered capacity.
+    #[inline]
     fn release(&self) {
         if self.debt.load(Ordering::Relaxed) != 0 && self.settle_debt(1) == 1 {
             return;
@@ -214,6 +216,7 @@ impl Acquire for Limit {
         }
     }
 
+    #[inline]
     fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
         match self.state.semaphore.try_acquire() {
             Ok(permit) => {
@@ -249,6 +252,7 @@ pub struct LimitPermit {
 }
 
 impl Drop for LimitPermit {
+    #[inline]
     fn drop(&mut self) {
         self.state.release();
     }

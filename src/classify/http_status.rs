@@ -2,7 +2,7 @@
 
 use http::{HeaderMap, Response, StatusCode};
 
-use super::{ClassifyEos, ClassifyOutcome};
+use super::{ClassifiedResponse, ClassifyEos, ClassifyOutcome, ClassifyResponse, NeverClassifyEos};
 use crate::Outcome;
 
 /// Lowest and highest status code an [`HttpClassifier`] can be told about.
@@ -109,9 +109,14 @@ impl<B, E> ClassifyOutcome<Response<B>, E> for HttpClassifier {
     }
 }
 
-impl ClassifyEos for HttpClassifier {
-    fn classify_head<B>(&self, response: &Response<B>) -> Option<Outcome> {
-        Some(self.classify_status(response.status()))
+impl ClassifyResponse for HttpClassifier {
+    type ClassifyEos = NeverClassifyEos;
+
+    fn classify_response<B>(
+        &self,
+        response: &Response<B>,
+    ) -> ClassifiedResponse<Self::ClassifyEos> {
+        ClassifiedResponse::Ready(self.classify_status(response.status()))
     }
 }
 
@@ -158,16 +163,27 @@ impl<B, E> ClassifyOutcome<Response<B>, E> for GrpcClassifier {
     }
 }
 
-impl ClassifyEos for GrpcClassifier {
-    fn classify_head<B>(&self, response: &Response<B>) -> Option<Outcome> {
-        let headers = response.headers();
-        headers
-            .contains_key(GRPC_STATUS)
-            .then(|| Self::classify_headers(headers))
-    }
+impl ClassifyResponse for GrpcClassifier {
+    type ClassifyEos = GrpcEos;
 
-    fn classify_eos(&self, trailers: Option<&HeaderMap>) -> Outcome {
-        trailers.map_or(Outcome::Ok, Self::classify_headers)
+    fn classify_response<B>(&self, response: &Response<B>) -> ClassifiedResponse<GrpcEos> {
+        let headers = response.headers();
+        if headers.contains_key(GRPC_STATUS) {
+            ClassifiedResponse::Ready(Self::classify_headers(headers))
+        } else {
+            ClassifiedResponse::RequiresEos(GrpcEos)
+        }
+    }
+}
+
+/// The end of a gRPC stream: the `grpc-status` of its trailers decides; a stream that ends
+/// without trailers, or trailers without `grpc-status`, is `ok`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GrpcEos;
+
+impl ClassifyEos for GrpcEos {
+    fn classify_eos(self, trailers: Option<&HeaderMap>) -> Outcome {
+        trailers.map_or(Outcome::Ok, GrpcClassifier::classify_headers)
     }
 }
 
