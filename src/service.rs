@@ -102,9 +102,9 @@ impl Tracked {
 }
 
 impl<S> ResourcesOperation<S> {
-    /// `inner`, limited to `max` operations at once, tagged `other`/`other` and reporting
-    /// through the global meter provider (see [`ResourcesOperationLayer::new`], whose `layer`
-    /// this is).
+    /// `inner`, limited to `max` operations at once, tagged `other`/`other` and reporting to the
+    /// global meter provider installed when it first serves a request (see
+    /// [`ResourcesOperationLayer::new`], whose `layer` this is).
     #[track_caller]
     pub fn new(inner: S, max: usize) -> Self {
         tower_layer::Layer::layer(&ResourcesOperationLayer::new(max), inner)
