@@ -130,21 +130,12 @@ impl<B: Body, E: ClassifyEos, P> Body for OperationBody<B, E, P> {
             inner.as_mut().poll_frame(cx)
         };
         let ended = match &polled {
-            Poll::Pending => return polled,
-            Poll::Ready(Some(Ok(frame))) => match frame.trailers_ref() {
-                Some(trailers) => Some(Ok(Some(trailers))),
-                None => inner.is_end_stream().then_some(Ok(None)),
-            },
-            Poll::Ready(Some(Err(error))) => Some(Err(error)),
-            Poll::Ready(None) => Some(Ok(None)),
+            Poll::Pending => false,
+            Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || inner.is_end_stream(),
+            Poll::Ready(Some(Err(_)) | None) => true,
         };
-        if let Some(ended) = ended {
-            if let Some(streaming) = this.operation.take() {
-                match ended {
-                    Ok(trailers) => streaming.end_of_stream(trailers),
-                    Err(error) => streaming.failed(error),
-                }
-            }
+        if ended {
+            end(this.operation, &polled);
         }
         polled
     }
@@ -157,6 +148,23 @@ impl<B: Body, E: ClassifyEos, P> Body for OperationBody<B, E, P> {
     #[inline]
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+/// The stream ended with the frame (or error, or end) of `polled`: ends the operation. Out of
+/// line: once per operation, not per frame.
+#[inline(never)]
+fn end<D, Err, E: ClassifyEos, P>(
+    operation: &mut Option<Streaming<E, P>>,
+    polled: &Poll<Option<Result<Frame<D>, Err>>>,
+) {
+    let Some(streaming) = operation.take() else {
+        return;
+    };
+    match polled {
+        Poll::Ready(Some(Ok(frame))) => streaming.end_of_stream(frame.trailers_ref()),
+        Poll::Ready(Some(Err(error))) => streaming.failed(error),
+        Poll::Ready(None) | Poll::Pending => streaming.end_of_stream(None),
     }
 }
 
