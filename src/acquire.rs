@@ -80,6 +80,17 @@ pub trait Acquire {
     /// Waits for a permit.
     fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send;
 
+    /// Waits for a permit, on a limit given away: the poll-based form ([`PollAcquire`]) keeps
+    /// this future across polls, so it must own what it borrows. Defaults to
+    /// [`acquire`](Acquire::acquire) on the limit moved into the future; a limit whose handle is
+    /// a reference count can move that count into the permit instead of taking another.
+    fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send
+    where
+        Self: Sized + Send + Sync,
+    {
+        async move { self.acquire().await }
+    }
+
     /// A permit now if one is free, `None` if the operation would have to wait.
     ///
     /// Tried before [`acquire`](Acquire::acquire), so that a free place costs no future and no
@@ -222,10 +233,12 @@ impl Acquire for Arc<Semaphore> {
     type Permit = OwnedSemaphorePermit;
 
     fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
-        let semaphore = Arc::clone(self);
+        Acquire::acquire_owned(Arc::clone(self))
+    }
+
+    fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
         async move {
-            semaphore
-                .acquire_owned()
+            Semaphore::acquire_owned(self)
                 .await
                 .map_err(|_| AcquireError::closed())
         }

@@ -163,6 +163,26 @@ impl Limit {
     }
 }
 
+impl Limit {
+    /// Waits in the queue for a place, counted in `queued`, or is turned away when the queue is
+    /// full. The place taken is the caller's to wrap in a permit.
+    async fn wait(&self) -> Result<(), AcquireError> {
+        let state = &*self.state;
+        let ahead = state.queued.fetch_add(1, Ordering::Relaxed);
+        let _waiting = Queued(state);
+        if ahead >= state.max_queued.load(Ordering::Relaxed) {
+            return Err(AcquireError::rejected(Rejection::QueueFull));
+        }
+        match state.semaphore.acquire().await {
+            Ok(place) => {
+                place.forget();
+                Ok(())
+            }
+            Err(_) => Err(AcquireError::closed()),
+        }
+    }
+}
+
 fn check(max: usize) -> Result<(), LimitTooLarge> {
     if max > Semaphore::MAX_PERMITS {
         Err(LimitTooLarge { max })
@@ -198,22 +218,22 @@ impl Acquire for Limit {
     type Permit = LimitPermit;
 
     async fn acquire(&self) -> Result<Self::Permit, AcquireError> {
+        // A free place is taken at once, whatever the bound on the queue.
         if let Some(now) = self.try_acquire() {
             return now;
         }
-        let state = &*self.state;
-        let ahead = state.queued.fetch_add(1, Ordering::Relaxed);
-        let _waiting = Queued(state);
-        if ahead >= state.max_queued.load(Ordering::Relaxed) {
-            return Err(AcquireError::rejected(Rejection::QueueFull));
+        self.wait().await?;
+        Ok(self.permit())
+    }
+
+    /// The wait of [`acquire`](Acquire::acquire), on a `Limit` given away: its reference to
+    /// the shared state becomes the permit's, rather than the permit taking one more.
+    async fn acquire_owned(self) -> Result<Self::Permit, AcquireError> {
+        if let Some(now) = self.try_acquire() {
+            return now;
         }
-        match state.semaphore.acquire().await {
-            Ok(permit) => {
-                permit.forget();
-                Ok(self.permit())
-            }
-            Err(_) => Err(AcquireError::closed()),
-        }
+        self.wait().await?;
+        Ok(LimitPermit { state: self.state })
     }
 
     #[inline]

@@ -85,20 +85,30 @@ where
 
     fn start_waiting(&mut self, timeout: Option<Duration>) {
         let limit = self.limit.clone();
-        let deadline = timeout.map(|timeout| Instant::now() + timeout);
-        let wait = async move {
-            match deadline {
-                None => limit.acquire().await,
-                Some(deadline) => tokio::time::timeout_at(deadline, limit.acquire())
-                    .await
-                    .unwrap_or_else(|_| Err(AcquireError::rejected(Rejection::QueueTimeout))),
+        // Two futures, so that a wait with no timeout carries no timer.
+        match timeout {
+            None => self.arm(limit.acquire_owned()),
+            Some(timeout) => {
+                let deadline = Instant::now() + timeout;
+                self.arm(async move {
+                    tokio::time::timeout_at(deadline, limit.acquire_owned())
+                        .await
+                        .unwrap_or_else(|_| Err(AcquireError::rejected(Rejection::QueueTimeout)))
+                })
             }
-        };
+        }
+        self.waiting = true;
+    }
+
+    /// Makes `wait` the wait in progress, in the allocation of the last one if it fits.
+    fn arm<F>(&mut self, wait: F)
+    where
+        F: std::future::Future<Output = Result<L::Permit, AcquireError>> + Send + 'static,
+    {
         match &mut self.future {
             Some(future) => future.set(wait),
             None => self.future = Some(ReusableBoxFuture::new(wait)),
         }
-        self.waiting = true;
     }
 }
 
