@@ -254,44 +254,30 @@ impl Acquire for Arc<Semaphore> {
     }
 }
 
-impl<A: Acquire + ?Sized> Acquire for &A {
-    type Permit = A::Permit;
+/// A limit reached through a reference, or shared through an `Arc`, is that limit.
+macro_rules! forward_acquire {
+    ($($handle:ty),*) => {$(
+        impl<A: Acquire + ?Sized> Acquire for $handle {
+            type Permit = A::Permit;
 
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
-        (**self).acquire()
-    }
+            fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+                (**self).acquire()
+            }
 
-    #[inline]
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
-        (**self).try_acquire()
-    }
+            #[inline]
+            fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+                (**self).try_acquire()
+            }
 
-    fn capacity(&self) -> Option<&Capacity> {
-        (**self).capacity()
-    }
+            fn capacity(&self) -> Option<&Capacity> {
+                (**self).capacity()
+            }
 
-    fn may_reject(&self) -> bool {
-        (**self).may_reject()
-    }
+            fn may_reject(&self) -> bool {
+                (**self).may_reject()
+            }
+        }
+    )*};
 }
 
-impl<A: Acquire + ?Sized> Acquire for Arc<A> {
-    type Permit = A::Permit;
-
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
-        (**self).acquire()
-    }
-
-    #[inline]
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
-        (**self).try_acquire()
-    }
-
-    fn capacity(&self) -> Option<&Capacity> {
-        (**self).capacity()
-    }
-
-    fn may_reject(&self) -> bool {
-        (**self).may_reject()
-    }
-}
+forward_acquire!(&A, Arc<A>);

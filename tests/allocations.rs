@@ -286,6 +286,78 @@ fn no_allocation_per_body_end_operation_with_metrics_enabled_or_disabled() {
     );
 }
 
+/// An error of a service that answers rejections with it, made without allocating.
+#[derive(Debug)]
+enum Busy {
+    Rejected,
+}
+
+impl From<tower_resources_operation::Rejected> for Busy {
+    fn from(_: tower_resources_operation::Rejected) -> Self {
+        Busy::Rejected
+    }
+}
+
+/// Allocations made by `MEASURED` operations turned away at once (the limit full, no room to
+/// wait), through a generic layer answering with an error and an HTTP layer answering 503.
+fn rejected_steady_state_allocations(metrics: OperationMetrics) -> u64 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let full = Limit::new(1).max_queued(0);
+    let held = tower_resources_operation::Acquire::try_acquire(&full)
+        .unwrap()
+        .unwrap();
+    let generic = ResourcesOperationLayer::with_limit(full.clone())
+        .metrics(metrics.clone())
+        .bounded()
+        .layer(tower::service_fn(|n: u32| async move { Ok::<_, Busy>(n) }));
+    let http = ResourcesOperationLayer::with_limit_for_http(full.clone())
+        .metrics(metrics)
+        .bounded()
+        .layer(tower::service_fn(|_: http::Request<()>| async {
+            Ok::<_, Infallible>(http::Response::new(()))
+        }));
+    rt.block_on(async {
+        let run = || {
+            let (generic, http) = (generic.clone(), http.clone());
+            async move {
+                assert!(matches!(generic.oneshot(1).await, Err(Busy::Rejected)));
+                let answer = http.oneshot(http::Request::new(())).await.unwrap();
+                assert_eq!(answer.status(), 503);
+            }
+        };
+        for _ in 0..WARM_UP {
+            run().await;
+        }
+        let before = allocations();
+        for _ in 0..MEASURED {
+            run().await;
+        }
+        let made = allocations() - before;
+        drop(held);
+        made
+    })
+}
+
+#[test]
+fn no_allocation_per_rejected_operation() {
+    assert_eq!(
+        rejected_steady_state_allocations(OperationMetrics::disabled()),
+        0
+    );
+    let telemetry = support::Telemetry::new();
+    assert_eq!(
+        rejected_steady_state_allocations(telemetry.metrics.clone()),
+        0
+    );
+    assert_eq!(
+        telemetry.live_value(tower_resources_operation::REJECTED_INSTRUMENT, &[]),
+        i64::from(2 * (WARM_UP + MEASURED)),
+        "every operation was turned away, and counted"
+    );
+}
+
 #[test]
 fn the_counter_sees_allocations() {
     // Guards the two tests above against a counter that never counts.
