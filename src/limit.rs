@@ -236,14 +236,21 @@ impl Acquire for Limit {
         Ok(LimitPermit { state: self.state })
     }
 
+    /// A free place now; `None` if the operation would wait; a rejection at once if it would
+    /// wait in a queue that is already full (so that turning it away costs no wait).
     #[inline]
     fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
-        match self.state.semaphore.try_acquire() {
+        let state = &*self.state;
+        match state.semaphore.try_acquire() {
             Ok(permit) => {
                 permit.forget();
                 Some(Ok(self.permit()))
             }
-            Err(TryAcquireError::NoPermits) => None,
+            Err(TryAcquireError::NoPermits) => {
+                let full = state.queued.load(Ordering::Relaxed)
+                    >= state.max_queued.load(Ordering::Relaxed);
+                full.then(|| Err(AcquireError::rejected(Rejection::QueueFull)))
+            }
             Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
         }
     }
