@@ -236,12 +236,10 @@ impl Acquire for Arc<Semaphore> {
         Acquire::acquire_owned(Arc::clone(self))
     }
 
-    fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
-        async move {
-            Semaphore::acquire_owned(self)
-                .await
-                .map_err(|_| AcquireError::closed())
-        }
+    async fn acquire_owned(self) -> Result<Self::Permit, AcquireError> {
+        Semaphore::acquire_owned(self)
+            .await
+            .map_err(|_| AcquireError::closed())
     }
 
     #[inline]
