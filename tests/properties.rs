@@ -1,6 +1,7 @@
 //! The books balance on any schedule: random arrivals, run times and endings through one limit
 //! shared by two layers (and by `resources_operation`), with a queue bound and queue timeouts
-//! drawn too, on paused tokio time, so every case is deterministic and replays from its seed
+//! drawn too, and the limit of any kind (the crate's `Limit`, a tokio `Semaphore`, or a pool of
+//! the tests' own that implements only `Acquire::acquire`), on paused tokio time, so every case is deterministic and replays from its seed
 //! (proptest saves failing seeds next to this file). And the same for the body-end form: random
 //! arrivals, stream lengths, gaps between frames and endings of streamed bodies.
 //!
@@ -14,6 +15,7 @@ mod reliability;
 mod support;
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::io;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -25,16 +27,18 @@ use http_body::Frame;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, StreamBody};
 use proptest::prelude::*;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Semaphore};
 use tokio::time::Instant;
 use tower::util::BoxService;
 use tower::{service_fn, Layer, Service, ServiceExt as _};
 
-use reliability::{quiet_expected_panics, Books, Fate, Load, LoadGuard, Series, EXPECTED_PANIC};
+use reliability::{
+    quiet_expected_panics, Books, Fate, Load, LoadGuard, Pool, Series, EXPECTED_PANIC,
+};
 use support::Telemetry;
 use tower_resources_operation::{
-    set_outcome, Executor, Limit, Operation, OperationMetrics, Outcome, Rejected, Rejection,
-    ResourcesOperationLayer, SharedClassifier, TimeoutClassifier, ACTIVE_INSTRUMENT,
+    set_outcome, Acquire, Executor, Limit, Operation, OperationMetrics, Outcome, Rejected,
+    Rejection, ResourcesOperationLayer, SharedClassifier, TimeoutClassifier, ACTIVE_INSTRUMENT,
     DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
     QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
@@ -47,8 +51,9 @@ type Inner = BoxService<Behavior, (), BoxError>;
 /// A layer over an [`Inner`], boxed: a bounded layer and one that is not have different types.
 type MakeService = Arc<dyn Fn(Inner) -> Inner + Send + Sync>;
 
-/// The layer of these tests: the default limit, with tower's and tokio's `Elapsed` as `timeout`.
-type TimeoutLayer = ResourcesOperationLayer<SharedClassifier<TimeoutClassifier>>;
+/// The layer of these tests, on a limit of kind `L`, with tower's and tokio's `Elapsed` as
+/// `timeout`.
+type TimeoutLayer<L> = ResourcesOperationLayer<SharedClassifier<TimeoutClassifier>, L>;
 
 /// The two series that share the limit.
 const VERIFY: Series = (Operation::Verify, Executor::Inline);
@@ -241,9 +246,20 @@ fn check_metrics(telemetry: &Telemetry, measured: &Measured) -> Result<(), TestC
 }
 
 /// Every permit of `limit` (of `capacity`) is back, and the work under it never ran above it.
-fn check_limit(limit: &Limit, capacity: usize, load: &Load) -> Result<(), TestCaseError> {
-    prop_assert_eq!(limit.available(), capacity);
-    prop_assert_eq!(limit.queued(), 0);
+fn check_limit(limit: &Shared, capacity: usize, load: &Load) -> Result<(), TestCaseError> {
+    match limit {
+        Shared::Limit(limit) => {
+            prop_assert_eq!(limit.available(), capacity);
+            prop_assert_eq!(limit.queued(), 0);
+        }
+        Shared::Semaphore(semaphore) => {
+            prop_assert_eq!(semaphore.available_permits(), capacity);
+        }
+        Shared::Pool(pool) => {
+            prop_assert_eq!(pool.available(), capacity);
+            pool.assert_all_back();
+        }
+    }
     prop_assert!(
         load.max() <= capacity,
         "{} ran under a limit of {}",
@@ -252,6 +268,77 @@ fn check_limit(limit: &Limit, capacity: usize, load: &Load) -> Result<(), TestCa
     );
     prop_assert_eq!(load.running(), 0);
     Ok(())
+}
+
+/// The limit a schedule runs through, of one kind or another.
+#[derive(Clone)]
+enum Shared {
+    /// The crate's `Limit`: the one kind whose queue can be bounded.
+    Limit(Limit),
+    /// A tokio `Semaphore`, shared as an `Arc`.
+    Semaphore(Arc<Semaphore>),
+    /// A pool of the tests' own, which implements only `Acquire::acquire`: every operation on
+    /// it takes the trait's slow path.
+    Pool(Pool),
+}
+
+/// The kinds of [`Shared`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Limit,
+    Semaphore,
+    Pool,
+}
+
+impl Shared {
+    fn new(kind: Kind, capacity: usize, max_queued: Option<usize>) -> Self {
+        match kind {
+            Kind::Limit => {
+                let limit = Limit::new(capacity);
+                Self::Limit(match max_queued {
+                    Some(max_queued) => limit.max_queued(max_queued),
+                    None => limit,
+                })
+            }
+            Kind::Semaphore => Self::Semaphore(Arc::new(Semaphore::new(capacity))),
+            Kind::Pool => Self::Pool(Pool::new(capacity)),
+        }
+    }
+
+    /// `work` through `resources_operation` on this limit.
+    async fn scoped<F>(
+        &self,
+        metrics: &OperationMetrics,
+        series: Series,
+        work: F,
+    ) -> Result<F::Output, Rejected>
+    where
+        F: Future,
+        F::Output: tower_resources_operation::OperationOutput,
+    {
+        let (operation, executor) = series;
+        match self {
+            Self::Limit(limit) => {
+                metrics
+                    .resources_operation(limit, operation, executor, work)
+                    .await
+            }
+            Self::Semaphore(semaphore) => {
+                metrics
+                    .resources_operation(&**semaphore, operation, executor, work)
+                    .await
+            }
+            Self::Pool(pool) => {
+                metrics
+                    .resources_operation(pool, operation, executor, work)
+                    .await
+            }
+        }
+    }
+}
+
+fn kind() -> impl Strategy<Value = Kind> {
+    prop_oneof![Just(Kind::Limit), Just(Kind::Semaphore), Just(Kind::Pool)]
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -297,6 +384,19 @@ struct Bounds {
     max_queued: Option<usize>,
     verify_timeout_ms: Option<u64>,
     judge_timeout_ms: Option<u64>,
+}
+
+impl Bounds {
+    /// These bounds as a limit of `kind` takes them: only the crate's `Limit` bounds its queue.
+    fn for_kind(self, kind: Kind) -> Self {
+        match kind {
+            Kind::Limit => self,
+            Kind::Semaphore | Kind::Pool => Self {
+                max_queued: None,
+                ..self
+            },
+        }
+    }
 }
 
 fn ending() -> impl Strategy<Value = Ending> {
@@ -383,7 +483,11 @@ fn admitted_through(make: &MakeService, inner: Inner, admitted: &Admission) -> I
 }
 
 /// The layer of one series, bounded as `bounds` say, boxed.
-fn make_layer(layer: TimeoutLayer, bounds: &Bounds, timeout_ms: Option<u64>) -> MakeService {
+fn make_layer<A>(layer: TimeoutLayer<A>, bounds: &Bounds, timeout_ms: Option<u64>) -> MakeService
+where
+    A: Acquire + Clone + Send + Sync + 'static,
+    A::Permit: Send + 'static,
+{
     fn boxed<L>(layer: L) -> MakeService
     where
         L: Layer<Inner> + Send + Sync + 'static,
@@ -403,7 +507,7 @@ fn make_layer(layer: TimeoutLayer, bounds: &Bounds, timeout_ms: Option<u64>) -> 
 /// The ways to the shared limit.
 #[derive(Clone)]
 struct Routes {
-    limit: Limit,
+    limit: Shared,
     metrics: OperationMetrics,
     verify: MakeService,
     judge: MakeService,
@@ -524,10 +628,7 @@ async fn run(op: Op, routes: Routes, load: Arc<Load>) -> Record {
                     Ok(())
                 }
             };
-            let scoped = routes
-                .metrics
-                .resources_operation(routes.limit.clone(), series.0, series.1, work)
-                .await;
+            let scoped = routes.limit.scoped(&routes.metrics, series, work).await;
             match scoped {
                 Ok(Ok(())) => Fate::Ended(Outcome::Ok),
                 Ok(Err(_)) => Fate::Ended(Outcome::Error),
@@ -545,31 +646,52 @@ async fn run(op: Op, routes: Routes, load: Arc<Load>) -> Record {
     }
 }
 
-/// Runs one schedule on a fresh paused runtime and checks the books, the sums, the live counts,
-/// the permits and the peak load; returns the books.
-fn check(capacity: usize, bounds: Bounds, ops: &[Op]) -> Result<Books, TestCaseError> {
-    quiet_expected_panics();
-    let telemetry = Telemetry::new();
-    let mut limit = Limit::new(capacity);
-    if let Some(max_queued) = bounds.max_queued {
-        limit = limit.max_queued(max_queued);
-    }
-    let layer = ResourcesOperationLayer::with_limit(limit.clone())
+/// The two layers of a schedule on `limit`, bounded as `bounds` say: `(verify, judge)`.
+fn make_routes<A>(limit: A, metrics: &OperationMetrics, bounds: &Bounds) -> [MakeService; 2]
+where
+    A: Acquire + Clone + Send + Sync + 'static,
+    A::Permit: Send + 'static,
+{
+    let layer = ResourcesOperationLayer::with_limit(limit)
         .classifier(TimeoutClassifier::new())
-        .metrics(telemetry.metrics.clone());
-    let routes = Routes {
-        limit: limit.clone(),
-        metrics: telemetry.metrics.clone(),
-        verify: make_layer(
+        .metrics(metrics.clone());
+    [
+        make_layer(
             layer.clone().operation(VERIFY.0).executor(VERIFY.1),
-            &bounds,
+            bounds,
             bounds.verify_timeout_ms,
         ),
-        judge: make_layer(
+        make_layer(
             layer.operation(JUDGE.0).executor(JUDGE.1),
-            &bounds,
+            bounds,
             bounds.judge_timeout_ms,
         ),
+    ]
+}
+
+/// Runs one schedule through a limit of `kind` on a fresh paused runtime and checks the books,
+/// the sums, the live counts, the permits and the peak load; returns the books. `bounds` must
+/// suit `kind` ([`Bounds::for_kind`]).
+fn check(kind: Kind, capacity: usize, bounds: Bounds, ops: &[Op]) -> Result<Books, TestCaseError> {
+    quiet_expected_panics();
+    assert_eq!(
+        bounds,
+        bounds.for_kind(kind),
+        "{kind:?} cannot bound its queue"
+    );
+    let telemetry = Telemetry::new();
+    let limit = Shared::new(kind, capacity, bounds.max_queued);
+    let metrics = &telemetry.metrics;
+    let [verify, judge] = match &limit {
+        Shared::Limit(limit) => make_routes(limit.clone(), metrics, &bounds),
+        Shared::Semaphore(semaphore) => make_routes(Arc::clone(semaphore), metrics, &bounds),
+        Shared::Pool(pool) => make_routes(pool.clone(), metrics, &bounds),
+    };
+    let routes = Routes {
+        limit: limit.clone(),
+        metrics: metrics.clone(),
+        verify,
+        judge,
     };
     let load = Arc::new(Load::default());
 
@@ -613,11 +735,13 @@ proptest! {
 
     #[test]
     fn any_schedule_records_each_operation_once_as_admitted_with_its_wait_and_run_time_rejected_or_abandoned(
+        kind in kind(),
         limit in 1usize..=4,
         bounds in bounds(),
         ops in proptest::collection::vec(op(), 1..=30),
     ) {
-        let books = check(limit, bounds, &ops)?;
+        let bounds = bounds.for_kind(kind);
+        let books = check(kind, limit, bounds, &ops)?;
         if bounds == Bounds::default() {
             prop_assert_eq!(books.rejected.len(), 0, "unbounded waits were turned away");
         }
@@ -652,10 +776,21 @@ fn fixed_schedule(spread: u64) -> Vec<Op> {
         .collect()
 }
 
-/// One fixed schedule that exercises every ending under contention, as a plain test.
+/// One fixed schedule that exercises every ending under contention, as a plain test, through
+/// each kind of limit.
 #[test]
-fn a_fixed_schedule_with_every_ending_balances_the_books() {
-    check(2, Bounds::default(), &fixed_schedule(0)).unwrap();
+fn a_fixed_schedule_with_every_ending_balances_the_books_with_each_kind_of_limit() {
+    for kind in [Kind::Limit, Kind::Semaphore, Kind::Pool] {
+        let books = check(kind, 2, Bounds::default(), &fixed_schedule(0)).unwrap();
+        assert!(
+            books.abandoned_total() > 0,
+            "{kind:?}: none abandoned: {books:?}"
+        );
+        assert!(
+            books.admitted_total() > 0,
+            "{kind:?}: none admitted: {books:?}"
+        );
+    }
 }
 
 /// The same schedule on a bounded queue, with a queue timeout on one layer: some are turned away
@@ -667,7 +802,7 @@ fn a_fixed_schedule_on_a_bounded_queue_balances_the_books_by_reason() {
         verify_timeout_ms: Some(6),
         judge_timeout_ms: None,
     };
-    let books = check(2, bounds, &fixed_schedule(4)).unwrap();
+    let books = check(Kind::Limit, 2, bounds, &fixed_schedule(4)).unwrap();
     // The schedule covers every fate.
     for rejection in Rejection::ALL {
         assert!(
@@ -677,6 +812,33 @@ fn a_fixed_schedule_on_a_bounded_queue_balances_the_books_by_reason() {
     }
     assert!(books.abandoned_total() > 0, "none abandoned: {books:?}");
     assert!(books.admitted_total() > 0, "none admitted: {books:?}");
+}
+
+/// A queue timeout on one layer, through each kind of limit: the semaphore and the pool cannot
+/// bound their queues, yet their waits time out, are given up and are admitted by the same rules.
+#[test]
+fn a_fixed_schedule_with_a_queue_timeout_balances_the_books_with_each_kind_of_limit() {
+    let bounds = Bounds {
+        max_queued: None,
+        verify_timeout_ms: Some(6),
+        judge_timeout_ms: None,
+    };
+    for kind in [Kind::Limit, Kind::Semaphore, Kind::Pool] {
+        let books = check(kind, 2, bounds, &fixed_schedule(4)).unwrap();
+        assert!(
+            books.rejected_total(Rejection::QueueTimeout) > 0,
+            "{kind:?}: none timed out: {books:?}"
+        );
+        assert_eq!(books.rejected_total(Rejection::QueueFull), 0, "{kind:?}");
+        assert!(
+            books.abandoned_total() > 0,
+            "{kind:?}: none abandoned: {books:?}"
+        );
+        assert!(
+            books.admitted_total() > 0,
+            "{kind:?}: none admitted: {books:?}"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1015,7 +1177,7 @@ fn check_streams(capacity: usize, ops: &[StreamOp]) -> Result<(), TestCaseError>
         .expect("the schedule never finished")
     });
 
-    check_limit(&limit, capacity, &load)?;
+    check_limit(&Shared::Limit(limit), capacity, &load)?;
     let measured = books_of(&records, &BTreeMap::new())?;
     prop_assert_eq!(measured.books.asked_total(), ops.len() as u64);
     prop_assert_eq!(

@@ -5,7 +5,7 @@
 //! limit, and the live counts return to 0.
 //!
 //! Each rule is checked with each kind of limit (the crate's `Limit`, a tokio `Semaphore`, and a
-//! pool of reusable resources implemented here as an `Acquire`), through layers and through
+//! pool of reusable resources implemented in the shared reliability module as an `Acquire`), through layers and through
 //! `resources_operation`; then under bounded waiting (a queue bound shared by layers and scoped
 //! calls, queue timeouts, callers giving up while they wait), with `Limit::set_capacity` raising
 //! and lowering the limit while it serves, with a limit closed under its waiters, and in the
@@ -17,8 +17,8 @@ mod support;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -27,19 +27,19 @@ use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, StreamBody};
-use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tower::util::BoxService;
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt as _};
 
 use reliability::{
     assert_books, assert_live_counts_zero, quiet_closed_limit_panics, quiet_expected_panics, Books,
-    Fate, Load, Rng, Series, EXPECTED_PANIC, LIMIT_CLOSED_PANIC,
+    Fate, Load, Pool, Rng, Series, EXPECTED_PANIC, LIMIT_CLOSED_PANIC,
 };
 use support::{panic_message, Telemetry};
 use tower_resources_operation::{
-    set_outcome, Acquire, AcquireError, Capacity, Executor, Limit, Operation, OperationMetrics,
-    Outcome, Rejected, Rejection, ResourcesOperationLayer, TimeoutClassifier, EXECUTOR_ATTRIBUTE,
-    LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE,
+    set_outcome, Acquire, Executor, Limit, Operation, OperationMetrics, Outcome, Rejected,
+    Rejection, ResourcesOperationLayer, TimeoutClassifier, EXECUTOR_ATTRIBUTE, LIMIT_INSTRUMENT,
+    OPERATION_ATTRIBUTE,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -259,101 +259,6 @@ fn layer_on<L: Acquire>(
         .operation(series.0)
         .executor(series.1)
         .metrics(metrics.clone())
-}
-
-/// A limit of this test's own: a pool of `size` reusable resources, whose permit is one of them,
-/// checked out, and returned to the pool when the permit drops. It only implements `acquire`,
-/// so every operation on it goes through the trait's slow path.
-#[derive(Clone)]
-struct Pool(Arc<PoolState>);
-
-struct PoolState {
-    places: Arc<Semaphore>,
-    free: Mutex<Vec<usize>>,
-    lent: Vec<AtomicBool>,
-    /// Resources handed out twice, or places with no resource: must stay 0.
-    violations: AtomicUsize,
-    capacity: Capacity,
-}
-
-/// A resource of a [`Pool`], checked out.
-struct PoolPermit {
-    pool: Arc<PoolState>,
-    resource: usize,
-    // Dropped after `drop` below has put the resource back, so the next holder of the place
-    // finds a free resource.
-    _place: OwnedSemaphorePermit,
-}
-
-impl Pool {
-    fn new(size: usize) -> Self {
-        Self(Arc::new(PoolState {
-            places: Arc::new(Semaphore::new(size)),
-            free: Mutex::new((0..size).collect()),
-            lent: (0..size).map(|_| AtomicBool::new(false)).collect(),
-            violations: AtomicUsize::new(0),
-            capacity: Capacity::fixed(size),
-        }))
-    }
-
-    fn available(&self) -> usize {
-        self.0.places.available_permits()
-    }
-
-    /// Every resource is back, and none was ever handed out twice.
-    fn assert_all_back(&self) {
-        let pool = &self.0;
-        assert_eq!(
-            pool.violations.load(Ordering::SeqCst),
-            0,
-            "the pool was misused"
-        );
-        assert_eq!(pool.free.lock().unwrap().len(), pool.lent.len());
-        assert!(pool.lent.iter().all(|lent| !lent.load(Ordering::SeqCst)));
-    }
-}
-
-impl Acquire for Pool {
-    type Permit = PoolPermit;
-
-    fn acquire(&self) -> impl Future<Output = Result<PoolPermit, AcquireError>> + Send {
-        let pool = Arc::clone(&self.0);
-        async move {
-            let place = Arc::clone(&pool.places)
-                .acquire_owned()
-                .await
-                .map_err(|_| AcquireError::closed())?;
-            let resource = pool.free.lock().unwrap().pop();
-            let Some(resource) = resource else {
-                pool.violations.fetch_add(1, Ordering::SeqCst);
-                return Err(AcquireError::failed(
-                    "a place of the pool without a resource",
-                ));
-            };
-            if pool.lent[resource].swap(true, Ordering::SeqCst) {
-                pool.violations.fetch_add(1, Ordering::SeqCst);
-            }
-            Ok(PoolPermit {
-                pool,
-                resource,
-                _place: place,
-            })
-        }
-    }
-
-    fn capacity(&self) -> Option<&Capacity> {
-        Some(&self.0.capacity)
-    }
-}
-
-impl Drop for PoolPermit {
-    fn drop(&mut self) {
-        // A permit's drop must not panic: a misuse is counted, and asserted on at the end.
-        if !self.pool.lent[self.resource].swap(false, Ordering::SeqCst) {
-            self.pool.violations.fetch_add(1, Ordering::SeqCst);
-        }
-        self.pool.free.lock().unwrap().push(self.resource);
-    }
 }
 
 /// One limit, the routes to it (one per series), and the load of its inner work.

@@ -2,17 +2,21 @@
 //! the books the test side keeps of what became of each operation that asked for a permit
 //! (admitted and ended with an outcome, rejected for a reason, or abandoned), read against what
 //! the metrics exported, a concurrency gauge for the inner work, and a panic hook that keeps the
-//! thousands of deliberate panics out of the output.
+//! thousands of deliberate panics out of the output; and a limit of the tests' own, a [`Pool`].
 #![allow(dead_code, unreachable_pub)]
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Once};
+use std::sync::{Arc, Mutex, Once};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use tower_resources_operation::{
-    Executor, Operation, Outcome, Rejection, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+    Acquire, AcquireError, Capacity, Executor, Operation, Outcome, Rejection, ABANDONED_INSTRUMENT,
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
+    REJECTION_ATTRIBUTE,
 };
 
 use crate::support::{self, Telemetry};
@@ -361,5 +365,101 @@ impl Rng {
     /// A number in `0..n`.
     pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n
+    }
+}
+
+/// A limit of the tests' own: a pool of `size` reusable resources, whose permit is one of them,
+/// checked out, and returned to the pool when the permit drops. It only implements `acquire`,
+/// so every operation on it goes through the trait's slow path.
+#[derive(Clone)]
+pub struct Pool(Arc<PoolState>);
+
+struct PoolState {
+    places: Arc<Semaphore>,
+    free: Mutex<Vec<usize>>,
+    lent: Vec<AtomicBool>,
+    /// Resources handed out twice, or places with no resource: must stay 0.
+    violations: AtomicUsize,
+    capacity: Capacity,
+}
+
+/// A resource of a [`Pool`], checked out.
+pub struct PoolPermit {
+    pool: Arc<PoolState>,
+    resource: usize,
+    // Dropped after `drop` below has put the resource back, so the next holder of the place
+    // finds a free resource.
+    _place: OwnedSemaphorePermit,
+}
+
+impl Pool {
+    pub fn new(size: usize) -> Self {
+        Self(Arc::new(PoolState {
+            places: Arc::new(Semaphore::new(size)),
+            free: Mutex::new((0..size).collect()),
+            lent: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            violations: AtomicUsize::new(0),
+            capacity: Capacity::fixed(size),
+        }))
+    }
+
+    /// Resources not checked out now.
+    pub fn available(&self) -> usize {
+        self.0.places.available_permits()
+    }
+
+    /// Every resource is back, and none was ever handed out twice.
+    pub fn assert_all_back(&self) {
+        let pool = &self.0;
+        assert_eq!(
+            pool.violations.load(Ordering::SeqCst),
+            0,
+            "the pool was misused"
+        );
+        assert_eq!(pool.free.lock().unwrap().len(), pool.lent.len());
+        assert!(pool.lent.iter().all(|lent| !lent.load(Ordering::SeqCst)));
+    }
+}
+
+impl Acquire for Pool {
+    type Permit = PoolPermit;
+
+    fn acquire(&self) -> impl Future<Output = Result<PoolPermit, AcquireError>> + Send {
+        let pool = Arc::clone(&self.0);
+        async move {
+            let place = Arc::clone(&pool.places)
+                .acquire_owned()
+                .await
+                .map_err(|_| AcquireError::closed())?;
+            let resource = pool.free.lock().unwrap().pop();
+            let Some(resource) = resource else {
+                pool.violations.fetch_add(1, Ordering::SeqCst);
+                return Err(AcquireError::failed(
+                    "a place of the pool without a resource",
+                ));
+            };
+            if pool.lent[resource].swap(true, Ordering::SeqCst) {
+                pool.violations.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok(PoolPermit {
+                pool,
+                resource,
+                _place: place,
+            })
+        }
+    }
+
+    fn capacity(&self) -> Option<&Capacity> {
+        Some(&self.0.capacity)
+    }
+}
+
+impl Drop for PoolPermit {
+    fn drop(&mut self) {
+        // A permit's drop must not panic: a misuse is counted, and asserted on at the end.
+        if !self.pool.lent[self.resource].swap(false, Ordering::SeqCst) {
+            self.pool.violations.fetch_add(1, Ordering::SeqCst);
+        }
+        self.pool.free.lock().unwrap().push(self.resource);
     }
 }
