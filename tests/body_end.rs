@@ -276,21 +276,64 @@ fn verify_layer(
 // Over a real server
 // ---------------------------------------------------------------------------------------------
 
+/// A `/stream` route served on 127.0.0.1 under a layer on a limit of 1, with what the test reads.
+struct StreamRoute {
+    telemetry: Telemetry,
+    limit: Limit,
+    feeds: Arc<Feeds>,
+    addr: SocketAddr,
+}
+
+/// A stream opened on a [`StreamRoute`]: its head said `200`, its first chunk is read.
+struct Opened {
+    /// What the body yields next; the body ends when this is dropped.
+    feed: mpsc::UnboundedSender<Item>,
+    client: Client,
+    body: Incoming,
+}
+
+impl StreamRoute {
+    /// Serves the route with the body-end form of the layer, or (if `!until_body_end`) the
+    /// default head-end form.
+    async fn serve(until_body_end: bool) -> Self {
+        let telemetry = Telemetry::new();
+        let limit = Limit::new(1);
+        let feeds = Arc::new(Feeds::default());
+        let layer = verify_layer(&telemetry, &limit);
+        let route = if until_body_end {
+            streaming(&feeds).layer(layer.until_body_end())
+        } else {
+            streaming(&feeds).layer(layer)
+        };
+        let addr = serve(Router::new().route("/stream", route)).await;
+        Self {
+            telemetry,
+            limit,
+            feeds,
+            addr,
+        }
+    }
+
+    /// Opens one stream and reads its first chunk.
+    async fn open(&self) -> Opened {
+        let feed = self.feeds.channel();
+        feed.send(Ok(chunk(0))).unwrap();
+        let mut client = Client::open(self.addr).await;
+        let response = client.get("/stream").await;
+        assert_eq!(response.status(), StatusCode::OK, "the head said ok");
+        let mut body = response.into_body();
+        assert_eq!(next_data(&mut body).await, chunk(0));
+        Opened { feed, client, body }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_body_keeps_its_operation_active_and_its_permit_held_until_it_ends() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
-    let feeds = Arc::new(Feeds::default());
-    let layer = verify_layer(&telemetry, &limit).until_body_end();
-    let addr = serve(Router::new().route("/stream", streaming(&feeds).layer(layer))).await;
-
-    let feed = feeds.channel();
-    feed.send(Ok(chunk(0))).unwrap();
-    let mut client = Client::open(addr).await;
-    let response = client.get("/stream").await;
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut body = response.into_body();
-    assert_eq!(next_data(&mut body).await, chunk(0));
+    let route = StreamRoute::serve(true).await;
+    let StreamRoute {
+        telemetry, limit, ..
+    } = &route;
+    let Opened { feed, mut body, .. } = route.open().await;
     let streaming_since = Instant::now();
 
     // Mid-stream: the head went out long ago, the operation goes on.
@@ -333,19 +376,11 @@ async fn a_streamed_body_keeps_its_operation_active_and_its_permit_held_until_it
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_the_default_head_end_form_the_same_stream_ends_its_operation_when_the_head_goes_out() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
-    let feeds = Arc::new(Feeds::default());
-    let layer = verify_layer(&telemetry, &limit);
-    let addr = serve(Router::new().route("/stream", streaming(&feeds).layer(layer))).await;
-
-    let feed = feeds.channel();
-    feed.send(Ok(chunk(0))).unwrap();
-    let mut client = Client::open(addr).await;
-    let response = client.get("/stream").await;
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut body = response.into_body();
-    assert_eq!(next_data(&mut body).await, chunk(0));
+    let route = StreamRoute::serve(false).await;
+    let StreamRoute {
+        telemetry, limit, ..
+    } = &route;
+    let Opened { feed, mut body, .. } = route.open().await;
 
     // Mid-stream: the operation ended with the head, before the first chunk went out.
     for i in 1..CHUNKS {
@@ -373,17 +408,14 @@ async fn in_the_default_head_end_form_the_same_stream_ends_its_operation_when_th
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_mid_stream_ends_the_operation_cancelled_and_frees_the_permit() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
-    let feeds = Arc::new(Feeds::default());
-    let layer = verify_layer(&telemetry, &limit).until_body_end();
-    let addr = serve(Router::new().route("/stream", streaming(&feeds).layer(layer))).await;
-
-    let feed = feeds.channel();
-    feed.send(Ok(chunk(0))).unwrap();
-    let mut client = Client::open(addr).await;
-    let mut body = client.get("/stream").await.into_body();
-    assert_eq!(next_data(&mut body).await, chunk(0));
+    let route = StreamRoute::serve(true).await;
+    let StreamRoute {
+        telemetry,
+        limit,
+        feeds,
+        ..
+    } = &route;
+    let Opened { feed, client, body } = route.open().await;
     assert_eq!(telemetry.live_value(ACTIVE_INSTRUMENT, &VERIFY), 1);
     assert_eq!(limit.available(), 0);
 
@@ -409,19 +441,11 @@ async fn a_client_that_hangs_up_mid_stream_ends_the_operation_cancelled_and_free
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_fails_mid_stream_ends_the_operation_error() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
-    let feeds = Arc::new(Feeds::default());
-    let layer = verify_layer(&telemetry, &limit).until_body_end();
-    let addr = serve(Router::new().route("/stream", streaming(&feeds).layer(layer))).await;
-
-    let feed = feeds.channel();
-    feed.send(Ok(chunk(0))).unwrap();
-    let mut client = Client::open(addr).await;
-    let response = client.get("/stream").await;
-    assert_eq!(response.status(), StatusCode::OK, "the head said ok");
-    let mut body = response.into_body();
-    assert_eq!(next_data(&mut body).await, chunk(0));
+    let route = StreamRoute::serve(true).await;
+    let StreamRoute {
+        telemetry, limit, ..
+    } = &route;
+    let Opened { feed, mut body, .. } = route.open().await;
     feed.send(Ok(chunk(1))).unwrap();
     assert_eq!(next_data(&mut body).await, chunk(1));
     assert_eq!(limit.available(), 0);
@@ -444,11 +468,14 @@ async fn a_body_that_fails_mid_stream_ends_the_operation_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_limit_of_one_a_second_request_waits_for_the_first_body_to_end() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
-    let feeds = Arc::new(Feeds::default());
-    let layer = verify_layer(&telemetry, &limit).until_body_end();
-    let addr = serve(Router::new().route("/stream", streaming(&feeds).layer(layer))).await;
+    let route = StreamRoute::serve(true).await;
+    let StreamRoute {
+        telemetry,
+        limit,
+        feeds,
+        addr,
+    } = &route;
+    let addr = *addr;
 
     // The first request's body is fed by the test; the second's is one chunk, then its end.
     let first_feed = feeds.channel();
