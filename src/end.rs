@@ -48,6 +48,14 @@ pub trait End<Res, Err, K, P>: sealed::Sealed {
         operation: &mut Admitted<K, P>,
     ) -> Result<Self::Response, Err>;
 
+    /// The inner service answered `result` for an operation that records nothing: gives its
+    /// permit back, or hands it to the body.
+    #[doc(hidden)]
+    fn complete_unrecorded(
+        result: Result<Res, Err>,
+        permit: &mut Option<P>,
+    ) -> Result<Self::Response, Err>;
+
     /// An answer no operation measured: a rejection's, or an unlimited request's.
     #[doc(hidden)]
     fn unmetered(result: Result<Res, Err>) -> Result<Self::Response, Err>;
@@ -63,6 +71,12 @@ impl<Res, Err, K: ClassifyOutcome<Res, Err>, P> End<Res, Err, K, P> for AtHead {
             .running
             .finish_with(|| classifier.classify(result.as_ref()));
         operation.permit = None;
+        result
+    }
+
+    #[inline]
+    fn complete_unrecorded(result: Result<Res, Err>, permit: &mut Option<P>) -> Result<Res, Err> {
+        *permit = None;
         result
     }
 
@@ -106,6 +120,23 @@ where
                 Err(error)
             }
         }
+    }
+
+    fn complete_unrecorded(
+        result: Result<Response<B>, Err>,
+        permit: &mut Option<P>,
+    ) -> Result<Self::Response, Err> {
+        let permit = permit.take();
+        result.map(|response| {
+            response.map(|body| {
+                OperationBody::new(
+                    body,
+                    Running::EMPTY,
+                    permit,
+                    ClassifiedResponse::Ready(Outcome::Ok),
+                )
+            })
+        })
     }
 
     fn unmetered(result: Result<Response<B>, Err>) -> Result<Self::Response, Err> {

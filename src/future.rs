@@ -38,6 +38,13 @@ pin_project! {
             inner: F,
             operation: Admitted<K, P>,
         },
+        /// The inner service was called for an operation with nothing to record (its metrics
+        /// are disabled): it carries only its permit.
+        Unrecorded {
+            #[pin]
+            inner: F,
+            permit: Option<P>,
+        },
         /// The limit turned the operation away; this is the answer.
         Answered { answer: X },
     }
@@ -47,6 +54,16 @@ impl<F, K, P, X, E> ResponseFuture<F, K, P, X, E> {
     pub(crate) fn called(inner: F, operation: Admitted<K, P>) -> Self {
         Self {
             state: State::Called { inner, operation },
+            _end: PhantomData,
+        }
+    }
+
+    pub(crate) fn unrecorded(inner: F, permit: P) -> Self {
+        Self {
+            state: State::Unrecorded {
+                inner,
+                permit: Some(permit),
+            },
             _end: PhantomData,
         }
     }
@@ -78,6 +95,10 @@ where
                 };
                 Poll::Ready(E::complete(result, operation))
             }
+            StateProj::Unrecorded { inner, permit } => {
+                let result = ready!(inner.poll(cx));
+                Poll::Ready(E::complete_unrecorded(result, permit))
+            }
             StateProj::Answered { answer } => Poll::Ready(E::unmetered(answer.take_answer())),
         }
     }
@@ -98,6 +119,8 @@ impl<F, K, P, X, E> fmt::Debug for ResponseFuture<F, K, P, X, E> {
         let state = match &self.state {
             State::Called { operation, .. } if operation.permit.is_some() => "called",
             State::Called { .. } => "completed",
+            State::Unrecorded { permit, .. } if permit.is_some() => "called",
+            State::Unrecorded { .. } => "completed",
             State::Answered { .. } => "rejected",
         };
         f.debug_struct("ResponseFuture")

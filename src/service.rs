@@ -239,19 +239,17 @@ where
             }
             Ready::Empty => call_without_permit(),
         };
-        let classifier = self.classifier.make_classifier(&request);
         let mut running = match &mut self.tracked {
-            Some(tracked) => std::mem::replace(&mut tracked.running, Running::EMPTY),
-            None => Running::EMPTY,
-        };
-        let future = if running.is_recording() {
-            if let Some(deadline) = self.classifier.deadline(&request) {
-                running.set_deadline(deadline);
+            Some(tracked) if tracked.running.is_recording() => {
+                std::mem::replace(&mut tracked.running, Running::EMPTY)
             }
-            call_in_scope(&mut self.inner, &mut running, request)
-        } else {
-            self.inner.call(request)
+            _ => return ResponseFuture::unrecorded(self.inner.call(request), permit),
         };
+        let classifier = self.classifier.make_classifier(&request);
+        if let Some(deadline) = self.classifier.deadline(&request) {
+            running.set_deadline(deadline);
+        }
+        let future = call_in_scope(&mut self.inner, &mut running, request);
         ResponseFuture::called(
             future,
             Admitted {
