@@ -169,16 +169,15 @@ where
 fn bounded_and_body_end(rt: &Runtime) {
     let (_provider, meter) = sdk_meter();
     let metrics = OperationMetrics::new(&meter);
-    let http =
-        |limit: Limit| ResourcesOperationLayer::with_limit_for_http(limit).metrics(metrics.clone());
+    let http = |limit: Limit| ResourcesOperationLayer::new_for_http(limit).metrics(metrics.clone());
     let one = HttpFrames { frames: 1 };
     let eight = HttpFrames { frames: 8 };
     let unbounded = http(Limit::new(64)).layer(eight);
-    let bounded = http(Limit::new(64).max_queued(8)).bounded().layer(eight);
+    let bounded = http(Limit::with_max_queued(64, 8)).layer(eight);
     // Every operation of this one finds the limit full and no room to wait: turned away.
-    let full = Limit::new(1).max_queued(0);
+    let full = Limit::with_max_queued(1, 0);
     let _held = full.try_acquire().unwrap().unwrap();
-    let rejecting = http(full.clone()).bounded().layer(eight);
+    let rejecting = http(full.clone()).layer(eight);
     let body_end = http(Limit::new(64)).until_body_end().layer(eight);
     let off = || http(Limit::new(64)).metrics(OperationMetrics::disabled());
     let (head_off_1, head_off_8) = (off().layer(one), off().layer(eight));

@@ -14,7 +14,7 @@ const MAX_ECHOED_INPUT: usize = 64;
 macro_rules! bounded_attribute {
     (
         $(#[$meta:meta])*
-        $name:ident, $what:literal, $values:ident {
+        $name:ident, $what:literal, $values:path {
             $( $(#[$variant_meta:meta])* $variant:ident => $value:literal, )+
         }
     ) => {
@@ -56,7 +56,7 @@ macro_rules! bounded_attribute {
             fn from_str(s: &str) -> Result<Self, Self::Err> {
                 match s {
                     $( $value => Ok($name::$variant), )+
-                    _ => Err(ParseAttributeError::new($what, crate::$values, s)),
+                    _ => Err(ParseAttributeError::new($what, $values, s)),
                 }
             }
         }
@@ -66,7 +66,7 @@ macro_rules! bounded_attribute {
 bounded_attribute! {
     /// What kind of limited work this is. Exported as
     /// [`OPERATION_ATTRIBUTE`](crate::OPERATION_ATTRIBUTE).
-    Operation, "operation", OPERATIONS {
+    Operation, "operation", crate::OPERATIONS {
         /// Checking a result, such as running a verifier.
         Verify => "verify",
         /// Running a tool on behalf of a caller.
@@ -80,7 +80,7 @@ bounded_attribute! {
 
 bounded_attribute! {
     /// Where the limited work runs. Exported as [`EXECUTOR_ATTRIBUTE`](crate::EXECUTOR_ATTRIBUTE).
-    Executor, "executor", EXECUTORS {
+    Executor, "executor", crate::EXECUTORS {
         /// On the task that handles the request.
         Inline => "inline",
         /// On a thread, such as `tokio::task::spawn_blocking`.
@@ -97,7 +97,7 @@ bounded_attribute! {
 bounded_attribute! {
     /// How admitted work ended. Exported as [`OUTCOME_ATTRIBUTE`](crate::OUTCOME_ATTRIBUTE) on the
     /// duration histogram, whose count per outcome is the number of operations that ended so.
-    Outcome, "outcome", OUTCOMES {
+    Outcome, "outcome", crate::OUTCOMES {
         /// The work returned normally.
         Ok => "ok",
         /// The work failed.
@@ -116,7 +116,7 @@ bounded_attribute! {
     /// [`REJECTION_ATTRIBUTE`](crate::REJECTION_ATTRIBUTE) on
     /// [`REJECTED_INSTRUMENT`](crate::REJECTED_INSTRUMENT), an addition of this crate to NeMo Gym's
     /// instruments.
-    Rejection, "rejection", REJECTIONS {
+    Rejection, "rejection", crate::metrics::REJECTIONS {
         /// The limit's queue was full ([`Limit::max_queued`](crate::Limit::max_queued)).
         QueueFull => "queue_full",
         /// The operation waited as long as its layer lets one wait

@@ -130,45 +130,23 @@
 )]
 #![deny(rustdoc::broken_intra_doc_links)]
 
-mod acquire;
 mod attributes;
-mod body;
-mod choose;
-mod classify;
-mod end;
-mod future;
-mod layer;
-mod lifecycle;
-mod limit;
-mod metrics;
-mod reject;
-mod scope;
+pub mod classify;
+pub mod layer;
+pub mod limit;
+pub mod metrics;
+mod operation;
+pub mod per_request;
+pub mod protocol;
 mod scoped;
-mod service;
 
-pub use acquire::{Acquire, AcquireError, Capacity, PollAcquire};
 pub use attributes::{Executor, Operation, Outcome, ParseAttributeError, Rejection};
-pub use body::OperationBody;
-#[cfg(feature = "axum")]
-pub use choose::ByMatchedPath;
-pub use choose::{ByGrpcMethod, Choice, ChooseOperation, PerRequestFuture, PerRequestOperation};
-pub use classify::{
-    error_outcome, ClassifiedResponse, ClassifyEos, ClassifyOutcome, ClassifyResponse, Deadline,
-    DefaultClassifier, GrpcClassifier, GrpcEos, HttpClassifier, MakeClassifier, NeverClassifyEos,
-    OperationOutput, SharedClassifier, TimeoutClassifier,
-};
-pub use end::{AtBodyEnd, AtHead, End};
-pub use future::ResponseFuture;
-pub use layer::{Fixed, PerRequest, ResourcesOperationLayer};
-pub use limit::{Limit, LimitPermit, LimitTooLarge};
-pub use metrics::{OperationMetrics, METER_NAME};
-pub use reject::{
-    AnswerRejection, Bounded, DefaultAnswer, GrpcRejection, HttpRejection, RejectAsError, Rejected,
-    Rejections, RespondRejected, TakeAnswer, Unbounded,
-};
-pub use scope::set_outcome;
+pub use layer::{ResourcesOperation, ResourcesOperationLayer};
+pub use limit::{Acquire, Limit};
+pub use metrics::OperationMetrics;
+pub use operation::set_outcome;
+pub use protocol::Rejected;
 pub use scoped::{resources_operation, resources_operation_with};
-pub use service::ResourcesOperation;
 
 /// Observable up-down counter: operations holding a permit now.
 pub const ACTIVE_INSTRUMENT: &str = "gym.resources.operation.active";
@@ -209,21 +187,6 @@ pub const OPERATIONS: &[&str] = &["verify", "tool", "judge", "other"];
 pub const EXECUTORS: &[&str] = &["inline", "thread", "process", "subprocess", "other"];
 /// The values of [`OUTCOME_ATTRIBUTE`], one per [`Outcome`].
 pub const OUTCOMES: &[&str] = &["ok", "error", "timeout", "cancelled", "crashed"];
-
-/// Observable gauge, `{operation}`: the most operations of a series that could run at once, the
-/// sum of the capacities of the distinct limits it draws from. An addition of this crate to
-/// NeMo Gym's instruments.
-pub const LIMIT_INSTRUMENT: &str = "gym.resources.operation.limit";
-/// Counter, `{operation}`: operations turned away without a permit, by [`REJECTION_ATTRIBUTE`].
-/// An addition of this crate to NeMo Gym's instruments.
-pub const REJECTED_INSTRUMENT: &str = "gym.resources.operation.rejected";
-/// Counter, `{operation}`: operations whose caller went away while they waited for a permit.
-/// An addition of this crate to NeMo Gym's instruments.
-pub const ABANDONED_INSTRUMENT: &str = "gym.resources.operation.abandoned";
-/// Attribute key of the [`Rejection`], on [`REJECTED_INSTRUMENT`] only.
-pub const REJECTION_ATTRIBUTE: &str = "nemo.gym.resources.operation.rejection";
-/// The values of [`REJECTION_ATTRIBUTE`], one per [`Rejection`].
-pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout"];
 
 /// The README's examples, run as doctests so they stay true.
 #[cfg(doctest)]

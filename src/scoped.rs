@@ -1,16 +1,16 @@
 //! [`resources_operation`]: NeMo Gym's context manager, for work that is not a tower service.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{ready, Context, Poll};
+use std::future::{poll_fn, Future};
+use std::pin::{pin, Pin};
+use std::task::{Context, Poll};
 
 use pin_project_lite::pin_project;
 
-use crate::acquire::limit_failed;
 use crate::classify::OperationOutput;
-use crate::lifecycle::{self, Running, Waiting};
-use crate::metrics::Series;
-use crate::{scope, Acquire, AcquireError, Executor, Operation, OperationMetrics, Rejected};
+use crate::limit::{self, Acquire};
+use crate::operation::{Ending, Lifecycle};
+use crate::protocol::Rejected;
+use crate::{Executor, Operation, OperationMetrics};
 
 /// Runs `work` inside `limit` and reports it through [`OperationMetrics::global`]; returns the
 /// work's output, or [`Rejected`] if the limit turned the operation away.
@@ -28,8 +28,9 @@ use crate::{scope, Acquire, AcquireError, Executor, Operation, OperationMetrics,
 /// wins over all of them.
 ///
 /// `limit` is any [`Acquire`]: `&Semaphore`, `&Arc<Semaphore>`, `&Limit`, or a limit of your
-/// own. Its permit is held for exactly the work. A limit that cannot admit any more (a closed
-/// semaphore) panics with a message that says so instead of hanging.
+/// own; [`Acquire::queue_timeout`] bounds how long it waits. Its permit is held for exactly the
+/// work. A limit that cannot admit any more (a closed semaphore) panics with a message that says
+/// so instead of hanging.
 ///
 /// ```
 /// use tokio::sync::Semaphore;
@@ -134,10 +135,8 @@ impl OperationMetrics {
         F: Future,
         F::Output: OperationOutput,
     {
-        let (permit, running) = self.enter(&limit, operation, executor).await?;
-        let output = run(work, running).await;
-        drop(permit);
-        Ok(output)
+        self.resources_operation_with(limit, operation, executor, async |_: &A::Permit| work.await)
+            .await
     }
 
     /// [`resources_operation_with`] reporting through these metrics instead of the global ones.
@@ -153,109 +152,45 @@ impl OperationMetrics {
         W: AsyncFnOnce(&A::Permit) -> T,
         T: OperationOutput,
     {
-        let (permit, running) = self.enter(&limit, operation, executor).await?;
-        let output = run(work(&permit), running).await;
+        let series = self.series(operation, executor, limit.capacity().as_ref());
+        let mut asked = Lifecycle::new();
+        {
+            let wait = pin!(limit.acquire());
+            let mut asking = limit::in_place(&limit, wait);
+            poll_fn(|cx| asked.poll_admit::<A>(&mut asking, series, cx))
+                .await
+                .map_err(Rejected::new)?;
+        }
+        // The work borrows the permit: the permit is held here, and the operation, declared
+        // after it, records its end before the permit goes back, however the work ends.
+        let (permit, mut running) = asked.lend_permit();
+        let output = Scoped {
+            work: work(&permit),
+            running: &mut running,
+        }
+        .await;
+        running.end(Ending::Returned, |()| output.outcome());
+        drop(running);
         drop(permit);
         Ok(output)
-    }
-
-    /// Takes the permit of an operation of (`operation`, `executor`) from `limit`, waiting for it
-    /// if it has to: the operation is admitted, with what records it, or turned away.
-    async fn enter<A: Acquire>(
-        &self,
-        limit: &A,
-        operation: Operation,
-        executor: Executor,
-    ) -> Result<(A::Permit, Running<&Series>), Rejected> {
-        let series = self.series(operation, executor, limit.capacity());
-        match limit.try_acquire() {
-            Some(Ok(permit)) => Ok((permit, admit(series, None))),
-            Some(Err(error)) => Err(refused::<A>(series, None, &error)),
-            None => {
-                let waiting = series.and_then(Waiting::start);
-                match limit.acquire().await {
-                    Ok(permit) => Ok((permit, admit(series, waiting))),
-                    Err(error) => Err(refused::<A>(series, waiting, &error)),
-                }
-            }
-        }
-    }
-}
-
-/// Runs `work` as the admitted operation that `running` records (just runs it when that records
-/// nothing).
-async fn run<F>(work: F, running: Running<&Series>) -> F::Output
-where
-    F: Future,
-    F::Output: OperationOutput,
-{
-    if running.is_recording() {
-        Scoped { work, running }.await
-    } else {
-        work.await
-    }
-}
-
-/// The operation has its permit, after `waiting` if it waited.
-fn admit<'a>(
-    series: Option<&'a Series>,
-    waiting: Option<Waiting<&'a Series>>,
-) -> Running<&'a Series> {
-    match (waiting, series) {
-        (Some(waiting), _) => waiting.admit(),
-        (None, Some(series)) => lifecycle::admit(series, None),
-        (None, None) => Running::EMPTY,
-    }
-}
-
-/// The limit admitted no operation: a rejection is returned, a failure ends the caller.
-#[cold]
-fn refused<A>(
-    series: Option<&Series>,
-    waiting: Option<Waiting<&Series>>,
-    error: &AcquireError,
-) -> Rejected {
-    match error.rejection() {
-        Some(rejection) => {
-            match (waiting, series) {
-                (Some(waiting), _) => waiting.reject(rejection),
-                (None, Some(series)) => lifecycle::reject(series, rejection),
-                (None, None) => {}
-            }
-            Rejected::new(rejection)
-        }
-        None => {
-            match (waiting, series) {
-                (Some(waiting), _) => drop(waiting),
-                (None, Some(series)) => lifecycle::abandon(series),
-                (None, None) => {}
-            }
-            limit_failed::<A>(error)
-        }
     }
 }
 
 pin_project! {
-    /// Polls the work as the current operation, and ends the operation with the work's outcome.
+    /// Polls the work as the running operation.
     struct Scoped<'a, F> {
         #[pin]
         work: F,
-        running: Running<&'a Series>,
+        running: &'a mut Lifecycle<()>,
     }
 }
 
-impl<F> Future for Scoped<'_, F>
-where
-    F: Future,
-    F::Output: OperationOutput,
-{
+impl<F: Future> Future for Scoped<'_, F> {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let work = this.work;
-        let output = ready!(scope::enter(this.running, || work.poll(cx)));
-        this.running.finish_with(|| output.outcome());
-        Poll::Ready(output)
+        this.running.run(|| work.poll(cx))
     }
 }

@@ -14,7 +14,7 @@ use tower_test::{assert_request_eq, mock};
 
 use support::Telemetry;
 use tower_resources_operation::{
-    OperationMetrics, ResourcesOperationLayer, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE,
+    Limit, OperationMetrics, ResourcesOperationLayer, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE,
     QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
@@ -295,8 +295,8 @@ async fn call_after_ready_does_not_panic() {
 async fn closing_the_semaphore_wakes_a_waiter_to_a_panic_and_clears_its_queued_count() {
     let telemetry = Telemetry::new();
     let semaphore = Arc::new(Semaphore::new(1));
-    let layer = ResourcesOperationLayer::with_semaphore(Arc::clone(&semaphore))
-        .metrics(telemetry.metrics.clone());
+    let layer =
+        ResourcesOperationLayer::new(Arc::clone(&semaphore)).metrics(telemetry.metrics.clone());
     let (mut s1, _handle) = mock::spawn_layer::<(), (), _>(layer);
     let mut s2 = s1.clone();
 
@@ -326,8 +326,7 @@ async fn closing_the_semaphore_wakes_a_waiter_to_a_panic_and_clears_its_queued_c
 async fn fresh_service_on_a_closed_semaphore_panics_instead_of_hanging() {
     let semaphore = Arc::new(Semaphore::new(1));
     semaphore.close();
-    let layer =
-        ResourcesOperationLayer::with_semaphore(semaphore).metrics(OperationMetrics::disabled());
+    let layer = ResourcesOperationLayer::new(semaphore).metrics(OperationMetrics::disabled());
     let (mut service, _handle) = mock::spawn_layer::<(), (), _>(layer);
 
     let _ = service.poll_ready();
@@ -341,17 +340,18 @@ fn new_above_max_permits_panics_naming_max_permits() {
 
 #[test]
 fn try_new_above_max_permits_is_an_error_naming_max_permits() {
-    let error = ResourcesOperationLayer::try_new(usize::MAX).unwrap_err();
+    let error = Limit::try_new(usize::MAX).unwrap_err();
     let message = error.to_string();
     assert!(message.contains("MAX_PERMITS"), "{message}");
 
-    let error = ResourcesOperationLayer::try_new(Semaphore::MAX_PERMITS + 1).unwrap_err();
+    let error = Limit::try_new(Semaphore::MAX_PERMITS + 1).unwrap_err();
     assert!(error.to_string().contains("MAX_PERMITS"), "{error}");
 }
 
 #[test]
 fn try_new_at_max_permits_is_ok() {
-    let layer = ResourcesOperationLayer::try_new(Semaphore::MAX_PERMITS)
-        .expect("Semaphore::MAX_PERMITS is a valid limit");
+    let limit =
+        Limit::try_new(Semaphore::MAX_PERMITS).expect("Semaphore::MAX_PERMITS is a valid limit");
+    let layer = ResourcesOperationLayer::new(limit);
     assert_eq!(layer.limit().available(), Semaphore::MAX_PERMITS);
 }

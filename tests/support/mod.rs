@@ -2,6 +2,9 @@
 //! that never fires on its own, read back with `force_flush`.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod prometheus;
+pub mod reliability;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 

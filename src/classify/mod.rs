@@ -1,29 +1,27 @@
-//! Deciding the [`Outcome`] of an operation from what the inner service returned.
+//! Deciding the [`Outcome`] of an operation from what its work returned.
 //!
-//! - [`ClassifyOutcome`] reads a result: the layer asks once, when the inner future completes.
-//! - [`ClassifyResponse`] and [`ClassifyEos`] read an HTTP response whose operation ends with its
-//!   body: at the head, and at the end of the stream (with the trailers, if any).
-//! - [`MakeClassifier`] builds one classifier per request, from the request (tower-http's model):
-//!   [`SharedClassifier`] clones one `ClassifyOutcome` for each, [`Deadline`] also reads the
-//!   request's deadline.
+//! - [`ClassifyOutcome`] reads a service's result, once, when the inner future completes; in
+//!   the body-end form it reads the response head, and the trailers at the end of the stream.
+//!   [`DefaultClassifier`], [`TimeoutClassifier`], [`HttpClassifier`] and [`GrpcClassifier`]
+//!   are the crate's; closures are classifiers too.
+//! - [`OperationOutput`] reads the output of the work given to
+//!   [`resources_operation`](crate::resources_operation).
 //!
-//! A drop before the end is `cancelled` (or `timeout` past the request's deadline) and a panic is
+//! A drop before the end is `cancelled` (or `timeout` past the caller's deadline) and a panic is
 //! `crashed`, whatever the classifier says; an outcome chosen with
-//! [`set_outcome`](crate::set_outcome) wins over all of them.
+//! [`set_outcome`](crate::set_outcome) wins over all of them. A classifier that panics costs the
+//! operation its outcome (`error`), never the response.
 
 use std::any::Any;
 use std::error::Error;
-use std::time::Duration;
 
-use http::{HeaderMap, Response};
+use ::http::HeaderMap;
 
 use crate::Outcome;
 
-mod deadline;
-mod http_status;
+mod http;
 
-pub use deadline::Deadline;
-pub use http_status::{GrpcClassifier, GrpcEos, HttpClassifier};
+pub use self::http::{GrpcClassifier, HttpClassifier};
 
 /// Maps the result of the inner service to an [`Outcome`].
 ///
@@ -49,6 +47,18 @@ pub use http_status::{GrpcClassifier, GrpcEos, HttpClassifier};
 pub trait ClassifyOutcome<Res, Err> {
     /// The outcome of an operation whose inner future returned `result`.
     fn classify(&self, result: Result<&Res, &Err>) -> Outcome;
+
+    /// In the body-end form ([`until_body_end`](crate::ResourcesOperationLayer::until_body_end)):
+    /// the outcome at the end of a stream whose head [`classify`](Self::classify) called
+    /// `head`, from its trailers if it sent any. Defaults to `head`; a gRPC stream's status is
+    /// in its trailers.
+    fn classify_trailers(head: Outcome, trailers: Option<&HeaderMap>) -> Outcome
+    where
+        Self: Sized,
+    {
+        let _ = trailers;
+        head
+    }
 }
 
 impl<F, Res, Err> ClassifyOutcome<Res, Err> for F
@@ -57,118 +67,6 @@ where
 {
     fn classify(&self, result: Result<&Res, &Err>) -> Outcome {
         self(result)
-    }
-}
-
-/// Builds the classifier of one operation from its request, before the response exists
-/// (tower-http's `MakeClassifier`).
-///
-/// A layer takes one in [`make_classifier`](crate::ResourcesOperationLayer::make_classifier).
-/// The classifiers given to [`classifier`](crate::ResourcesOperationLayer::classifier) work
-/// through [`SharedClassifier`], which clones one for every request; [`Deadline`] also reads how
-/// long the caller waits from a request header.
-pub trait MakeClassifier<Req, Res, Err> {
-    /// The classifier of one operation.
-    type Classifier: ClassifyOutcome<Res, Err>;
-
-    /// The classifier of the operation that serves `request`.
-    fn make_classifier(&self, request: &Req) -> Self::Classifier;
-
-    /// How long the caller of `request` waits for it, if the request says: an operation dropped
-    /// once that long has passed since it asked for its permit ends as `timeout`, not
-    /// `cancelled`. Defaults to `None`.
-    fn deadline(&self, request: &Req) -> Option<Duration> {
-        let _ = request;
-        None
-    }
-}
-
-/// A [`MakeClassifier`] that clones one classifier for every request: how a layer holds the
-/// classifier given to [`classifier`](crate::ResourcesOperationLayer::classifier).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SharedClassifier<C> {
-    classifier: C,
-}
-
-impl<C> SharedClassifier<C> {
-    /// Clones `classifier` for every request.
-    pub const fn new(classifier: C) -> Self {
-        Self { classifier }
-    }
-
-    /// The classifier.
-    pub const fn get_ref(&self) -> &C {
-        &self.classifier
-    }
-
-    /// The classifier, unwrapped.
-    pub fn into_inner(self) -> C {
-        self.classifier
-    }
-}
-
-impl<C, Req, Res, Err> MakeClassifier<Req, Res, Err> for SharedClassifier<C>
-where
-    C: ClassifyOutcome<Res, Err> + Clone,
-{
-    type Classifier = C;
-
-    fn make_classifier(&self, _request: &Req) -> C {
-        self.classifier.clone()
-    }
-}
-
-/// Classifies the head of an HTTP response whose operation ends with its body (the layer's
-/// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form): decides now, or
-/// hands the decision to a [`ClassifyEos`] for the end of the stream, as tower-http's
-/// `ClassifyResponse` does.
-///
-/// An error from the service itself is the operation's [`ClassifyOutcome`]'s to classify.
-/// Whatever the head decided, a body that fails is `error` (or what the `ClassifyEos` says of
-/// the error), one dropped before its end is `cancelled`, and a panic while it is polled is
-/// `crashed`.
-pub trait ClassifyResponse {
-    /// What classifies the end of a stream whose head decided nothing.
-    type ClassifyEos: ClassifyEos;
-
-    /// The outcome, if the head of `response` decides it, or what will decide it at the end of
-    /// the stream.
-    fn classify_response<B>(&self, response: &Response<B>)
-        -> ClassifiedResponse<Self::ClassifyEos>;
-}
-
-/// What the head of a response says about its operation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ClassifiedResponse<E> {
-    /// The head decides: this is the outcome, unless the body fails or is dropped.
-    Ready(Outcome),
-    /// The end of the stream decides, through this.
-    RequiresEos(E),
-}
-
-/// Classifies the end of a response stream whose head decided nothing (gRPC: the status in the
-/// trailers).
-pub trait ClassifyEos {
-    /// The outcome at the end of the stream, from its trailers if it sent any.
-    fn classify_eos(self, trailers: Option<&HeaderMap>) -> Outcome;
-
-    /// The outcome of a body that failed with `error`. Defaults to `error`.
-    fn classify_body_error<E>(self, error: &E) -> Outcome
-    where
-        Self: Sized,
-    {
-        let _ = error;
-        Outcome::Error
-    }
-}
-
-/// The [`ClassifyEos`] of a classifier whose head always decides: there is none.
-#[derive(Clone, Copy, Debug)]
-pub enum NeverClassifyEos {}
-
-impl ClassifyEos for NeverClassifyEos {
-    fn classify_eos(self, _trailers: Option<&HeaderMap>) -> Outcome {
-        match self {}
     }
 }
 
@@ -189,17 +87,6 @@ impl<Res, Err> ClassifyOutcome<Res, Err> for DefaultClassifier {
     }
 }
 
-impl ClassifyResponse for DefaultClassifier {
-    type ClassifyEos = NeverClassifyEos;
-
-    fn classify_response<B>(
-        &self,
-        _response: &Response<B>,
-    ) -> ClassifiedResponse<Self::ClassifyEos> {
-        ClassifiedResponse::Ready(Outcome::Ok)
-    }
-}
-
 /// Another classifier (by default the [`DefaultClassifier`]), plus: an error that is, or wraps,
 /// tower's or tokio's `Elapsed`, or an `io::Error` of kind `TimedOut`, is [`Outcome::Timeout`]
 /// (see [`error_outcome`]).
@@ -210,12 +97,13 @@ impl ClassifyResponse for DefaultClassifier {
 /// `Any` needs the error type to be `'static`, and rustc cannot always prove that inside an
 /// async block (rust-lang/rust#110338): a layered service whose error is a `BoxError`, driven
 /// with `oneshot` inside `tokio::spawn(async move { .. })`, then fails to compile. See the
-/// README's section on that error for the ways around it.
+/// [crate docs](crate#two-compile-errors-and-what-to-do-about-them) for the ways around it.
 ///
 /// ```
 /// use std::time::Duration;
 /// use tower::ServiceBuilder;
-/// use tower_resources_operation::{ResourcesOperationLayer, TimeoutClassifier};
+/// use tower_resources_operation::classify::TimeoutClassifier;
+/// use tower_resources_operation::ResourcesOperationLayer;
 ///
 /// let verifier = ServiceBuilder::new()
 ///     .layer(ResourcesOperationLayer::new(2).classifier(TimeoutClassifier::new()))
@@ -259,16 +147,9 @@ where
             result => self.inner.classify(result),
         }
     }
-}
 
-impl<C: ClassifyResponse> ClassifyResponse for TimeoutClassifier<C> {
-    type ClassifyEos = C::ClassifyEos;
-
-    fn classify_response<B>(
-        &self,
-        response: &Response<B>,
-    ) -> ClassifiedResponse<Self::ClassifyEos> {
-        self.inner.classify_response(response)
+    fn classify_trailers(head: Outcome, trailers: Option<&HeaderMap>) -> Outcome {
+        C::classify_trailers(head, trailers)
     }
 }
 
@@ -279,7 +160,8 @@ const MAX_SOURCE_DEPTH: usize = 32;
 /// `Elapsed` or an `std::io::Error` of kind `TimedOut`; [`Outcome::Error`] otherwise.
 ///
 /// ```
-/// use tower_resources_operation::{error_outcome, Outcome};
+/// use tower_resources_operation::classify::error_outcome;
+/// use tower_resources_operation::Outcome;
 ///
 /// let elapsed = tower::timeout::error::Elapsed::new();
 /// let wrapped = std::io::Error::other(elapsed);

@@ -3,12 +3,15 @@
 //! Everything a request touches is built once, in [`OperationMetrics::new`]: the two histograms,
 //! the attribute slices for every (operation, executor[, outcome | rejection]) in one fixed key
 //! order, a table of atomics for the live counts, rejections and abandoned waits (read by the
-//! observable instruments' callbacks), and one [`Series`] handle per (operation, executor). The
+//! observable instruments' callbacks), and one series handle per (operation, executor). The
 //! request path only reads the clock, adds to atomics and records with a pre-built slice.
+//!
+//! This module also holds the names of the three instruments this crate adds to NeMo Gym's.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+mod capacity;
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
 
 #[cfg(feature = "experimental-bound-instruments")]
 use opentelemetry::metrics::BoundHistogram;
@@ -16,21 +19,36 @@ use opentelemetry::metrics::{Histogram, Meter, MeterProvider};
 use opentelemetry::KeyValue;
 use tokio::time::Instant;
 
-use crate::{
-    Capacity, Executor, Operation, Outcome, Rejection, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE,
-    OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-    REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
-};
+pub use capacity::Capacity;
 
-const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
-const OUTCOMES: usize = Outcome::ALL.len();
-const REJECTIONS: usize = Rejection::ALL.len();
-/// Limits per series remembered without taking the registry's lock.
-const KNOWN_LIMITS: usize = 4;
+use crate::operation::{guarded, UNKNOWN};
+use crate::{
+    Executor, Operation, Outcome, Rejection, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+};
 
 /// Name of the meter that [`OperationMetrics::global`] takes from the global provider.
 pub const METER_NAME: &str = "tower-resources-operation";
+
+/// Observable gauge, `{operation}`: the most operations of a series that could run at once, the
+/// sum of the capacities of the distinct limits it draws from. An addition of this crate to
+/// NeMo Gym's instruments.
+pub const LIMIT_INSTRUMENT: &str = "gym.resources.operation.limit";
+/// Counter, `{operation}`: operations turned away without a permit, by [`REJECTION_ATTRIBUTE`].
+/// An addition of this crate to NeMo Gym's instruments.
+pub const REJECTED_INSTRUMENT: &str = "gym.resources.operation.rejected";
+/// Counter, `{operation}`: operations whose caller went away while they waited for a permit.
+/// An addition of this crate to NeMo Gym's instruments.
+pub const ABANDONED_INSTRUMENT: &str = "gym.resources.operation.abandoned";
+/// Attribute key of the [`Rejection`], on [`REJECTED_INSTRUMENT`] only.
+pub const REJECTION_ATTRIBUTE: &str = "nemo.gym.resources.operation.rejection";
+/// The values of [`REJECTION_ATTRIBUTE`], one per [`Rejection`].
+pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout"];
+
+const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
+const OUTCOMES: usize = Outcome::ALL.len();
+const REJECTION_COUNT: usize = Rejection::ALL.len();
 
 /// The instruments and live counts behind the layer and [`resources_operation`](crate::resources_operation):
 /// NeMo Gym's `_OperationMetrics`, one set per meter.
@@ -50,7 +68,7 @@ pub struct OperationMetrics {
 #[derive(Debug)]
 struct Metrics {
     shared: Arc<Shared>,
-    /// One handle per (operation, executor), for the callers that choose a series per operation.
+    /// One handle per (operation, executor).
     series: Box<[Series]>,
 }
 
@@ -62,7 +80,12 @@ impl OperationMetrics {
         let shared = Arc::new(Shared::new(meter));
         register_callbacks(meter, &shared);
         let series = (0..SERIES)
-            .map(|index| Series::resolved(Arc::clone(&shared), index))
+            .map(|index| {
+                Series(Arc::new(SeriesCell {
+                    shared: Arc::clone(&shared),
+                    index,
+                }))
+            })
             .collect();
         Self {
             inner: Some(Arc::new(Metrics { shared, series })),
@@ -70,14 +93,15 @@ impl OperationMetrics {
     }
 
     /// The metrics of the global meter provider installed now: the meter
-    /// `tower-resources-operation` of `opentelemetry::global::meter_provider()`.
+    /// [`METER_NAME`] of `opentelemetry::global::meter_provider()`.
     ///
     /// OpenTelemetry's global meter is a snapshot: instruments made from it report to the provider
     /// that was installed when they were made, for good. So this is decided when it is called, and
     /// every call made under one provider returns the same metrics. The layer's default and the
-    /// free [`resources_operation`](crate::resources_operation) call it as late as they can: the
-    /// layer when it first serves a request, the free function on every call. When the standard
-    /// `OTEL_SDK_DISABLED` variable is `true` this is [`OperationMetrics::disabled`].
+    /// free [`resources_operation`](crate::resources_operation) call it as late as they can: a
+    /// layer when one of its services first serves a request, the free function on every call.
+    /// When the standard `OTEL_SDK_DISABLED` variable is `true` this is
+    /// [`OperationMetrics::disabled`].
     pub fn global() -> Self {
         static SDK_DISABLED: OnceLock<bool> = OnceLock::new();
         let disabled = *SDK_DISABLED.get_or_init(|| {
@@ -127,40 +151,22 @@ impl OperationMetrics {
         capacity: Option<&Capacity>,
     ) -> Option<&Series> {
         let metrics = self.inner.as_deref()?;
-        let series = &metrics.series[index(operation, executor)];
-        metrics.shared.report(series.index(), capacity);
-        Some(series)
+        let index = operation.index() * Executor::ALL.len() + executor.index();
+        metrics.shared.report(index, capacity);
+        Some(&metrics.series[index])
     }
-}
-
-fn index(operation: Operation, executor: Executor) -> usize {
-    operation.index() * Executor::ALL.len() + executor.index()
 }
 
 /// Where a layer takes its metrics from.
 #[derive(Clone, Debug)]
 pub(crate) enum MetricsSource {
-    /// [`OperationMetrics::global`], resolved when the layer first serves.
+    /// [`OperationMetrics::global`], resolved when a service of the layer first serves.
     Global,
     /// Metrics given to the layer.
     Given(OperationMetrics),
 }
 
 impl MetricsSource {
-    /// The series a layer's service records through: given metrics are resolved now, the
-    /// global ones when the service first records.
-    pub(crate) fn series(
-        &self,
-        operation: Operation,
-        executor: Executor,
-        capacity: Option<&Capacity>,
-    ) -> Option<Series> {
-        match self {
-            MetricsSource::Given(metrics) => metrics.series(operation, executor, capacity).cloned(),
-            MetricsSource::Global => Some(Series::global(operation, executor, capacity.cloned())),
-        }
-    }
-
     /// The metrics themselves, resolving the global ones now.
     pub(crate) fn resolve(&self) -> OperationMetrics {
         match self {
@@ -180,46 +186,64 @@ pub(crate) struct Series(Arc<SeriesCell>);
 #[derive(Debug)]
 #[repr(align(64))]
 struct SeriesCell {
-    /// The metrics, once known; `None` inside for global metrics that are disabled.
-    metrics: OnceLock<Option<Arc<Shared>>>,
+    shared: Arc<Shared>,
     index: usize,
-    /// The capacity to count in the series' limit when global metrics are resolved.
-    capacity: Option<Capacity>,
 }
 
 impl Series {
-    fn resolved(shared: Arc<Shared>, index: usize) -> Self {
-        Self(Arc::new(SeriesCell {
-            metrics: OnceLock::from(Some(shared)),
-            index,
-            capacity: None,
-        }))
-    }
-
-    fn global(operation: Operation, executor: Executor, capacity: Option<Capacity>) -> Self {
-        Self(Arc::new(SeriesCell {
-            metrics: OnceLock::new(),
-            index: index(operation, executor),
-            capacity,
-        }))
-    }
-
-    /// The metrics to record into, or `None` if they are disabled.
     #[inline]
-    pub(crate) fn shared(&self) -> Option<&Shared> {
+    fn parts(&self) -> (&Shared, &Cell, usize) {
         let cell = &*self.0;
-        cell.metrics
-            .get_or_init(|| {
-                let metrics = OperationMetrics::global().inner?;
-                metrics.shared.report(cell.index, cell.capacity.as_ref());
-                Some(Arc::clone(&metrics.shared))
-            })
-            .as_deref()
+        (&cell.shared, &cell.shared.cells[cell.index], cell.index)
     }
 
+    /// The metrics' clock, now, in nanoseconds from its origin; [`UNKNOWN`] if it cannot be
+    /// read (tokio's paused clock panics once its runtime's thread-locals are gone).
     #[inline]
-    pub(crate) fn index(&self) -> usize {
-        self.0.index
+    pub(crate) fn now(&self) -> i64 {
+        let clock = &self.0.shared.clock;
+        guarded(|| clock.nanos(Instant::now())).unwrap_or(UNKNOWN)
+    }
+
+    /// One more operation of the series waits.
+    pub(crate) fn start_waiting(&self) {
+        self.parts().1.queued.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An operation got its permit, after waiting `queued_ns` if it `waited` (counted in
+    /// `queued` until now).
+    pub(crate) fn admit(&self, waited: bool, queued_ns: i64) {
+        let (shared, cell, index) = self.parts();
+        if waited {
+            cell.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        cell.active.fetch_add(1, Ordering::Relaxed);
+        guarded(|| shared.record_queue(index, millis(queued_ns)));
+    }
+
+    /// An operation was turned away, after waiting or not.
+    pub(crate) fn reject(&self, rejection: Rejection, waited: bool) {
+        let (_, cell, _) = self.parts();
+        if waited {
+            cell.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        cell.rejected[rejection.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A caller went away while it waited (or its limit failed under it).
+    pub(crate) fn abandon(&self, waited: bool) {
+        let (_, cell, _) = self.parts();
+        if waited {
+            cell.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        cell.abandoned.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An admitted operation that ran `ran_ns` ended with `outcome`.
+    pub(crate) fn end(&self, outcome: Outcome, ran_ns: i64) {
+        let (shared, cell, index) = self.parts();
+        cell.active.fetch_sub(1, Ordering::Relaxed);
+        guarded(|| shared.record_duration(index, outcome, millis(ran_ns)));
     }
 }
 
@@ -230,21 +254,12 @@ struct Cell {
     queued: AtomicI64,
     active: AtomicI64,
     abandoned: AtomicU64,
-    rejected: [AtomicU64; REJECTIONS],
+    rejected: [AtomicU64; REJECTION_COUNT],
     /// Whether the series is reported (from the first limit that uses it on).
     reported: AtomicBool,
-    /// Keys of limits already in the registry for this series, so that the scoped API and the
-    /// per-request layer do not take the registry's lock on every operation.
-    known_limits: [AtomicUsize; KNOWN_LIMITS],
 }
 
-/// A limit counted in a series' `gym.resources.operation.limit`.
-struct Registration {
-    index: usize,
-    capacity: Capacity,
-}
-
-pub(crate) struct Shared {
+struct Shared {
     clock: Clock,
     queue_duration: Histogram<f64>,
     duration: Histogram<f64>,
@@ -255,7 +270,7 @@ pub(crate) struct Shared {
     outcome_attributes: Box<[[KeyValue; 3]]>,
     /// `[operation, executor, rejection]` for each series and rejection, in that order.
     rejection_attributes: Box<[[KeyValue; 3]]>,
-    limits: Mutex<Vec<Registration>>,
+    limits: capacity::Registry<SERIES>,
     /// The queue histogram bound to each series, bound on first use.
     #[cfg(feature = "experimental-bound-instruments")]
     bound_queue: Box<[OnceLock<BoundHistogram<f64>>]>,
@@ -288,7 +303,7 @@ impl Shared {
 
         let mut series_attributes = Vec::with_capacity(SERIES);
         let mut outcome_attributes = Vec::with_capacity(SERIES * OUTCOMES);
-        let mut rejection_attributes = Vec::with_capacity(SERIES * REJECTIONS);
+        let mut rejection_attributes = Vec::with_capacity(SERIES * REJECTION_COUNT);
         for operation in Operation::ALL {
             for executor in Executor::ALL {
                 let operation = KeyValue::new(OPERATION_ATTRIBUTE, operation.as_str());
@@ -319,7 +334,7 @@ impl Shared {
             series_attributes: series_attributes.into_boxed_slice(),
             outcome_attributes: outcome_attributes.into_boxed_slice(),
             rejection_attributes: rejection_attributes.into_boxed_slice(),
-            limits: Mutex::new(Vec::new()),
+            limits: capacity::Registry::new(),
             #[cfg(feature = "experimental-bound-instruments")]
             bound_queue: (0..SERIES).map(|_| OnceLock::new()).collect(),
             #[cfg(feature = "experimental-bound-instruments")]
@@ -329,85 +344,14 @@ impl Shared {
 
     /// Reports series `index` from now on (0 included, so an idle limit shows as 0 rather than
     /// as no data), with `capacity` counted in its limit.
-    pub(crate) fn report(&self, index: usize, capacity: Option<&Capacity>) {
+    fn report(&self, index: usize, capacity: Option<&Capacity>) {
         let cell = &self.cells[index];
         if !cell.reported.load(Ordering::Relaxed) {
             cell.reported.store(true, Ordering::Relaxed);
         }
-        let Some(capacity) = capacity else { return };
-        let key = capacity.key();
-        if cell
-            .known_limits
-            .iter()
-            .any(|known| known.load(Ordering::Relaxed) == key)
-        {
-            return;
+        if let Some(capacity) = capacity {
+            self.limits.register(index, capacity);
         }
-        let mut limits = self.limits.lock().unwrap_or_else(|p| p.into_inner());
-        if !limits
-            .iter()
-            .any(|known| known.index == index && known.capacity.key() == key)
-        {
-            limits.push(Registration {
-                index,
-                capacity: capacity.clone(),
-            });
-        }
-        for known in &cell.known_limits {
-            if known
-                .compare_exchange(0, key, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-            {
-                break;
-            }
-        }
-    }
-
-    /// The clock, now, in nanoseconds from its origin; `None` if it cannot be read (tokio's
-    /// paused clock panics once its runtime's thread-locals are gone).
-    #[inline]
-    pub(crate) fn now(&self) -> Option<i64> {
-        catch_unwind(AssertUnwindSafe(|| self.clock.nanos(Instant::now()))).ok()
-    }
-
-    /// Counts one more operation of series `index` as waiting.
-    pub(crate) fn start_waiting(&self, index: usize) {
-        self.cells[index].queued.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// An operation of series `index` got its permit, after waiting `queued_ns` if it `waited`
-    /// (counted in `queued` until now).
-    pub(crate) fn admit(&self, index: usize, waited: bool, queued_ns: i64) {
-        let cell = &self.cells[index];
-        if waited {
-            cell.queued.fetch_sub(1, Ordering::Relaxed);
-        }
-        cell.active.fetch_add(1, Ordering::Relaxed);
-        guarded(|| self.record_queue(index, millis(queued_ns)));
-    }
-
-    /// An operation of series `index` was turned away, after waiting or not.
-    pub(crate) fn reject(&self, index: usize, rejection: Rejection, waited: bool) {
-        let cell = &self.cells[index];
-        if waited {
-            cell.queued.fetch_sub(1, Ordering::Relaxed);
-        }
-        cell.rejected[rejection.index()].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A caller of series `index` went away while it waited (or its limit failed under it).
-    pub(crate) fn abandon(&self, index: usize, waited: bool) {
-        let cell = &self.cells[index];
-        if waited {
-            cell.queued.fetch_sub(1, Ordering::Relaxed);
-        }
-        cell.abandoned.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// An operation of series `index` that ran `ran_ns` ended with `outcome`.
-    pub(crate) fn end(&self, index: usize, outcome: Outcome, ran_ns: i64) {
-        self.cells[index].active.fetch_sub(1, Ordering::Relaxed);
-        guarded(|| self.record_duration(index, outcome, millis(ran_ns)));
     }
 
     fn record_queue(&self, index: usize, ms: f64) {
@@ -448,7 +392,8 @@ impl Shared {
         for (index, cell) in self.cells.iter().enumerate() {
             if cell.reported.load(Ordering::Relaxed) {
                 for (rejection, count) in cell.rejected.iter().enumerate() {
-                    let attributes = &self.rejection_attributes[index * REJECTIONS + rejection];
+                    let attributes =
+                        &self.rejection_attributes[index * REJECTION_COUNT + rejection];
                     observe(count.load(Ordering::Relaxed), attributes);
                 }
             }
@@ -456,42 +401,9 @@ impl Shared {
     }
 
     /// Observes, for each series with at least one known limit, the sum of the capacities of its
-    /// distinct limits; forgets the limits that are gone. A capacity that panics when read costs
-    /// its series that collection.
+    /// distinct limits.
     fn observe_limits(&self, mut observe: impl FnMut(i64, &[KeyValue])) {
-        let mut totals = [None::<usize>; SERIES];
-        {
-            let mut limits = self.limits.lock().unwrap_or_else(|p| p.into_inner());
-            limits.retain(|limit| {
-                let read = if limit.capacity.is_last() {
-                    Ok(None)
-                } else {
-                    catch_unwind(AssertUnwindSafe(|| limit.capacity.get()))
-                };
-                match read {
-                    Ok(Some(capacity)) => {
-                        let total = totals[limit.index].get_or_insert(0);
-                        *total = total.saturating_add(capacity);
-                        true
-                    }
-                    // Read again at the next collection.
-                    Err(_) => true,
-                    Ok(None) => {
-                        let key = limit.capacity.key();
-                        for known in &self.cells[limit.index].known_limits {
-                            let _ = known.compare_exchange(
-                                key,
-                                0,
-                                Ordering::Relaxed,
-                                Ordering::Relaxed,
-                            );
-                        }
-                        false
-                    }
-                }
-            });
-        }
-        for (index, total) in totals.iter().enumerate() {
+        for (index, total) in self.limits.totals().iter().enumerate() {
             if let Some(total) = total {
                 let value = i64::try_from(*total).unwrap_or(i64::MAX);
                 observe(value, &self.series_attributes[index]);
@@ -561,12 +473,6 @@ fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
             )
         })
         .build();
-}
-
-/// Runs `record`, a call into the meter: a meter that panics costs its measurement, not the
-/// request that made it.
-fn guarded(record: impl FnOnce()) {
-    let _ = catch_unwind(AssertUnwindSafe(record));
 }
 
 /// Turns instants into signed nanoseconds from an origin: an instant before the origin (a

@@ -1,25 +1,29 @@
-//! [`Acquire`]: what a limit is, for the layer and for [`resources_operation`](crate::resources_operation).
+//! What a limit is ([`Acquire`]), the crate's own ([`Limit`]), and how a limit is asked for a
+//! permit, in a service's `poll_ready` or in an `async` block.
 //!
 //! NeMo Gym's module enters "`limit`, which is any async context manager such as an
 //! `asyncio.Semaphore`". Here a limit is anything that hands out a permit and takes it back when
-//! the permit drops: tokio's [`Semaphore`], this crate's [`Limit`](crate::Limit), a weighted
-//! semaphore, a pool whose checkout is the permit, a rate limiter, a semaphore kept in a store
-//! that every replica of a fleet reaches.
+//! the permit drops: tokio's [`Semaphore`], this crate's [`Limit`], a weighted semaphore, a pool
+//! whose checkout is the permit, a semaphore kept in a store that every replica of a fleet
+//! reaches.
+
+mod local;
+mod poll;
+mod resize;
 
 use std::error::Error;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit, TryAcquireError};
 
+pub use local::{Limit, LimitPermit, LimitTooLarge};
+pub(crate) use poll::{in_place, Asking, Waiting};
+
+use crate::metrics::Capacity;
 use crate::Rejection;
-
-mod capacity;
-mod poll;
-
-pub use capacity::Capacity;
-pub use poll::PollAcquire;
 
 /// A limit: admits operations one permit at a time, and takes the place back when the permit
 /// drops.
@@ -33,13 +37,13 @@ pub use poll::PollAcquire;
 ///   `.await`: the caller went away. Dropping it must leave the limit as if it had never asked
 ///   (no place taken, none leaked).
 /// - **Fairness is the limit's.** The layer asks in the order its callers poll; who gets the next
-///   place is up to the implementation (tokio's [`Semaphore`] and [`Limit`](crate::Limit) serve
-///   first come, first served).
-/// - **Never hang on a failure.** A limit that cannot admit any more (closed, shut down, its store
-///   unreachable past a timeout of its own) returns [`AcquireError::closed`] or
-///   [`AcquireError::failed`], and that ends the caller with a panic that names the limit's type,
-///   as tower's limit does for a closed semaphore. A limit that bounds its queue turns an
-///   operation away with [`AcquireError::rejected`], which the layer answers as a rejection.
+///   place is up to the implementation (tokio's [`Semaphore`] and [`Limit`] serve first come,
+///   first served).
+/// - **Never hang on a failure.** A limit that turns an operation away returns
+///   [`AcquireError::rejected`], which a layer answers as a rejection. A limit that cannot admit
+///   any more (closed, shut down, its store unreachable past a timeout of its own) returns
+///   [`AcquireError::closed`] or [`AcquireError::failed`], which ends the caller with a panic
+///   that names the limit's type, as tower's limit does for a closed semaphore.
 ///
 /// # Implementing it
 ///
@@ -47,7 +51,7 @@ pub use poll::PollAcquire;
 /// use std::future::Future;
 /// use std::sync::Arc;
 /// use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-/// use tower_resources_operation::{Acquire, AcquireError};
+/// use tower_resources_operation::{limit::AcquireError, Acquire};
 ///
 /// /// A limit where a large job takes several places.
 /// #[derive(Clone)]
@@ -80,8 +84,8 @@ pub trait Acquire {
     /// Waits for a permit.
     fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send;
 
-    /// Waits for a permit, on a limit given away: the poll-based form ([`PollAcquire`]) keeps
-    /// this future across polls, so it must own what it borrows. Defaults to
+    /// Waits for a permit, on a limit given away: a service keeps this future across its
+    /// `poll_ready` calls, so it must own what it borrows. Defaults to
     /// [`acquire`](Acquire::acquire) on the limit moved into the future; a limit whose handle is
     /// a reference count can move that count into the permit instead of taking another.
     fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send
@@ -94,8 +98,8 @@ pub trait Acquire {
     /// A permit now if one is free, `None` if the operation would have to wait.
     ///
     /// Tried before [`acquire`](Acquire::acquire), so that a free place costs no future and no
-    /// clock read. Defaults to `None`: every operation goes through `acquire`, and in the layer
-    /// the first one of each service that waits allocates its future once.
+    /// clock read. Defaults to `None`: every operation goes through `acquire`, and a service
+    /// allocates each wait's future (as tokio-util's `PollSemaphore` does).
     fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
         None
     }
@@ -105,7 +109,7 @@ pub trait Acquire {
     /// Defaults to `None`: the series reports no limit (the layer's
     /// [`capacity`](crate::ResourcesOperationLayer::capacity) can give one). Return clones of one
     /// [`Capacity`], made with the limit: each distinct `Capacity` counts as another limit.
-    fn capacity(&self) -> Option<&Capacity> {
+    fn capacity(&self) -> Option<Capacity> {
         None
     }
 
@@ -115,6 +119,107 @@ pub trait Acquire {
     /// says it may reject. Defaults to `false`.
     fn may_reject(&self) -> bool {
         false
+    }
+
+    /// This limit, turning away with [`Rejection::QueueTimeout`] an operation that has waited
+    /// `timeout` for its permit.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_resources_operation::{Acquire, Limit};
+    ///
+    /// // Two at once; none waits more than half a second.
+    /// let judges = Limit::new(2).queue_timeout(Duration::from_millis(500));
+    /// assert!(judges.may_reject());
+    /// ```
+    fn queue_timeout(self, timeout: Duration) -> QueueTimeout<Self>
+    where
+        Self: Sized,
+    {
+        QueueTimeout {
+            limit: self,
+            timeout,
+        }
+    }
+}
+
+/// Something a limit can be made from: a number (a new [`Limit`] of that many operations at
+/// once) or any [`Acquire`] (itself).
+pub trait IntoLimit {
+    /// The limit.
+    type Limit: Acquire;
+
+    /// Makes the limit.
+    ///
+    /// # Panics
+    ///
+    /// A number above tokio's [`Semaphore::MAX_PERMITS`] panics: use [`Limit::try_new`] for an
+    /// error instead.
+    fn into_limit(self) -> Self::Limit;
+}
+
+impl<A: Acquire> IntoLimit for A {
+    type Limit = A;
+
+    fn into_limit(self) -> A {
+        self
+    }
+}
+
+impl IntoLimit for usize {
+    type Limit = Limit;
+
+    #[track_caller]
+    fn into_limit(self) -> Limit {
+        Limit::new(self)
+    }
+}
+
+/// A limit whose operations wait at most a time for their permit: see
+/// [`Acquire::queue_timeout`].
+#[derive(Clone, Debug)]
+pub struct QueueTimeout<A> {
+    limit: A,
+    timeout: Duration,
+}
+
+impl<A> QueueTimeout<A> {
+    /// The limit inside.
+    pub fn get_ref(&self) -> &A {
+        &self.limit
+    }
+
+    /// How long an operation may wait.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+/// `Elapsed` as the rejection it is.
+fn timed_out<P>(
+    waited: Result<Result<P, AcquireError>, tokio::time::error::Elapsed>,
+) -> Result<P, AcquireError> {
+    waited.unwrap_or_else(|_| Err(AcquireError::rejected(Rejection::QueueTimeout)))
+}
+
+impl<A: Acquire + Sync> Acquire for QueueTimeout<A> {
+    type Permit = A::Permit;
+
+    async fn acquire(&self) -> Result<Self::Permit, AcquireError> {
+        timed_out(tokio::time::timeout(self.timeout, self.limit.acquire()).await)
+    }
+
+    #[inline]
+    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+        self.limit.try_acquire()
+    }
+
+    fn capacity(&self) -> Option<Capacity> {
+        self.limit.capacity()
+    }
+
+    fn may_reject(&self) -> bool {
+        true
     }
 }
 
@@ -267,7 +372,7 @@ macro_rules! forward_acquire {
                 (**self).try_acquire()
             }
 
-            fn capacity(&self) -> Option<&Capacity> {
+            fn capacity(&self) -> Option<Capacity> {
                 (**self).capacity()
             }
 

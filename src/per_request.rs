@@ -1,5 +1,15 @@
-//! Per-request tags: one layer over a whole axum `Router` or tonic `Server`, where each request
-//! chooses its operation and executor, or to go unlimited.
+//! One layer over a whole axum `Router` or tonic `Server`, where each request chooses its
+//! operation and executor, or to go unlimited.
+//!
+//! A layer made [`per_request`](crate::ResourcesOperationLayer::per_request) needs the request to
+//! choose, which `poll_ready` does not have, so it takes its permit after `call`: its
+//! `poll_ready` is always ready, and each limited request goes through a clone of the inner
+//! service (which must be `Clone`) that waits for its permit in the response future, as the
+//! layer's per-route form does. `queued` counts a request from `call` on (a per-route layer
+//! counts it from its first `poll_ready`, which under hyper and axum is the same moment); an
+//! unlimited request is neither limited nor recorded. Every choice is one of the bounded values,
+//! whatever the request; a chooser that panics costs the request its choice (it is limited as
+//! [`Choice::OTHER`]), never its answer.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -14,11 +24,14 @@ use tower::util::Oneshot;
 use tower::ServiceExt;
 use tower_service::Service;
 
-use crate::classify::MakeClassifier;
-use crate::end::End;
-use crate::metrics::MetricsSource;
-use crate::reject::RespondRejected;
-use crate::{Acquire, Capacity, Executor, Operation, OperationMetrics, ResourcesOperation};
+use crate::classify::ClassifyOutcome;
+use crate::layer::{Config, End, ResourcesOperation};
+use crate::limit::Acquire;
+use crate::operation::guarded;
+use crate::protocol::Protocol;
+use crate::{Executor, Operation};
+
+const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
 
 /// What a request is, to a layer over many routes: an operation of some series, or not limited.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -72,7 +85,8 @@ where
 /// [`otherwise`](Self::otherwise) (by default `other`/`other`, limited).
 ///
 /// ```
-/// use tower_resources_operation::{ByGrpcMethod, Choice, ChooseOperation, Executor, Operation};
+/// use tower_resources_operation::per_request::{ByGrpcMethod, Choice, ChooseOperation};
+/// use tower_resources_operation::{Executor, Operation};
 ///
 /// let chooser = ByGrpcMethod::new()
 ///     .service("nemo.Verifier", Choice::limited(Operation::Verify, Executor::Subprocess))
@@ -167,9 +181,8 @@ impl<B> ChooseOperation<http::Request<B>> for ByGrpcMethod {
 ///
 /// ```
 /// use axum::{routing::get, Router};
-/// use tower_resources_operation::{
-///     ByMatchedPath, Choice, Executor, Operation, ResourcesOperationLayer,
-/// };
+/// use tower_resources_operation::per_request::{ByMatchedPath, Choice};
+/// use tower_resources_operation::{Executor, Operation, ResourcesOperationLayer};
 ///
 /// let chooser = ByMatchedPath::new()
 ///     .route("/verify", Choice::limited(Operation::Verify, Executor::Subprocess))
@@ -224,55 +237,54 @@ impl<B> ChooseOperation<http::Request<B>> for ByMatchedPath {
     }
 }
 
+/// The tags of a layer whose requests each choose their operation with `F`: see
+/// [`per_request`](crate::ResourcesOperationLayer::per_request).
+#[derive(Clone, Debug)]
+pub struct PerRequest<F> {
+    chooser: F,
+}
+
+impl<F> PerRequest<F> {
+    pub(crate) fn new(chooser: F) -> Self {
+        Self { chooser }
+    }
+}
+
 /// A service whose requests each choose their operation, made by a layer built
 /// [`per_request`](crate::ResourcesOperationLayer::per_request).
 ///
 /// Its `poll_ready` is always ready; `call` sends each limited request through a clone of the
 /// inner service that takes its permit as [`ResourcesOperation`] does, and each unlimited one
 /// straight to a clone of the inner service.
-pub struct PerRequestOperation<S, F, C, L, R, E> {
+pub struct PerRequestOperation<S, F, C, L, P, E> {
     inner: S,
-    chooser: F,
-    classifier: C,
-    limit: L,
-    rejections: R,
-    metrics: Arc<LazyMetrics>,
-    capacity: Option<Capacity>,
+    choosing: Arc<Choosing<F, C, L, P>>,
     _end: PhantomData<fn() -> E>,
 }
 
-/// Metrics resolved when the first request is served.
-#[derive(Debug)]
-struct LazyMetrics {
-    source: MetricsSource,
-    resolved: OnceLock<OperationMetrics>,
+/// What the services of one per-request layer share.
+struct Choosing<F, C, L, P> {
+    chooser: F,
+    base: Arc<Config<C, L, P>>,
+    /// The configuration of each (operation, executor), made when a request first chooses it.
+    by_series: [OnceLock<Arc<Config<C, L, P>>>; SERIES],
 }
 
-impl<S, F, C, L, R, E> PerRequestOperation<S, F, C, L, R, E> {
-    pub(crate) fn new(
-        inner: S,
-        chooser: F,
-        classifier: C,
-        limit: L,
-        rejections: R,
-        metrics: MetricsSource,
-        capacity: Option<Capacity>,
-    ) -> Self {
+impl<S, F: Clone, C, L, P, E> PerRequestOperation<S, F, C, L, P, E> {
+    pub(crate) fn new(inner: S, tags: &PerRequest<F>, base: &Arc<Config<C, L, P>>) -> Self {
         Self {
             inner,
-            chooser,
-            classifier,
-            limit,
-            rejections,
-            metrics: Arc::new(LazyMetrics {
-                source: metrics,
-                resolved: OnceLock::new(),
+            choosing: Arc::new(Choosing {
+                chooser: tags.chooser.clone(),
+                base: Arc::clone(base),
+                by_series: std::array::from_fn(|_| OnceLock::new()),
             }),
-            capacity,
             _end: PhantomData,
         }
     }
+}
 
+impl<S, F, C, L, P, E> PerRequestOperation<S, F, C, L, P, E> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -289,23 +301,36 @@ impl<S, F, C, L, R, E> PerRequestOperation<S, F, C, L, R, E> {
     }
 }
 
-impl<S, F, C, L, R, E, Request> Service<Request> for PerRequestOperation<S, F, C, L, R, E>
+impl<F, C: Clone, L: Clone, P: Clone> Choosing<F, C, L, P> {
+    /// The configuration of the operations of (`operation`, `executor`).
+    fn config(&self, operation: Operation, executor: Executor) -> &Arc<Config<C, L, P>> {
+        let index = operation.index() * Executor::ALL.len() + executor.index();
+        self.by_series[index].get_or_init(|| {
+            let mut config = (*self.base).clone();
+            config.operation = operation;
+            config.executor = executor;
+            Arc::new(config)
+        })
+    }
+}
+
+impl<S, F, C, L, P, E, Request> Service<Request> for PerRequestOperation<S, F, C, L, P, E>
 where
     S: Service<Request> + Clone,
     F: ChooseOperation<Request>,
-    C: MakeClassifier<Request, S::Response, S::Error> + Clone,
+    C: ClassifyOutcome<S::Response, S::Error> + Clone,
     L: Acquire + Clone + Send + Sync + 'static,
     L::Permit: Send + 'static,
-    R: RespondRejected<S::Response, S::Error>,
-    E: End<S::Response, S::Error, C::Classifier, L::Permit>,
+    P: Protocol<Request, S::Response, S::Error> + Clone,
+    E: End<S::Response, S::Error, C, L::Permit>,
 {
     type Response = E::Response;
     type Error = S::Error;
     type Future = PerRequestFuture<
-        Oneshot<ResourcesOperation<S, C, L, R, E>, Request>,
+        Oneshot<ResourcesOperation<S, C, L, P, E>, Request>,
         Oneshot<S, Request>,
         E,
-        C::Classifier,
+        C,
         L::Permit,
     >;
 
@@ -314,56 +339,33 @@ where
     }
 
     fn call(&mut self, request: Request) -> Self::Future {
-        let (operation, executor) = match self.chooser.choose(&request) {
+        let choosing = &*self.choosing;
+        let choice = guarded(|| choosing.chooser.choose(&request)).unwrap_or(Choice::OTHER);
+        match choice {
             Choice::Limited {
                 operation,
                 executor,
-            } => (operation, executor),
-            Choice::Unlimited => {
-                return PerRequestFuture::unlimited(self.inner.clone().oneshot(request));
+            } => {
+                let config = Arc::clone(choosing.config(operation, executor));
+                let service = ResourcesOperation::from_config(self.inner.clone(), config);
+                PerRequestFuture::limited(service.oneshot(request))
             }
-        };
-        let metrics = &*self.metrics;
-        let series = metrics
-            .resolved
-            .get_or_init(|| metrics.source.resolve())
-            .series(operation, executor, self.capacity.as_ref())
-            .cloned();
-        let service = ResourcesOperation::from_parts(
-            self.inner.clone(),
-            self.classifier.clone(),
-            self.limit.clone(),
-            self.rejections.clone(),
-            series,
-            None,
-        );
-        PerRequestFuture::limited(service.oneshot(request))
+            Choice::Unlimited => PerRequestFuture::unlimited(self.inner.clone().oneshot(request)),
+        }
     }
 }
 
-impl<S, F, C, L, R, E> Clone for PerRequestOperation<S, F, C, L, R, E>
-where
-    S: Clone,
-    F: Clone,
-    C: Clone,
-    L: Clone,
-    R: Clone,
-{
+impl<S: Clone, F, C, L, P, E> Clone for PerRequestOperation<S, F, C, L, P, E> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            chooser: self.chooser.clone(),
-            classifier: self.classifier.clone(),
-            limit: self.limit.clone(),
-            rejections: self.rejections.clone(),
-            metrics: Arc::clone(&self.metrics),
-            capacity: self.capacity.clone(),
+            choosing: Arc::clone(&self.choosing),
             _end: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, F, C, L, R, E> fmt::Debug for PerRequestOperation<S, F, C, L, R, E> {
+impl<S: fmt::Debug, F, C, L, P, E> fmt::Debug for PerRequestOperation<S, F, C, L, P, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PerRequestOperation")
             .field("inner", &self.inner)
@@ -373,7 +375,7 @@ impl<S: fmt::Debug, F, C, L, R, E> fmt::Debug for PerRequestOperation<S, F, C, L
 }
 
 #[cfg(feature = "tonic")]
-impl<S, F, C, L, R, E> tonic::server::NamedService for PerRequestOperation<S, F, C, L, R, E>
+impl<S, F, C, L, P, E> tonic::server::NamedService for PerRequestOperation<S, F, C, L, P, E>
 where
     S: tonic::server::NamedService,
 {

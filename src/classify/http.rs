@@ -2,7 +2,7 @@
 
 use http::{HeaderMap, Response, StatusCode};
 
-use super::{ClassifiedResponse, ClassifyEos, ClassifyOutcome, ClassifyResponse, NeverClassifyEos};
+use super::ClassifyOutcome;
 use crate::Outcome;
 
 /// Lowest and highest status code an [`HttpClassifier`] can be told about.
@@ -17,7 +17,7 @@ const WORDS: usize = (LAST_STATUS - FIRST_STATUS) as usize / 64 + 1;
 /// - the error statuses, by default every `5xx`, are [`Outcome::Error`];
 /// - everything else is [`Outcome::Ok`];
 /// - an `Err` from the service is [`Outcome::Error`] (wrap it in a
-///   [`TimeoutClassifier`](crate::TimeoutClassifier) for `timeout` on an `Elapsed`).
+///   [`TimeoutClassifier`](super::TimeoutClassifier) for `timeout` on an `Elapsed`).
 ///
 /// Which statuses count as errors can be changed; the three above keep their outcome. In the
 /// body-end form the status decides at the head; a body that fails or is dropped before its end
@@ -25,7 +25,8 @@ const WORDS: usize = (LAST_STATUS - FIRST_STATUS) as usize / 64 + 1;
 ///
 /// ```
 /// use http::StatusCode;
-/// use tower_resources_operation::{ClassifyOutcome, HttpClassifier, Outcome};
+/// use tower_resources_operation::classify::{ClassifyOutcome, HttpClassifier};
+/// use tower_resources_operation::Outcome;
 ///
 /// let classifier = HttpClassifier::new().with_error_status(StatusCode::TOO_MANY_REQUESTS);
 /// let response = http::Response::builder().status(429).body(()).unwrap();
@@ -109,17 +110,6 @@ impl<B, E> ClassifyOutcome<Response<B>, E> for HttpClassifier {
     }
 }
 
-impl ClassifyResponse for HttpClassifier {
-    type ClassifyEos = NeverClassifyEos;
-
-    fn classify_response<B>(
-        &self,
-        response: &Response<B>,
-    ) -> ClassifiedResponse<Self::ClassifyEos> {
-        ClassifiedResponse::Ready(self.classify_status(response.status()))
-    }
-}
-
 /// Classifies gRPC responses by their `grpc-status`.
 ///
 /// `0` (OK) is [`Outcome::Ok`], `1` (CANCELLED) [`Outcome::Cancelled`], `4` (DEADLINE_EXCEEDED)
@@ -130,10 +120,10 @@ impl ClassifyResponse for HttpClassifier {
 ///   response, which is how tonic answers a handler's `Err(Status)`; no header is `ok`. A status
 ///   sent in the trailers, after a body, is not seen there.
 /// - **At the end of the body** (the layer's
-///   [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form): a trailers-only
-///   response still decides at the head; any other decides at the end of its stream, from the
-///   `grpc-status` of its trailers, so a server stream that fails midway is an error. A stream
-///   that ends without trailers, or trailers without `grpc-status`, is `ok`, as tower-http's
+///   [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form): the `grpc-status`
+///   of the trailers decides, so a server stream that fails midway is an error; a trailers-only
+///   response decides at its head. A stream that ends without trailers, or trailers without
+///   `grpc-status`, keeps the head's outcome (`ok` for a head without one), as tower-http's
 ///   `GrpcErrorsAsFailures` says.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GrpcClassifier;
@@ -161,29 +151,15 @@ impl<B, E> ClassifyOutcome<Response<B>, E> for GrpcClassifier {
             Err(_) => Outcome::Error,
         }
     }
-}
 
-impl ClassifyResponse for GrpcClassifier {
-    type ClassifyEos = GrpcEos;
-
-    fn classify_response<B>(&self, response: &Response<B>) -> ClassifiedResponse<GrpcEos> {
-        let headers = response.headers();
-        if headers.contains_key(GRPC_STATUS) {
-            ClassifiedResponse::Ready(Self::classify_headers(headers))
-        } else {
-            ClassifiedResponse::RequiresEos(GrpcEos)
+    /// The `grpc-status` of the trailers, if they carry one; the head's outcome otherwise.
+    fn classify_trailers(head: Outcome, trailers: Option<&HeaderMap>) -> Outcome {
+        match trailers {
+            Some(trailers) if trailers.contains_key(GRPC_STATUS) => {
+                Self::classify_headers(trailers)
+            }
+            _ => head,
         }
-    }
-}
-
-/// The end of a gRPC stream: the `grpc-status` of its trailers decides; a stream that ends
-/// without trailers, or trailers without `grpc-status`, is `ok`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GrpcEos;
-
-impl ClassifyEos for GrpcEos {
-    fn classify_eos(self, trailers: Option<&HeaderMap>) -> Outcome {
-        trailers.map_or(Outcome::Ok, GrpcClassifier::classify_headers)
     }
 }
 

@@ -12,14 +12,17 @@ use std::sync::{Arc, Mutex, Once};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use tower_resources_operation::limit::AcquireError;
+use tower_resources_operation::metrics::{
+    Capacity, ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+};
 use tower_resources_operation::{
-    Acquire, AcquireError, Capacity, Executor, Operation, Outcome, Rejection, ABANDONED_INSTRUMENT,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
-    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
-    REJECTION_ATTRIBUTE,
+    Acquire, Executor, Operation, Outcome, Rejection, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
 };
 
-use crate::support::{self, Telemetry};
+use super::{self as support, Telemetry};
 
 /// Every deliberate panic of these tests carries this text; the hook below keeps them quiet.
 pub const EXPECTED_PANIC: &str = "expected test panic";
@@ -449,8 +452,8 @@ impl Acquire for Pool {
         }
     }
 
-    fn capacity(&self) -> Option<&Capacity> {
-        Some(&self.0.capacity)
+    fn capacity(&self) -> Option<Capacity> {
+        Some(self.0.capacity.clone())
     }
 }
 

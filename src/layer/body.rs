@@ -1,0 +1,220 @@
+//! Where an operation ends: when the inner service answers ([`AtHead`], tower's semantics), or
+//! when the response body ends ([`AtBodyEnd`], with [`OperationBody`]).
+
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http::{HeaderMap, Response};
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+use crate::classify::ClassifyOutcome;
+use crate::operation::{guarded, Ending, Lifecycle};
+use crate::Outcome;
+
+/// The operation ends, and its permit goes back, when the inner service's future completes, as
+/// with tower's `ConcurrencyLimit`. The default.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AtHead;
+
+/// The operation of an `http::Response` service lasts until the response body ends: its permit,
+/// its place in `active` and its run time go on while the body streams. See
+/// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AtBodyEnd;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::AtHead {}
+    impl Sealed for super::AtBodyEnd {}
+}
+
+/// Where an operation ends: [`AtHead`] or [`AtBodyEnd`]; for a service that answers `Res` or
+/// fails with `Err`, classified by `C`, holding a permit `P`.
+pub trait End<Res, Err, C, P>: sealed::Sealed {
+    /// What the layered service answers.
+    type Response;
+
+    /// The inner service answered `result`: ends the operation, or hands it to the body.
+    #[doc(hidden)]
+    fn complete(
+        result: Result<Res, Err>,
+        operation: &mut Lifecycle<P, C>,
+    ) -> Result<Self::Response, Err>;
+
+    /// An answer no operation measured: a rejection's, or an unlimited request's.
+    #[doc(hidden)]
+    fn unmetered(result: Result<Res, Err>) -> Result<Self::Response, Err>;
+}
+
+impl<Res, Err, C: ClassifyOutcome<Res, Err>, P> End<Res, Err, C, P> for AtHead {
+    type Response = Res;
+
+    #[inline]
+    fn complete(result: Result<Res, Err>, operation: &mut Lifecycle<P, C>) -> Result<Res, Err> {
+        operation.end(Ending::Returned, |classifier| {
+            classifier.classify(result.as_ref())
+        });
+        result
+    }
+
+    #[inline]
+    fn unmetered(result: Result<Res, Err>) -> Result<Res, Err> {
+        result
+    }
+}
+
+impl<B, Err, C, P> End<Response<B>, Err, C, P> for AtBodyEnd
+where
+    B: Body,
+    C: ClassifyOutcome<Response<B>, Err>,
+{
+    type Response = Response<OperationBody<B, P>>;
+
+    fn complete(
+        result: Result<Response<B>, Err>,
+        operation: &mut Lifecycle<P, C>,
+    ) -> Result<Self::Response, Err> {
+        match result {
+            Ok(response) => {
+                let streaming = operation.carry(|classifier| StreamEnd {
+                    head: guarded(|| classifier.classify(Ok(&response))).unwrap_or(Outcome::Error),
+                    trailers: C::classify_trailers,
+                });
+                Ok(response.map(|body| OperationBody::new(body, streaming)))
+            }
+            Err(error) => {
+                operation.end(Ending::Returned, |classifier| {
+                    classifier.classify(Err(&error))
+                });
+                Err(error)
+            }
+        }
+    }
+
+    fn unmetered(result: Result<Response<B>, Err>) -> Result<Self::Response, Err> {
+        result.map(|response| response.map(|body| OperationBody::new(body, Lifecycle::new())))
+    }
+}
+
+/// What decides the outcome of an operation at the end of its stream.
+pub(crate) struct StreamEnd {
+    /// What the head said.
+    head: Outcome,
+    /// What the trailers say, given the head's outcome.
+    trailers: fn(Outcome, Option<&HeaderMap>) -> Outcome,
+}
+
+impl StreamEnd {
+    fn outcome(&self, trailers: Option<&HeaderMap>) -> Outcome {
+        (self.trailers)(self.head, trailers)
+    }
+}
+
+pin_project! {
+    /// The body of a response whose operation ends when the body does (the layer's
+    /// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form).
+    ///
+    /// It passes frames, `size_hint` and `is_end_stream` through unchanged, and holds the
+    /// operation's permit until the stream ends:
+    ///
+    /// - at the end of the stream (the trailers, a frame after which `is_end_stream` is true, or
+    ///   the end itself; or at once, for a body empty from the start), the operation ends with
+    ///   what the head decided, or what the classifier says of the trailers (gRPC's status);
+    /// - a body error ends it as `error`;
+    /// - dropped before its end (the client hung up), it ends as `cancelled`, or `timeout` past
+    ///   the caller's deadline;
+    /// - a panic while it is polled ends it as `crashed`, and the panic goes on;
+    /// - [`set_outcome`](crate::set_outcome) called while the body is polled wins over all of
+    ///   these.
+    pub struct OperationBody<B, P> {
+        #[pin]
+        inner: B,
+        operation: Lifecycle<P, StreamEnd>,
+    }
+}
+
+impl<B: Body, P> OperationBody<B, P> {
+    fn new(inner: B, mut operation: Lifecycle<P, StreamEnd>) -> Self {
+        if inner.is_end_stream() {
+            operation.end(Ending::Returned, |end| end.outcome(None));
+        }
+        Self { inner, operation }
+    }
+}
+
+impl<B, P> OperationBody<B, P> {
+    /// The body inside.
+    pub fn get_ref(&self) -> &B {
+        &self.inner
+    }
+
+    /// The body inside, unwrapped; its operation, if it is still going, ends as `cancelled`.
+    pub fn into_inner(self) -> B {
+        self.inner
+    }
+}
+
+impl<B: Body, P> Body for OperationBody<B, P> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    #[inline]
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.project();
+        if !this.operation.is_admitted() {
+            return this.inner.poll_frame(cx);
+        }
+        let mut inner = this.inner;
+        let polled = this.operation.run(|| inner.as_mut().poll_frame(cx));
+        let ended = match &polled {
+            Poll::Pending => false,
+            Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || inner.is_end_stream(),
+            Poll::Ready(Some(Err(_)) | None) => true,
+        };
+        if ended {
+            end_of_stream(this.operation, &polled);
+        }
+        polled
+    }
+
+    #[inline]
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    #[inline]
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The stream ended with the frame (or error, or end) of `polled`: ends the operation. Out of
+/// line: once per operation, not per frame.
+#[inline(never)]
+fn end_of_stream<P, D, E>(
+    operation: &mut Lifecycle<P, StreamEnd>,
+    polled: &Poll<Option<Result<Frame<D>, E>>>,
+) {
+    match polled {
+        Poll::Ready(Some(Ok(frame))) => {
+            operation.end(Ending::Returned, |end| end.outcome(frame.trailers_ref()));
+        }
+        Poll::Ready(Some(Err(_))) => operation.end(Ending::Failed, |_| Outcome::Error),
+        Poll::Ready(None) | Poll::Pending => {
+            operation.end(Ending::Returned, |end| end.outcome(None));
+        }
+    }
+}
+
+impl<B, P> fmt::Debug for OperationBody<B, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OperationBody")
+            .field("ended", &!self.operation.is_admitted())
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,100 @@
+//! [`ResponseFuture`]: where the inner work runs as the admitted operation, and where the answer
+//! to a rejection waits to be taken.
+
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use pin_project_lite::pin_project;
+
+use super::body::End;
+use crate::operation::Lifecycle;
+
+pin_project! {
+    /// The response future of [`ResourcesOperation`](crate::ResourcesOperation).
+    ///
+    /// It holds the permit until the operation ends: when it completes (or, in the
+    /// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form, when the body it
+    /// returns ends). Dropped before it completed, the operation ends as
+    /// [`Outcome::Cancelled`](crate::Outcome::Cancelled).
+    pub struct ResponseFuture<F, C, P, R, E> {
+        #[pin]
+        state: State<F, R>,
+        operation: Lifecycle<P, C>,
+        _end: PhantomData<fn() -> E>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, R> {
+        /// The inner service was called.
+        Called {
+            #[pin]
+            inner: F,
+        },
+        /// The limit turned the operation away; this is the answer, until taken.
+        Answered { answer: Option<R> },
+    }
+}
+
+impl<F, C, P, R, E> ResponseFuture<F, C, P, R, E> {
+    #[inline(always)]
+    pub(crate) fn called(inner: F, operation: Lifecycle<P, C>) -> Self {
+        Self {
+            state: State::Called { inner },
+            operation,
+            _end: PhantomData,
+        }
+    }
+
+    pub(crate) fn answered(answer: R) -> Self {
+        Self {
+            state: State::Answered {
+                answer: Some(answer),
+            },
+            operation: Lifecycle::new(),
+            _end: PhantomData,
+        }
+    }
+}
+
+impl<F, C, P, E, Res, Err> Future for ResponseFuture<F, C, P, Result<Res, Err>, E>
+where
+    F: Future<Output = Result<Res, Err>>,
+    E: End<Res, Err, C, P>,
+{
+    type Output = Result<E::Response, Err>;
+
+    #[inline]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        match this.state.project() {
+            StateProj::Called { inner } => {
+                let result = ready!(this.operation.run(|| inner.poll(cx)));
+                Poll::Ready(E::complete(result, this.operation))
+            }
+            StateProj::Answered { answer } => {
+                let answer = answer
+                    .take()
+                    .expect("a rejected operation's response future polled after it completed");
+                Poll::Ready(E::unmetered(answer))
+            }
+        }
+    }
+}
+
+impl<F, C, P, R, E> fmt::Debug for ResponseFuture<F, C, P, R, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Called { .. } if self.operation.is_admitted() => "called",
+            State::Called { .. } => "completed",
+            State::Answered { .. } => "rejected",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}

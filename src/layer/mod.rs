@@ -1,0 +1,503 @@
+//! The layer, its service, the service's response future, and the body of an operation that
+//! ends with its response body.
+
+mod body;
+mod future;
+mod service;
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+pub use body::{AtBodyEnd, AtHead, End, OperationBody};
+pub use future::ResponseFuture;
+pub use service::ResourcesOperation;
+
+use crate::classify::{DefaultClassifier, GrpcClassifier, HttpClassifier};
+use crate::limit::{Acquire, IntoLimit, QueueTimeout};
+use crate::metrics::{Capacity, MetricsSource, Series};
+use crate::per_request::{PerRequest, PerRequestOperation};
+use crate::protocol::{Grpc, Http, Plain};
+use crate::{Executor, Limit, Operation, OperationMetrics};
+
+/// Limits the wrapped service to a number of operations at once, like tower's
+/// `ConcurrencyLimitLayer`, and reports how long each waited, how long it ran, and how it ended.
+///
+/// One layer value is one limit: the limit and the metrics are shared by every service
+/// [`layer`](Layer::layer) makes, so the limit holds however many times a framework calls
+/// `layer()` (axum calls it per route, per method and per connection). To put several routes
+/// under one cap, give each its own layer, with its own [`Operation`] and [`Executor`], made from
+/// clones of one [`Limit`].
+///
+/// Three constructors choose the protocol, each with a limit: a number, or any [`Acquire`].
+/// The protocol brings its classifier, its answer to a rejection and its deadlines:
+///
+/// | constructor | classifier | a rejection is answered | deadline |
+/// |---|---|---|---|
+/// | [`new`](Self::new) | [`DefaultClassifier`] | never: the layer refuses a limit that may reject ([`Plain`]) | none |
+/// | [`new_for_http`](Self::new_for_http) | [`HttpClassifier`] | `503` ([`Http`]) | [`server_timeout`](Self::server_timeout), a header |
+/// | [`new_for_grpc`](Self::new_for_grpc) | [`GrpcClassifier`] | RESOURCE_EXHAUSTED ([`Grpc`]) | `grpc-timeout`, [`server_timeout`](ResourcesOperationLayer::server_timeout) |
+///
+/// ```
+/// use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
+///
+/// // Verification and judging share four slots.
+/// let slots = Limit::new(4);
+/// let verify = ResourcesOperationLayer::new_for_http(slots.clone())
+///     .operation(Operation::Verify)
+///     .executor(Executor::Subprocess);
+/// let judge = ResourcesOperationLayer::new_for_http(slots)
+///     .operation(Operation::Judge)
+///     .executor(Executor::Inline);
+/// # drop((verify, judge));
+/// ```
+///
+/// Defaults: [`Operation::Other`], [`Executor::Other`], the metrics of the global meter
+/// provider (decided when a service of the layer first serves a request; see
+/// [`metrics`](Self::metrics)), and the operation ending when the inner service answers
+/// ([`AtHead`]). The type parameters are set by the builder methods: `C` the classifier
+/// ([`classifier`](Self::classifier)), `L` the limit, `P` the protocol
+/// ([`protocol`](Self::protocol)), `E` where an operation ends
+/// ([`until_body_end`](Self::until_body_end)), `T` how operations are tagged
+/// ([`per_request`](Self::per_request)).
+pub struct ResourcesOperationLayer<
+    C = DefaultClassifier,
+    L = Limit,
+    P = Plain,
+    E = AtHead,
+    T = Fixed,
+> {
+    config: Arc<Config<C, L, P>>,
+    tags: T,
+    _end: PhantomData<fn() -> E>,
+}
+
+/// Every operation of a layer has the same [`Operation`] and [`Executor`], set with
+/// [`operation`](ResourcesOperationLayer::operation) and
+/// [`executor`](ResourcesOperationLayer::executor). The default.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fixed;
+
+/// What a layer shares with every service it makes.
+pub(crate) struct Config<C, L, P> {
+    pub(crate) limit: L,
+    pub(crate) classifier: C,
+    pub(crate) protocol: P,
+    /// Whether the protocol answers rejections (all but [`Plain`]).
+    pub(crate) answers: bool,
+    pub(crate) operation: Operation,
+    pub(crate) executor: Executor,
+    metrics: MetricsSource,
+    /// The capacity given with [`ResourcesOperationLayer::capacity`].
+    capacity: Option<Capacity>,
+    /// The series its operations record through, once decided.
+    series: OnceLock<Option<Series>>,
+}
+
+impl<C, L: Acquire, P> Config<C, L, P> {
+    /// The series this layer's operations record through; `None` when metrics are disabled.
+    /// The global metrics are decided here, at the first call.
+    #[inline]
+    pub(crate) fn series(&self) -> Option<&Series> {
+        self.series
+            .get_or_init(|| {
+                let capacity = self.capacity.clone().or_else(|| self.limit.capacity());
+                self.metrics
+                    .resolve()
+                    .series(self.operation, self.executor, capacity.as_ref())
+                    .cloned()
+            })
+            .as_ref()
+    }
+
+    /// Whether a service of this layer could be left with a rejection it cannot answer.
+    #[track_caller]
+    fn check(&self) {
+        if !self.answers && self.limit.may_reject() {
+            panic!(
+                "tower-resources-operation: this limit ({}) may turn operations away (a queue \
+                 bound or a queue timeout), but this layer cannot answer a rejection: give it a \
+                 protocol that answers, such as .protocol(RejectAsError) for a BoxError \
+                 service, or use new_for_http / new_for_grpc",
+                std::any::type_name::<L>()
+            );
+        }
+    }
+}
+
+impl<C: Clone, L: Clone, P: Clone> Clone for Config<C, L, P> {
+    /// The same configuration, whose series is decided anew.
+    fn clone(&self) -> Self {
+        Self {
+            limit: self.limit.clone(),
+            classifier: self.classifier.clone(),
+            protocol: self.protocol.clone(),
+            answers: self.answers,
+            operation: self.operation,
+            executor: self.executor,
+            metrics: self.metrics.clone(),
+            capacity: self.capacity.clone(),
+            series: OnceLock::new(),
+        }
+    }
+}
+
+impl<C, L, P> Config<C, L, P> {
+    /// The same configuration with other parts: `change` gets it by value.
+    fn map<D, M, Q>(
+        self,
+        change: impl FnOnce(Parts<C, L, P>) -> Parts<D, M, Q>,
+    ) -> Config<D, M, Q> {
+        let Parts {
+            limit,
+            classifier,
+            protocol,
+            answers,
+        } = change(Parts {
+            limit: self.limit,
+            classifier: self.classifier,
+            protocol: self.protocol,
+            answers: self.answers,
+        });
+        Config {
+            limit,
+            classifier,
+            protocol,
+            answers,
+            operation: self.operation,
+            executor: self.executor,
+            metrics: self.metrics,
+            capacity: self.capacity,
+            series: OnceLock::new(),
+        }
+    }
+}
+
+/// The parts of a configuration that a builder method can change the type of.
+struct Parts<C, L, P> {
+    limit: L,
+    classifier: C,
+    protocol: P,
+    answers: bool,
+}
+
+impl ResourcesOperationLayer {
+    /// A generic layer on `limit`: a number of operations at once (a new [`Limit`]), or any
+    /// [`Acquire`] (a [`Limit`] whose clones share it, an `Arc<Semaphore>`, a limit of your
+    /// own). Its classifier is the [`DefaultClassifier`], and its protocol [`Plain`]: like
+    /// tower's limit it never answers a rejection, so it refuses a limit that may turn
+    /// operations away (give it [`protocol`](Self::protocol) first).
+    ///
+    /// # Panics
+    ///
+    /// If `limit` is a number above tokio's `Semaphore::MAX_PERMITS` (use
+    /// [`Limit::try_new`] to get an error instead).
+    #[track_caller]
+    pub fn new<T: IntoLimit>(limit: T) -> ResourcesOperationLayer<DefaultClassifier, T::Limit> {
+        ResourcesOperationLayer::from_parts(limit.into_limit(), DefaultClassifier, Plain, false)
+    }
+
+    /// A layer for `http::Response` services (axum, hyper) on `limit`: the [`HttpClassifier`]
+    /// (`5xx` is `error`, `504`/`408` `timeout`, `499` `cancelled`), and the [`Http`] protocol
+    /// (a rejection is `503 Service Unavailable`).
+    #[track_caller]
+    pub fn new_for_http<T: IntoLimit>(
+        limit: T,
+    ) -> ResourcesOperationLayer<HttpClassifier, T::Limit, Http> {
+        ResourcesOperationLayer::from_parts(
+            limit.into_limit(),
+            HttpClassifier::new(),
+            Http::new(),
+            true,
+        )
+    }
+
+    /// A layer for tonic services on `limit`: the [`GrpcClassifier`] (the outcome comes from
+    /// each call's `grpc-status`), and the [`Grpc`] protocol (a rejection is RESOURCE_EXHAUSTED;
+    /// a call dropped past its `grpc-timeout` is `timeout`).
+    #[track_caller]
+    pub fn new_for_grpc<T: IntoLimit>(
+        limit: T,
+    ) -> ResourcesOperationLayer<GrpcClassifier, T::Limit, Grpc> {
+        ResourcesOperationLayer::from_parts(limit.into_limit(), GrpcClassifier, Grpc::new(), true)
+    }
+}
+
+/// The names of the previous release, kept for one release.
+impl ResourcesOperationLayer {
+    /// Use [`new`](Self::new) with the `Limit` or any `Acquire`.
+    #[deprecated(since = "0.3.0", note = "use `ResourcesOperationLayer::new(limit)`")]
+    pub fn with_limit<L: Acquire>(limit: L) -> ResourcesOperationLayer<DefaultClassifier, L> {
+        Self::new(limit)
+    }
+
+    /// Use [`new`](Self::new) with the semaphore.
+    #[deprecated(
+        since = "0.3.0",
+        note = "use `ResourcesOperationLayer::new(semaphore)`"
+    )]
+    pub fn with_semaphore(
+        semaphore: Arc<tokio::sync::Semaphore>,
+    ) -> ResourcesOperationLayer<DefaultClassifier, Arc<tokio::sync::Semaphore>> {
+        Self::new(semaphore)
+    }
+
+    /// Use [`new`](Self::new) with [`Limit::try_new`].
+    #[deprecated(
+        since = "0.3.0",
+        note = "use `ResourcesOperationLayer::new(Limit::try_new(max)?)`"
+    )]
+    pub fn try_new(max: usize) -> Result<Self, crate::limit::LimitTooLarge> {
+        Ok(Self::new(Limit::try_new(max)?))
+    }
+
+    /// Use [`new_for_http`](Self::new_for_http) with the `Limit` or any `Acquire`.
+    #[deprecated(
+        since = "0.3.0",
+        note = "use `ResourcesOperationLayer::new_for_http(limit)`"
+    )]
+    pub fn with_limit_for_http<L: Acquire>(
+        limit: L,
+    ) -> ResourcesOperationLayer<HttpClassifier, L, Http> {
+        Self::new_for_http(limit)
+    }
+
+    /// Use [`new_for_grpc`](Self::new_for_grpc) with the `Limit` or any `Acquire`.
+    #[deprecated(
+        since = "0.3.0",
+        note = "use `ResourcesOperationLayer::new_for_grpc(limit)`"
+    )]
+    pub fn with_limit_for_grpc<L: Acquire>(
+        limit: L,
+    ) -> ResourcesOperationLayer<GrpcClassifier, L, Grpc> {
+        Self::new_for_grpc(limit)
+    }
+}
+
+impl<C, L, P> ResourcesOperationLayer<C, L, P> {
+    fn from_parts(limit: L, classifier: C, protocol: P, answers: bool) -> Self {
+        Self {
+            config: Arc::new(Config {
+                limit,
+                classifier,
+                protocol,
+                answers,
+                operation: Operation::Other,
+                executor: Executor::Other,
+                metrics: MetricsSource::Global,
+                capacity: None,
+                series: OnceLock::new(),
+            }),
+            tags: Fixed,
+            _end: PhantomData,
+        }
+    }
+}
+
+impl<C, L, P, E, T> ResourcesOperationLayer<C, L, P, E, T>
+where
+    C: Clone,
+    L: Clone,
+    P: Clone,
+{
+    /// Changes the configuration (its series is decided anew).
+    fn configure(mut self, change: impl FnOnce(&mut Config<C, L, P>)) -> Self {
+        let config = Arc::make_mut(&mut self.config);
+        config.series = OnceLock::new();
+        change(config);
+        self
+    }
+
+    /// Changes the configuration's type.
+    fn reconfigure<D, M, Q>(
+        self,
+        change: impl FnOnce(Parts<C, L, P>) -> Parts<D, M, Q>,
+    ) -> ResourcesOperationLayer<D, M, Q, E, T> {
+        let Self { config, tags, .. } = self;
+        let config = Arc::try_unwrap(config).unwrap_or_else(|shared| (*shared).clone());
+        ResourcesOperationLayer {
+            config: Arc::new(config.map(change)),
+            tags,
+            _end: PhantomData,
+        }
+    }
+
+    /// Reports through `metrics`; then the global provider is never consulted, and the series
+    /// reports 0 from the moment the layer makes its first service.
+    ///
+    /// Defaults to [`OperationMetrics::global`], decided as late as possible: when a service of
+    /// this layer first serves a request, not when the layer is built. So "build the router,
+    /// install the global provider, serve" records into that provider.
+    pub fn metrics(self, metrics: OperationMetrics) -> Self {
+        self.configure(|config| config.metrics = MetricsSource::Given(metrics))
+    }
+
+    /// Reports `capacity` as this layer's limit in `gym.resources.operation.limit`, for a limit
+    /// that does not know its own (an `Arc<Semaphore>`); a [`Limit`] reports its own. Give
+    /// clones of one [`Capacity`] to layers that share one semaphore, so it counts once.
+    pub fn capacity(self, capacity: Capacity) -> Self {
+        self.configure(|config| config.capacity = Some(capacity))
+    }
+
+    /// Decides outcomes with `classifier`, a
+    /// [`ClassifyOutcome`](crate::classify::ClassifyOutcome) (closures included), cloned for each
+    /// operation that records.
+    pub fn classifier<D: Clone>(self, classifier: D) -> ResourcesOperationLayer<D, L, P, E, T> {
+        self.reconfigure(|parts| Parts {
+            classifier,
+            limit: parts.limit,
+            protocol: parts.protocol,
+            answers: parts.answers,
+        })
+    }
+
+    /// Speaks `protocol`: how a rejection is answered, and where a caller's deadline is read
+    /// (see [`protocol`](crate::protocol); a closure `Fn(Rejected) -> Result<Res, Err>` answers
+    /// with what it returns).
+    pub fn protocol<Q>(self, protocol: Q) -> ResourcesOperationLayer<C, L, Q, E, T> {
+        self.reconfigure(|parts| Parts {
+            protocol,
+            answers: true,
+            limit: parts.limit,
+            classifier: parts.classifier,
+        })
+    }
+
+    /// Turns away, with [`Rejection::QueueTimeout`](crate::Rejection::QueueTimeout), an
+    /// operation of this layer that has waited `timeout` for its permit: the layer's limit
+    /// becomes [`Acquire::queue_timeout`] of it. The layer must answer rejections (see
+    /// [`protocol`](Self::protocol)).
+    pub fn queue_timeout(
+        self,
+        timeout: Duration,
+    ) -> ResourcesOperationLayer<C, QueueTimeout<L>, P, E, T>
+    where
+        L: Acquire,
+    {
+        self.reconfigure(|parts| Parts {
+            limit: parts.limit.queue_timeout(timeout),
+            classifier: parts.classifier,
+            protocol: parts.protocol,
+            answers: parts.answers,
+        })
+    }
+
+    /// Holds each operation until its `http::Response` body ends, rather than until the inner
+    /// service answers: the permit, the `active` count and the run time last while the body
+    /// streams (server-sent events, streamed tokens, gRPC server streams), and the outcome can
+    /// come from the trailers. The response body becomes an [`OperationBody`].
+    pub fn until_body_end(self) -> ResourcesOperationLayer<C, L, P, AtBodyEnd, T> {
+        ResourcesOperationLayer {
+            config: self.config,
+            tags: self.tags,
+            _end: PhantomData,
+        }
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> &L {
+        &self.config.limit
+    }
+}
+
+impl<C: Clone, L: Clone, P: Clone, E> ResourcesOperationLayer<C, L, P, E, Fixed> {
+    /// Tags this layer's operations with `operation`. Defaults to [`Operation::Other`].
+    pub fn operation(self, operation: Operation) -> Self {
+        self.configure(|config| config.operation = operation)
+    }
+
+    /// Tags this layer's operations with `executor`. Defaults to [`Executor::Other`].
+    pub fn executor(self, executor: Executor) -> Self {
+        self.configure(|config| config.executor = executor)
+    }
+
+    /// Lets each request choose its operation and executor, or to go unlimited, with
+    /// `chooser`: for one layer over a whole axum `Router` or tonic `Server`. See
+    /// [`per_request`](crate::per_request).
+    pub fn per_request<F>(self, chooser: F) -> ResourcesOperationLayer<C, L, P, E, PerRequest<F>> {
+        ResourcesOperationLayer {
+            config: self.config,
+            tags: PerRequest::new(chooser),
+            _end: PhantomData,
+        }
+    }
+}
+
+impl<C: Clone, L: Clone, E, T> ResourcesOperationLayer<C, L, Http, E, T> {
+    /// The server gives up on every request after `timeout` (tower-http's `TimeoutLayer`
+    /// outside this layer, or Router-wide): an operation it drops past that is `timeout`, not
+    /// `cancelled`. See [`Http::server_timeout`].
+    pub fn server_timeout(self, timeout: Duration) -> Self {
+        self.configure(|config| config.protocol = config.protocol.clone().server_timeout(timeout))
+    }
+}
+
+impl<C: Clone, L: Clone, E, T> ResourcesOperationLayer<C, L, Grpc, E, T> {
+    /// The server gives up on every call after `timeout` (tonic's `Server::timeout`): a call it
+    /// drops past that is `timeout`, not `cancelled`. See [`Grpc::server_timeout`].
+    pub fn server_timeout(self, timeout: Duration) -> Self {
+        self.configure(|config| config.protocol = config.protocol.clone().server_timeout(timeout))
+    }
+}
+
+impl<S, C, L, P, E> Layer<S> for ResourcesOperationLayer<C, L, P, E, Fixed>
+where
+    L: Acquire + Clone,
+{
+    type Service = ResourcesOperation<S, C, L, P, E>;
+
+    #[track_caller]
+    fn layer(&self, inner: S) -> Self::Service {
+        self.config.check();
+        if let MetricsSource::Given(_) = self.config.metrics {
+            // Given metrics report the series from now on.
+            self.config.series();
+        }
+        ResourcesOperation::from_config(inner, Arc::clone(&self.config))
+    }
+}
+
+impl<S, C, L, P, E, F> Layer<S> for ResourcesOperationLayer<C, L, P, E, PerRequest<F>>
+where
+    C: Clone,
+    L: Acquire + Clone,
+    P: Clone,
+    F: Clone,
+{
+    type Service = PerRequestOperation<S, F, C, L, P, E>;
+
+    #[track_caller]
+    fn layer(&self, inner: S) -> Self::Service {
+        self.config.check();
+        PerRequestOperation::new(inner, &self.tags, &self.config)
+    }
+}
+
+impl<C, L, P, E, T: Clone> Clone for ResourcesOperationLayer<C, L, P, E, T> {
+    fn clone(&self) -> Self {
+        Self {
+            config: Arc::clone(&self.config),
+            tags: self.tags.clone(),
+            _end: PhantomData,
+        }
+    }
+}
+
+impl<C, L, P, E, T: fmt::Debug> fmt::Debug for ResourcesOperationLayer<C, L, P, E, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let config = &*self.config;
+        f.debug_struct("ResourcesOperationLayer")
+            .field("operation", &config.operation)
+            .field("executor", &config.executor)
+            .field("tags", &self.tags)
+            .field("metrics", &config.metrics)
+            .field("limit", &std::any::type_name::<L>())
+            .field("classifier", &std::any::type_name::<C>())
+            .field("protocol", &std::any::type_name::<P>())
+            .field("end", &std::any::type_name::<E>())
+            .finish()
+    }
+}

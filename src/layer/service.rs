@@ -1,0 +1,235 @@
+//! [`ResourcesOperation`]: where a service takes its permit, runs the inner service as the
+//! operation, and answers a rejection.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use tower::load::Load;
+use tower_service::Service;
+
+use super::body::{AtHead, End};
+use super::future::ResponseFuture;
+use super::Config;
+use crate::classify::{ClassifyOutcome, DefaultClassifier};
+use crate::limit::{Acquire, IntoLimit, Waiting};
+use crate::operation::{guarded, Ending, Lifecycle};
+use crate::protocol::{unanswerable, Plain, Protocol, Rejected};
+use crate::{Limit, Outcome, Rejection};
+
+/// A service limited to a number of operations at once, made by
+/// [`ResourcesOperationLayer`](crate::ResourcesOperationLayer).
+///
+/// It behaves as tower's `ConcurrencyLimit`: `poll_ready` takes a permit (waiters are served
+/// first come, first served), `call` spends it, and the permit goes back when the response
+/// future is dropped (which `.await` does once it completes), or when a service holding an
+/// unused permit is dropped. A clone shares the limit but starts without a permit. Where it
+/// differs:
+///
+/// - the limit lives in the layer value, not in each `layer()` call: what tower's
+///   `GlobalConcurrencyLimitLayer` does, so the limit holds across connections;
+/// - the permit also goes back when the inner `poll_ready` fails, or panics;
+/// - when its limit turns an operation away, `poll_ready` is ready and `call` answers the
+///   rejection as the layer's [protocol](crate::protocol) says, without calling the inner
+///   service, as tower's `LoadShed` does.
+pub struct ResourcesOperation<S, C = DefaultClassifier, L: Acquire = Limit, P = Plain, E = AtHead> {
+    inner: S,
+    config: Arc<Config<C, L, P>>,
+    /// The wait for the next operation's permit, if it has to wait.
+    waiting: Waiting<L::Permit>,
+    /// The next operation, which `poll_ready` prepares and `call` hands to its future.
+    operation: Lifecycle<L::Permit>,
+    /// Why the limit turned the next operation away, for `call` to answer.
+    rejected: Option<Rejection>,
+    _end: PhantomData<fn() -> E>,
+}
+
+impl<S> ResourcesOperation<S> {
+    /// `inner`, limited by `limit` (a number of operations at once, or any
+    /// [`Acquire`]), tagged `other`/`other` and reporting to the global meter provider (see
+    /// [`ResourcesOperationLayer::new`](crate::ResourcesOperationLayer::new), whose `layer`
+    /// this is).
+    #[track_caller]
+    pub fn new<T>(inner: S, limit: T) -> ResourcesOperation<S, DefaultClassifier, T::Limit>
+    where
+        T: IntoLimit,
+        T::Limit: Clone + Send + Sync + 'static,
+        <T::Limit as Acquire>::Permit: Send + 'static,
+    {
+        tower_layer::Layer::layer(&crate::ResourcesOperationLayer::new(limit), inner)
+    }
+}
+
+impl<S, C, L: Acquire, P, E> ResourcesOperation<S, C, L, P, E> {
+    pub(crate) fn from_config(inner: S, config: Arc<Config<C, L, P>>) -> Self {
+        Self {
+            inner,
+            config,
+            waiting: Waiting::new(),
+            operation: Lifecycle::new(),
+            rejected: None,
+            _end: PhantomData,
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service; a permit this service held goes back.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> &L {
+        &self.config.limit
+    }
+}
+
+impl<S, C, L, P, E, Request> Service<Request> for ResourcesOperation<S, C, L, P, E>
+where
+    S: Service<Request>,
+    C: ClassifyOutcome<S::Response, S::Error> + Clone,
+    L: Acquire + Clone + Send + Sync + 'static,
+    L::Permit: Send + 'static,
+    P: Protocol<Request, S::Response, S::Error>,
+    E: End<S::Response, S::Error, C, L::Permit>,
+{
+    type Response = E::Response;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, C, L::Permit, Result<S::Response, S::Error>, E>;
+
+    #[inline]
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        if !self.operation.is_admitted() {
+            if self.rejected.is_some() {
+                // `call` answers it.
+                return Poll::Ready(Ok(()));
+            }
+            let config = &*self.config;
+            let admitted = {
+                let mut asking = self.waiting.asking(&config.limit);
+                ready!(self
+                    .operation
+                    .poll_admit::<L>(&mut asking, config.series(), cx))
+            };
+            if let Err(rejection) = admitted {
+                return self.rejected(rejection);
+            }
+        }
+        // Admitted: the inner service's readiness, as the operation.
+        let inner = &mut self.inner;
+        let ready = self.operation.run(|| inner.poll_ready(cx));
+        if let Poll::Ready(Err(_)) = ready {
+            // It will not be called: the operation ends, and its permit goes back.
+            self.operation.end(Ending::Failed, |_| Outcome::Error);
+        }
+        ready
+    }
+
+    #[inline]
+    fn call(&mut self, request: Request) -> Self::Future {
+        if !self.operation.is_admitted() {
+            return ResponseFuture::answered(self.answer(request));
+        }
+        let config = &*self.config;
+        let deadline = match self.operation.is_recording() {
+            true => guarded(|| config.protocol.deadline(&request)).flatten(),
+            false => None,
+        };
+        let inner = &mut self.inner;
+        // The work is called as the service's operation, in place; the future then takes it.
+        let future = self.operation.run(|| inner.call(request));
+        let operation = self
+            .operation
+            .called(|| (guarded(|| config.classifier.clone()), deadline));
+        ResponseFuture::called(future, operation)
+    }
+}
+
+impl<S, C, L, P, E> ResourcesOperation<S, C, L, P, E>
+where
+    L: Acquire,
+{
+    /// The limit turned the operation away: `call` answers it, if this layer can.
+    #[cold]
+    #[inline(never)]
+    fn rejected<Error>(&mut self, rejection: Rejection) -> Poll<Result<(), Error>> {
+        if !self.config.answers {
+            unanswerable::<L>(Rejected::new(rejection));
+        }
+        self.rejected = Some(rejection);
+        Poll::Ready(Ok(()))
+    }
+
+    /// `call` of an operation that holds no permit: it answers a rejection, or panics for a
+    /// `call` that no `poll_ready` prepared.
+    #[cold]
+    #[inline(never)]
+    #[track_caller]
+    fn answer<Request, Res, Err>(&mut self, _request: Request) -> Result<Res, Err>
+    where
+        P: Protocol<Request, Res, Err>,
+    {
+        match self.rejected.take() {
+            Some(rejection) => self.config.protocol.answer(Rejected::new(rejection)),
+            None => panic!(
+                "ResourcesOperation::call without a permit: poll_ready must return \
+                 Ready(Ok(())) before each call (use tower::ServiceExt::ready or oneshot)"
+            ),
+        }
+    }
+}
+
+impl<S: Clone, C, L: Acquire, P, E> Clone for ResourcesOperation<S, C, L, P, E> {
+    /// Shares the limit and the metrics; the clone starts without a permit.
+    fn clone(&self) -> Self {
+        Self::from_config(self.inner.clone(), Arc::clone(&self.config))
+    }
+}
+
+impl<S: Load, C, L: Acquire, P, E> Load for ResourcesOperation<S, C, L, P, E> {
+    type Metric = S::Metric;
+
+    /// The inner service's load.
+    fn load(&self) -> S::Metric {
+        self.inner.load()
+    }
+}
+
+impl<S: fmt::Debug, C, L: Acquire, P, E> fmt::Debug for ResourcesOperation<S, C, L, P, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = if self.operation.is_admitted() {
+            "admitted"
+        } else if self.rejected.is_some() {
+            "rejected"
+        } else if self.waiting.is_waiting() {
+            "waiting"
+        } else {
+            "idle"
+        };
+        f.debug_struct("ResourcesOperation")
+            .field("inner", &self.inner)
+            .field("limit", &std::any::type_name::<L>())
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "tonic")]
+impl<S, C, L, P, E> tonic::server::NamedService for ResourcesOperation<S, C, L, P, E>
+where
+    S: tonic::server::NamedService,
+    L: Acquire,
+{
+    /// The wrapped gRPC service's name, so the layered service can go to tonic's `add_service`.
+    const NAME: &'static str = S::NAME;
+}

@@ -1,0 +1,146 @@
+//! How a limit is asked for a permit: now, if one is free, or by waiting for one; in a service's
+//! `poll_ready` (the wait kept across calls) or in an `async` block (the wait on its stack).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio_util::sync::ReusableBoxFuture;
+
+use super::{Acquire, AcquireError};
+
+/// One way of asking a limit, for [`Lifecycle::poll_admit`](crate::operation::Lifecycle::poll_admit).
+pub(crate) trait Asking {
+    /// What the limit hands out.
+    type Permit;
+
+    /// Whether a wait is in progress: the last poll of it was `Pending`.
+    fn is_waiting(&self) -> bool;
+
+    /// A permit now if one is free; `None` if the operation has to wait.
+    fn try_now(&mut self) -> Option<Result<Self::Permit, AcquireError>>;
+
+    /// Polls the wait for a permit, starting one if none is in progress.
+    fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<Self::Permit, AcquireError>>;
+}
+
+/// A service's wait for its permit, kept across `poll_ready` calls. Each wait is one allocation
+/// (as in tokio-util's `PollSemaphore`), reused by the next wait of the same service when it
+/// fits; a clone starts with none.
+pub(crate) struct Waiting<P> {
+    /// The wait in progress (when `waiting`), or the allocation left by the last one.
+    future: Option<ReusableBoxFuture<'static, Result<P, AcquireError>>>,
+    waiting: bool,
+}
+
+impl<P> Waiting<P> {
+    pub(crate) const fn new() -> Self {
+        Self {
+            future: None,
+            waiting: false,
+        }
+    }
+
+    /// Whether a wait is in progress.
+    pub(crate) fn is_waiting(&self) -> bool {
+        self.waiting
+    }
+
+    /// Asks `limit` through this wait.
+    #[inline]
+    pub(crate) fn asking<'a, L>(&'a mut self, limit: &'a L) -> impl Asking<Permit = P> + 'a
+    where
+        L: Acquire<Permit = P> + Clone + Send + Sync + 'static,
+        P: Send + 'static,
+    {
+        Service { limit, wait: self }
+    }
+}
+
+struct Service<'a, L: Acquire> {
+    limit: &'a L,
+    wait: &'a mut Waiting<L::Permit>,
+}
+
+impl<L> Asking for Service<'_, L>
+where
+    L: Acquire + Clone + Send + Sync + 'static,
+    L::Permit: Send + 'static,
+{
+    type Permit = L::Permit;
+
+    #[inline]
+    fn is_waiting(&self) -> bool {
+        self.wait.waiting
+    }
+
+    #[inline]
+    fn try_now(&mut self) -> Option<Result<L::Permit, AcquireError>> {
+        self.limit.try_acquire()
+    }
+
+    /// Out of line: a free permit never comes here.
+    #[inline(never)]
+    fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<L::Permit, AcquireError>> {
+        let wait = &mut *self.wait;
+        if !wait.waiting {
+            let next = self.limit.clone().acquire_owned();
+            match &mut wait.future {
+                Some(future) => future.set(next),
+                None => wait.future = Some(ReusableBoxFuture::new(next)),
+            }
+            wait.waiting = true;
+        }
+        let Some(future) = &mut wait.future else {
+            unreachable!("a wait was started above")
+        };
+        let acquired = std::task::ready!(future.poll(cx));
+        wait.waiting = false;
+        Poll::Ready(acquired)
+    }
+}
+
+/// Asks `limit`, waiting on `wait` (its [`acquire`](Acquire::acquire) future, made up front and
+/// polled only if the operation has to wait).
+pub(crate) fn in_place<'a, L, F>(
+    limit: &'a L,
+    wait: Pin<&'a mut F>,
+) -> impl Asking<Permit = L::Permit> + 'a
+where
+    L: Acquire,
+    F: Future<Output = Result<L::Permit, AcquireError>>,
+{
+    InPlace {
+        limit,
+        wait,
+        waiting: false,
+    }
+}
+
+struct InPlace<'a, L, F> {
+    limit: &'a L,
+    wait: Pin<&'a mut F>,
+    waiting: bool,
+}
+
+impl<L, F> Asking for InPlace<'_, L, F>
+where
+    L: Acquire,
+    F: Future<Output = Result<L::Permit, AcquireError>>,
+{
+    type Permit = L::Permit;
+
+    fn is_waiting(&self) -> bool {
+        self.waiting
+    }
+
+    fn try_now(&mut self) -> Option<Result<L::Permit, AcquireError>> {
+        self.limit.try_acquire()
+    }
+
+    fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<L::Permit, AcquireError>> {
+        let polled = self.wait.as_mut().poll(cx);
+        self.waiting = polled.is_pending();
+        polled
+    }
+}

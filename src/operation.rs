@@ -1,0 +1,558 @@
+//! One operation, from asking for a permit to its end: the state machine that every form drives
+//! (the layer's service, its response future and body, the per-request layer, and
+//! [`resources_operation`](crate::resources_operation)).
+//!
+//! An operation that asks a limit for a permit is exactly one of:
+//!
+//! - **admitted**: it holds the permit, records its queue time, runs, and ends with an outcome,
+//!   recorded once with its run time, *before* the permit goes back;
+//! - **rejected**: the limit turned it away (a full queue, a queue timeout), counted by reason;
+//! - **abandoned**: its caller went away while it waited (or its limit failed under it).
+//!
+//! The three places a reader looks for are here: where the permit is taken
+//! ([`Lifecycle::poll_admit`], the one acquire-or-refuse step), where the outcome is decided
+//! ([`decide`]), and where user code runs guarded ([`Lifecycle::run`] for the work,
+//! [`guarded`] for everything else). With metrics off an operation takes the same path with
+//! nothing to record: it only holds its permit.
+
+use std::cell::Cell;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use crate::limit::{limit_failed, AcquireError, Asking};
+use crate::metrics::Series;
+use crate::{Outcome, Rejection};
+
+/// A drop of an operation that had a deadline counts as `timeout` when it comes this close to
+/// the deadline (or a tenth of it, for short ones): the operation started to wait a little after
+/// its caller started the clock.
+const DEADLINE_SLACK: Duration = Duration::from_millis(10);
+
+/// An instant the clock could not read: a duration from or to it is 0.
+pub(crate) const UNKNOWN: i64 = i64::MIN;
+
+/// Runs user code (a classifier, a chooser, a deadline reader, a meter): a panic costs what the
+/// code would have returned, never the request that ran it.
+#[inline]
+pub(crate) fn guarded<T>(user_code: impl FnOnce() -> T) -> Option<T> {
+    catch_unwind(AssertUnwindSafe(user_code)).ok()
+}
+
+/// One operation: the permit it holds, and what it records.
+///
+/// `K` is what it carries to decide its outcome when its work returns: nothing while a service
+/// prepares it, the classifier in a response future, the end-of-stream rule in a body.
+///
+/// It is admitted while it holds its permit. With nothing to record it is only its permit and a
+/// null pointer, and has no drop code of its own, so that a response future is built, moved and
+/// dropped as cheaply as tower's. What a drop means (an abandoned wait, a cancelled operation) is
+/// the record's to say: it is declared first, so it records before the permit goes back.
+pub struct Lifecycle<P, K = ()> {
+    /// `None`: nothing to record (metrics off, or nothing asked yet).
+    record: Option<Record>,
+    /// What decides the outcome when the work returns; made only for an operation that records.
+    decides: Option<K>,
+    /// Held from admission to the end.
+    permit: Option<P>,
+}
+
+/// What an operation records, and when it started to. Dropped before it was ended, it records
+/// what the drop means.
+struct Record {
+    series: Series,
+    /// Where the operation stands: one of the `WAITING`, `ADMITTED` and `ENDED` below.
+    stage: u8,
+    /// The outcome [`set_outcome`] chose, if it did (see [`Chosen`]).
+    chosen: Chosen,
+    /// How long it waited before it was admitted, in microseconds.
+    queued_us: u32,
+    /// When it started to wait (while waiting), or was admitted (once admitted), on the metrics'
+    /// clock; [`UNKNOWN`] if the clock could not be read.
+    at: i64,
+    /// How long its caller waits for it, from when it asked, in whole milliseconds; 0 for none.
+    deadline_ms: u32,
+}
+
+const WAITING: u8 = 0;
+const ADMITTED: u8 = 1;
+const ENDED: u8 = 2;
+
+/// An outcome that [`set_outcome`] may have chosen, kept in a plain byte: a record's only
+/// niche is then its series pointer, so that "nothing to record" is one null word.
+#[derive(Clone, Copy)]
+struct Chosen(u8);
+
+impl Chosen {
+    const NONE: Self = Self(u8::MAX);
+
+    fn get(self) -> Option<Outcome> {
+        Outcome::ALL.get(usize::from(self.0)).copied()
+    }
+
+    fn new(outcome: Option<Outcome>) -> Self {
+        outcome.map_or(Self::NONE, |outcome| Self(outcome as u8))
+    }
+}
+
+/// How an admitted operation ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Its work returned: the classifier decides.
+    Returned,
+    /// Its service said it will not be called (an error from the inner `poll_ready`), or its
+    /// body failed.
+    Failed,
+    /// Its work panicked.
+    Crashed,
+    /// It was dropped before its work returned: its caller went away.
+    Dropped,
+}
+
+impl<P, K> Lifecycle<P, K> {
+    /// An operation that has not asked yet.
+    pub(crate) const fn new() -> Self {
+        Self {
+            record: None,
+            decides: None,
+            permit: None,
+        }
+    }
+
+    /// Whether it holds its permit.
+    #[inline]
+    pub(crate) fn is_admitted(&self) -> bool {
+        self.permit.is_some()
+    }
+
+    /// Whether its end is still to be recorded: what it will carry, then, is worth making.
+    #[inline]
+    pub(crate) fn is_recording(&self) -> bool {
+        self.record.is_some()
+    }
+
+    /// Ends the admitted operation as `end` says, asking `classify` for the outcome if its work
+    /// returned; records it, then gives the permit back. Only the first end counts.
+    #[inline]
+    pub(crate) fn end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Outcome) {
+        if self.record.is_some() {
+            self.record_end(end, classify);
+        }
+        self.permit = None;
+    }
+
+    #[inline(never)]
+    fn record_end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Outcome) {
+        if let Some(record) = &mut self.record {
+            let decides = self.decides.as_ref();
+            record.end(end, || decides.map(classify));
+        }
+        self.record = None;
+        self.decides = None;
+    }
+
+    /// Carries on with `decides` in place of what it carried (a response future handing its
+    /// operation to the body).
+    pub(crate) fn carry<J>(&mut self, decides: impl FnOnce(&K) -> J) -> Lifecycle<P, J> {
+        let carried = match (&self.record, &self.decides) {
+            (Some(_), Some(decided)) => guarded(|| decides(decided)),
+            _ => None,
+        };
+        self.decides = None;
+        Lifecycle {
+            record: self.record.take(),
+            decides: carried,
+            permit: self.permit.take(),
+        }
+    }
+
+    /// Lends the admitted operation's permit to its work: the operation goes on holding `()` in
+    /// its place, and its owner ends it before the permit goes back.
+    pub(crate) fn lend_permit(self) -> (P, Lifecycle<(), K>) {
+        let permit = self
+            .permit
+            .expect("only an admitted operation lends its permit");
+        let lent = Lifecycle {
+            record: self.record,
+            decides: self.decides,
+            permit: Some(()),
+        };
+        (permit, lent)
+    }
+
+    /// Runs `work` (one call or one poll of the operation's work) as this operation:
+    /// [`set_outcome`] inside it sets this operation's outcome, and a panic ends it as
+    /// [`Outcome::Crashed`], giving its permit back, before the panic goes on.
+    #[inline]
+    pub(crate) fn run<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        let previous = match &self.record {
+            Some(record) => enter(record.chosen.get()),
+            None => None,
+        };
+        let unwinding = Unwinding {
+            operation: self,
+            previous,
+        };
+        let output = work();
+        // The work returned: leave the scope here, in line, and disarm the guard.
+        if let Some(previous) = unwinding.previous {
+            unwinding.operation.leave(previous);
+        }
+        std::mem::forget(unwinding);
+        output
+    }
+
+    /// Gives the thread's slot back to the operation around this one, keeping the outcome that
+    /// the work chose, if it chose one.
+    #[inline]
+    fn leave(&mut self, previous: Slot) {
+        let chosen = leave(previous);
+        if let Some(record) = &mut self.record {
+            record.chosen = Chosen::new(chosen);
+        }
+    }
+}
+
+impl<P> Lifecycle<P> {
+    /// One step of asking for the permit, in `poll_ready` or in an `async` block: a free permit
+    /// is taken at once; otherwise the operation waits (counted as queued from the first
+    /// `Pending`), until the limit admits it or turns it away. This is the one
+    /// acquire-or-refuse step: admitted, the operation holds the permit and has recorded its
+    /// queue time; turned away, it is counted by reason and the rejection is returned; a limit
+    /// that failed ends the caller, naming the limit `L`.
+    #[inline]
+    pub(crate) fn poll_admit<L: ?Sized>(
+        &mut self,
+        asking: &mut impl Asking<Permit = P>,
+        series: Option<&Series>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), Rejection>> {
+        let acquired = match asking.is_waiting() {
+            false => match asking.try_now() {
+                Some(now) => now,
+                None => std::task::ready!(self.poll_wait(asking, series, cx)),
+            },
+            true => std::task::ready!(self.poll_wait(asking, series, cx)),
+        };
+        Poll::Ready(match acquired {
+            Ok(permit) => {
+                if self.permit.is_none() {
+                    self.permit = Some(permit);
+                } else {
+                    held_twice(permit);
+                }
+                if series.is_some() {
+                    self.record_admission(series);
+                }
+                Ok(())
+            }
+            Err(error) => self.refused::<L>(&error, series),
+        })
+    }
+
+    /// Waits for the permit: the operation counts as queued from the first `Pending`.
+    #[inline]
+    fn poll_wait(
+        &mut self,
+        asking: &mut impl Asking<Permit = P>,
+        series: Option<&Series>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<P, AcquireError>> {
+        let polled = asking.poll_wait(cx);
+        if polled.is_pending() && self.record.is_none() {
+            if let Some(series) = series {
+                self.start_waiting(series);
+            }
+        }
+        polled
+    }
+
+    #[inline(never)]
+    fn start_waiting(&mut self, series: &Series) {
+        series.start_waiting();
+        self.record = Some(Record::waiting(series.clone()));
+    }
+
+    /// Records the admission: the queue sample (0 if it did not wait), and one more active.
+    #[inline(never)]
+    fn record_admission(&mut self, series: Option<&Series>) {
+        match &mut self.record {
+            Some(waited) => waited.admit(true),
+            None => {
+                if let Some(series) = series {
+                    let mut record = Record::waiting(series.clone());
+                    record.admit(false);
+                    self.record = Some(record);
+                }
+            }
+        }
+    }
+
+    /// The limit admitted no operation: a rejection is counted and returned, a failure is
+    /// counted as abandoned and ends the caller.
+    #[cold]
+    #[inline(never)]
+    fn refused<L: ?Sized>(
+        &mut self,
+        error: &AcquireError,
+        series: Option<&Series>,
+    ) -> Result<(), Rejection> {
+        // Counted in `queued` only if its wait was recorded.
+        let (series, queued) = match self.record.take() {
+            Some(mut record) => {
+                record.stage = ENDED;
+                (Some(record.series.clone()), true)
+            }
+            None => (series.cloned(), false),
+        };
+        match error.rejection() {
+            Some(rejection) => {
+                if let Some(series) = series {
+                    series.reject(rejection, queued);
+                }
+                Err(rejection)
+            }
+            None => {
+                if let Some(series) = series {
+                    series.abandon(queued);
+                }
+                limit_failed::<L>(error)
+            }
+        }
+    }
+
+    /// The operation was called (its work ran as this operation, in place): it goes on, in
+    /// the lifecycle returned, carrying what decides its outcome and the caller's deadline,
+    /// which `carried` makes only if there is something to record (`None` for a classifier
+    /// that could not be made: the outcome is then `error`). The lifecycle it leaves behind has
+    /// not asked yet.
+    #[inline(always)]
+    pub(crate) fn called<K>(
+        &mut self,
+        carried: impl FnOnce() -> (Option<K>, Option<Duration>),
+    ) -> Lifecycle<P, K> {
+        let permit = self.permit.take();
+        if self.record.is_none() {
+            // Nothing to record: the lifecycle is its permit, and only that is moved.
+            return Lifecycle {
+                record: None,
+                decides: None,
+                permit,
+            };
+        }
+        let (decides, deadline) = carried();
+        let mut record = self.record.take();
+        if let Some(record) = &mut record {
+            record.deadline_ms = deadline.map_or(0, deadline_ms);
+        }
+        Lifecycle {
+            record,
+            decides,
+            permit,
+        }
+    }
+}
+
+/// A second permit for an operation that already holds one: a bug in the caller, since an
+/// operation asks only while it holds none. The stale one goes back.
+#[cold]
+#[inline(never)]
+fn held_twice<P>(stale: P) {
+    drop(stale);
+}
+
+impl<P, K> fmt::Debug for Lifecycle<P, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lifecycle")
+            .field("admitted", &self.permit.is_some())
+            .field("recording", &self.record.is_some())
+            .finish()
+    }
+}
+
+impl Record {
+    /// A record of an operation that starts to wait now.
+    fn waiting(series: Series) -> Self {
+        let at = series.now();
+        Record {
+            series,
+            stage: WAITING,
+            chosen: Chosen::NONE,
+            queued_us: 0,
+            at,
+            deadline_ms: 0,
+        }
+    }
+
+    /// Admitted, after waiting since `self.at` if it `waited`: records the queue sample (0 if it
+    /// did not wait) and counts it as active.
+    fn admit(&mut self, waited: bool) {
+        let now = self.series.now();
+        let queued_ns = if waited { elapsed(self.at, now) } else { 0 };
+        self.series.admit(waited, queued_ns);
+        self.stage = ADMITTED;
+        self.at = now;
+        self.queued_us = u32::try_from(queued_ns / 1_000).unwrap_or(u32::MAX);
+    }
+}
+
+impl Record {
+    /// Records the end of the admitted operation, once; `classify` says what a returned work's
+    /// outcome is, if it can (`None` when nothing was made to decide it).
+    #[inline(never)]
+    fn end(&mut self, end: Ending, classify: impl FnOnce() -> Option<Outcome>) {
+        if std::mem::replace(&mut self.stage, ENDED) != ADMITTED {
+            return;
+        }
+        let now = self.series.now();
+        let outcome = decide(self, end, classify, now);
+        self.series.end(outcome, elapsed(self.at, now));
+    }
+}
+
+impl Drop for Record {
+    /// Dropped while waiting, the operation is abandoned; dropped admitted, it ends as
+    /// [`Ending::Dropped`] (and the permit, dropped after the record, goes back after that).
+    fn drop(&mut self) {
+        match self.stage {
+            WAITING => {
+                self.stage = ENDED;
+                self.series.abandon(true);
+            }
+            ADMITTED => self.end(Ending::Dropped, || None),
+            _ => {}
+        }
+    }
+}
+
+/// Where an operation's outcome is decided, for every way it can end: [`set_outcome`] wins;
+/// then a returned work is what its classifier says (`error` if the classifier panics), a
+/// failure is `error`, a panic `crashed`, and a drop `cancelled`, or `timeout` once the
+/// caller's deadline has passed.
+fn decide(
+    record: &Record,
+    end: Ending,
+    classify: impl FnOnce() -> Option<Outcome>,
+    now: i64,
+) -> Outcome {
+    if let Some(chosen) = record.chosen.get() {
+        return chosen;
+    }
+    match end {
+        Ending::Returned => guarded(classify).flatten().unwrap_or(Outcome::Error),
+        Ending::Failed => Outcome::Error,
+        Ending::Crashed => Outcome::Crashed,
+        Ending::Dropped if past_deadline(record, now) => Outcome::Timeout,
+        Ending::Dropped => Outcome::Cancelled,
+    }
+}
+
+/// Whether the caller's deadline has passed at `now`, counted from when the operation asked.
+fn past_deadline(record: &Record, now: i64) -> bool {
+    if record.deadline_ms == 0 || record.at == UNKNOWN || now == UNKNOWN {
+        return false;
+    }
+    let deadline = Duration::from_millis(u64::from(record.deadline_ms));
+    let slack = DEADLINE_SLACK.min(deadline / 10);
+    let waited = Duration::from_micros(u64::from(record.queued_us));
+    let ran = Duration::from_nanos(u64::try_from(elapsed(record.at, now)).unwrap_or(0));
+    waited + ran + slack >= deadline
+}
+
+/// Nanoseconds from `from` to `to`: 0 if either is [`UNKNOWN`] or `to` is earlier.
+fn elapsed(from: i64, to: i64) -> i64 {
+    if from == UNKNOWN || to == UNKNOWN {
+        0
+    } else {
+        to.saturating_sub(from).max(0)
+    }
+}
+
+fn deadline_ms(deadline: Duration) -> u32 {
+    u32::try_from(deadline.as_millis())
+        .unwrap_or(u32::MAX)
+        .max(1)
+}
+
+/// Dropped only while the work unwinds: leaves the scope and ends the operation as crashed.
+struct Unwinding<'a, P, K> {
+    operation: &'a mut Lifecycle<P, K>,
+    previous: Option<Slot>,
+}
+
+impl<P, K> Drop for Unwinding<'_, P, K> {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            self.operation.leave(previous);
+        }
+        self.operation.end(Ending::Crashed, |_| Outcome::Crashed);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The slot that `set_outcome` writes to.
+
+#[derive(Clone, Copy)]
+enum Slot {
+    /// No operation is being called or polled on this thread.
+    Outside,
+    /// An operation is; this is its outcome so far.
+    Inside(Option<Outcome>),
+}
+
+thread_local! {
+    static CURRENT: Cell<Slot> = const { Cell::new(Slot::Outside) };
+}
+
+/// Makes the operation whose outcome so far is `chosen` the thread's current one; returns the
+/// slot to give back, or `None` while the thread is being torn down (the work then runs without
+/// a slot rather than fail).
+#[inline]
+fn enter(chosen: Option<Outcome>) -> Option<Slot> {
+    CURRENT
+        .try_with(|slot| slot.replace(Slot::Inside(chosen)))
+        .ok()
+}
+
+/// Gives the thread's slot back as `previous`; returns the outcome the work chose.
+#[inline]
+fn leave(previous: Slot) -> Option<Outcome> {
+    match CURRENT.try_with(|slot| slot.replace(previous)) {
+        Ok(Slot::Inside(chosen)) => chosen,
+        _ => None,
+    }
+}
+
+/// Sets the outcome of the operation whose work is running on this thread, overriding what the
+/// classifier would say: NeMo Gym's `op.outcome = ...`. Returns `true` if the outcome will be
+/// recorded.
+///
+/// Call it from the work itself, for example from an axum handler behind the layer, or from the
+/// future given to [`resources_operation`](crate::resources_operation), when the work ended other
+/// than its result shows: a handler that hit its own deadline and answers with a fallback sets
+/// [`Outcome::Timeout`]. The last call wins, and it wins over every other rule.
+///
+/// Returns `false` and changes nothing outside an operation, and in a task spawned from the work
+/// (`tokio::spawn` runs it elsewhere; set the outcome in the work that awaits it). A limit whose
+/// metrics are [disabled](crate::OperationMetrics::disabled) is only a limit: inside it,
+/// `set_outcome` sets the outcome of the enabled operation around it, if there is one, and
+/// returns `false` otherwise.
+///
+/// ```
+/// use tower_resources_operation::{set_outcome, Outcome};
+///
+/// // Outside any operation there is nothing to set.
+/// assert!(!set_outcome(Outcome::Timeout));
+/// ```
+pub fn set_outcome(outcome: Outcome) -> bool {
+    CURRENT
+        .try_with(|slot| match slot.get() {
+            Slot::Outside => false,
+            Slot::Inside(_) => {
+                slot.set(Slot::Inside(Some(outcome)));
+                true
+            }
+        })
+        .unwrap_or(false)
+}
