@@ -3,7 +3,7 @@
 //!
 //! Each attribute is an enum, so no input can add a series: the exported values are exactly NeMo
 //! Gym's strings ([`OPERATIONS`](crate::OPERATIONS), [`EXECUTORS`](crate::EXECUTORS),
-//! [`OUTCOMES`](crate::OUTCOMES)), and this crate's [`REJECTIONS`](crate::REJECTIONS).
+//! [`OUTCOMES`](crate::OUTCOMES)), and this crate's [`REJECTIONS`](crate::metrics::REJECTIONS).
 
 use std::fmt;
 use std::str::FromStr;
@@ -113,11 +113,11 @@ bounded_attribute! {
 
 bounded_attribute! {
     /// Why an operation was turned away without a permit. Exported as
-    /// [`REJECTION_ATTRIBUTE`](crate::REJECTION_ATTRIBUTE) on
-    /// [`REJECTED_INSTRUMENT`](crate::REJECTED_INSTRUMENT), an addition of this crate to NeMo Gym's
+    /// [`REJECTION_ATTRIBUTE`](crate::metrics::REJECTION_ATTRIBUTE) on
+    /// [`REJECTED_INSTRUMENT`](crate::metrics::REJECTED_INSTRUMENT), an addition of this crate to NeMo Gym's
     /// instruments.
     Rejection, "rejection", crate::metrics::REJECTIONS {
-        /// The limit's queue was full ([`Limit::max_queued`](crate::Limit::max_queued)).
+        /// The limit's queue was full ([`Limit::with_max_queued`](crate::Limit::with_max_queued)).
         QueueFull => "queue_full",
         /// The operation waited as long as its layer lets one wait
         /// ([`queue_timeout`](crate::ResourcesOperationLayer::queue_timeout)).

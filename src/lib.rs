@@ -10,6 +10,8 @@
 //! instrument names, attributes, bucket boundaries and outcome rules, and three instruments of
 //! its own (the limit's capacity, the operations it turned away, the waits given up).
 //!
+//! These docs are the reference; the README is the guide.
+//!
 //! # Example
 //!
 //! ```
@@ -43,78 +45,166 @@
 //! ```
 //!
 //! Without [`metrics`](ResourcesOperationLayer::metrics), a layer reports to the global meter
-//! provider ([`OperationMetrics::global`]) installed when it first serves a request, so "build
-//! the router, install the provider, serve" records.
+//! provider ([`OperationMetrics::global`]) installed when one of its services first serves a
+//! request, so "build the router, install the provider, serve" records.
 //!
-//! # Where the layer goes
+//! # The pieces
 //!
-//! - **One layer per route or gRPC service** tags each with its [`Operation`] and
-//!   [`Executor`]. Routes that share a cap get layers made
-//!   [`with_limit`](ResourcesOperationLayer::with_limit) from clones of one [`Limit`]. The limit
-//!   lives in the layer value, so it holds across connections (what tower's
-//!   `GlobalConcurrencyLimitLayer` does; its `ConcurrencyLimitLayer` makes one per `layer()` call,
-//!   and axum calls `layer()` per connection).
-//! - **One layer over a whole axum `Router` or tonic `Server`** limits everything under it,
-//!   `/metrics` and 404s included, under one tag. Give it
-//!   [`per_request`](ResourcesOperationLayer::per_request) to choose each request's operation,
-//!   or to leave it unlimited ([`ByMatchedPath`] with the `axum` feature, [`ByGrpcMethod`], or a
-//!   closure). Such a layer takes its permit after `call`, in the response future.
-//! - **Streams**: [`until_body_end`](ResourcesOperationLayer::until_body_end) holds each
-//!   operation, its permit and its run time, until the `http::Response` body ends, and reads a
-//!   gRPC status from the trailers.
-//! - **Work that is not a tower service**: [`resources_operation`], NeMo Gym's context manager.
-//! - **Any limit**: a [`Limit`], a tokio `Semaphore`, or an [`Acquire`] of your own (a pool, a
-//!   weighted or a fleet-wide semaphore).
+//! | you want | use |
+//! |---|---|
+//! | a limit on a tower service, axum route or tonic service | [`ResourcesOperationLayer`]: [`new`](ResourcesOperationLayer::new), [`new_for_http`](ResourcesOperationLayer::new_for_http), [`new_for_grpc`](ResourcesOperationLayer::new_for_grpc) |
+//! | a cap that several routes share, resized while it serves, with a bounded queue | [`Limit`] |
+//! | a limit of your own: a pool, a weighted or a fleet-wide semaphore | [`Acquire`] |
+//! | how results become outcomes | [`classify`] |
+//! | how a rejection is answered, and where a caller's deadline is read | [`protocol`] |
+//! | one layer over a whole `Router` or tonic `Server` | [`per_request`] |
+//! | operations that last until the response body ends | [`until_body_end`](ResourcesOperationLayer::until_body_end), [`layer::OperationBody`] |
+//! | work that is not a tower service | [`resources_operation`] |
+//! | the outcome the classifier cannot see | [`set_outcome`] |
+//! | the instruments, your own meter | [`OperationMetrics`], [`metrics`] |
 //!
 //! # Metrics
 //!
 //! | instrument | kind | unit | attributes | recorded |
 //! |---|---|---|---|---|
-//! | [`QUEUE_DURATION_INSTRUMENT`] | histogram | `ms` | operation, executor | once per admitted operation, when it gets its permit (0 if it never waited) |
-//! | [`DURATION_INSTRUMENT`] | histogram | `ms` | operation, executor, outcome | once per admitted operation, when it ends |
-//! | [`QUEUED_INSTRUMENT`] | observable up-down counter | `{operation}` | operation, executor | waiting for a permit now |
-//! | [`ACTIVE_INSTRUMENT`] | observable up-down counter | `{operation}` | operation, executor | holding a permit now |
-//! | [`LIMIT_INSTRUMENT`] (this crate's) | observable gauge | `{operation}` | operation, executor | the capacity of the limits the series draws from |
-//! | [`REJECTED_INSTRUMENT`] (this crate's) | counter | `{operation}` | operation, executor, rejection | once per operation turned away without a permit |
-//! | [`ABANDONED_INSTRUMENT`] (this crate's) | counter | `{operation}` | operation, executor | once per operation whose caller went away while it waited |
+//! | [`QUEUE_DURATION_INSTRUMENT`] | histogram (f64) | `ms` | operation, executor | once per admitted operation, when it gets its permit: the time since it first had to wait, or 0 if the permit was free at once |
+//! | [`DURATION_INSTRUMENT`] | histogram (f64) | `ms` | operation, executor, outcome | once per admitted operation, when it ends: from the permit to the end of the work (of its body, in the body-end form) |
+//! | [`QUEUED_INSTRUMENT`] | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations waiting for a permit now |
+//! | [`ACTIVE_INSTRUMENT`] | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations holding a permit now |
+//! | [`LIMIT_INSTRUMENT`](metrics::LIMIT_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | operation, executor | at each collection: the sum of the capacities of the distinct limits the series draws from |
+//! | [`REJECTED_INSTRUMENT`](metrics::REJECTED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor, rejection | once per operation turned away without a permit |
+//! | [`ABANDONED_INSTRUMENT`](metrics::ABANDONED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor | once per operation whose caller went away while it waited |
 //!
-//! Both histograms use NeMo Gym's [`OPERATION_BOUNDARIES_MS`], from 1 ms to 30 minutes. Every
-//! operation that asks for a permit is exactly one of admitted, rejected or abandoned.
+//! - Attribute keys: [`OPERATION_ATTRIBUTE`] ([`OPERATIONS`]), [`EXECUTOR_ATTRIBUTE`]
+//!   ([`EXECUTORS`]), [`OUTCOME_ATTRIBUTE`] ([`OUTCOMES`]), and this crate's
+//!   [`REJECTION_ATTRIBUTE`](metrics::REJECTION_ATTRIBUTE) ([`REJECTIONS`](metrics::REJECTIONS)).
+//!   They are enums, so the series are bounded whatever comes in; names from config go through
+//!   [`Operation::from_str_lossy`] / [`Executor::from_str_lossy`] or `FromStr`, whose error lists
+//!   the valid values.
+//! - Both histograms use NeMo Gym's [`OPERATION_BOUNDARIES_MS`], from 1 ms to 30 minutes.
+//! - Every operation that asks for a permit is exactly one of admitted (one queue sample, one
+//!   duration sample with its outcome), rejected (by reason) or abandoned.
+//! - `limit`: a limit shared by two series reports its full capacity under each; a series served
+//!   by limits of 2 and 3 reports 5; one limit reached through two layers counts once. `active`
+//!   is at most `limit`, except while a lowered capacity drains. A [`Limit`] knows its capacity;
+//!   an `Arc<Semaphore>` does not, unless the layer is given one
+//!   ([`capacity`](ResourcesOperationLayer::capacity)).
+//! - Live counts add up over every limit that reports through one [`OperationMetrics`] (clones
+//!   share them). A series given explicit metrics reports 0 from the moment a layer makes a
+//!   service for it; with the global metrics, from the first request a service of the layer
+//!   serves.
+//! - [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit.
 //!
 //! # Outcomes
 //!
-//! - The classifier ([`ClassifyOutcome`], by default [`DefaultClassifier`]) maps the inner
-//!   result: `Ok` is `ok`, `Err` is `error`. [`TimeoutClassifier`] also makes tower's and
-//!   tokio's `Elapsed` `timeout`; [`HttpClassifier`] and [`GrpcClassifier`] read the status.
-//! - A response future dropped before it finished is `cancelled` (or `timeout`, once the
-//!   request's deadline has passed: see [`Deadline`]), and so is a permit taken by
-//!   `poll_ready` but never used by `call`.
-//! - A panic in the inner `poll_ready` (once the permit is taken), in `call` or while polling
-//!   its future (or its body) is `crashed`; the panic goes on.
-//! - In the body-end form, the end of the stream, a body error and a body dropped early decide
-//!   too (see [`ClassifyResponse`]).
-//! - [`set_outcome`] inside the work wins over all of the above.
+//! Where an operation's outcome is decided, for every way it can end:
 //!
-//! Recording never fails a request: a classifier that panics costs the operation its outcome
-//! (recorded as `error`), and a meter that panics when it records costs that measurement.
+//! 1. [`set_outcome`] inside the work wins over everything below (NeMo Gym's
+//!    `op.outcome = ...`).
+//! 2. The inner service answered: the classifier decides ([`classify::DefaultClassifier`]: `Ok` is
+//!    `ok`, `Err` is `error`; [`classify::TimeoutClassifier`] also makes tower's and tokio's
+//!    `Elapsed` `timeout`; [`classify::HttpClassifier`] and [`classify::GrpcClassifier`] read the
+//!    status). A classifier that panics costs the operation its outcome (`error`), never the
+//!    response.
+//! 3. The inner `poll_ready` failed: `error`, and the permit goes back.
+//! 4. A panic in the inner `poll_ready`, in `call`, or while polling its future or body:
+//!    `crashed`, the permit goes back, and the panic goes on.
+//! 5. Dropped before the end (the caller went away), or a permit taken by `poll_ready` that
+//!    `call` never used: `cancelled`, or `timeout` once the caller's deadline has passed (see
+//!    [`protocol`]).
+//! 6. In the body-end form, the end of the stream ends the operation with the head's outcome,
+//!    or the trailers' when the classifier lets them decide
+//!    ([`ClassifyOutcome::classify_at_end`](classify::ClassifyOutcome::classify_at_end): a gRPC
+//!    stream's status); a body error is `error`.
+//!
+//! An operation turned away (`rejected`) or given up while queued (`abandoned`) was never
+//! admitted: it has no queue or duration sample. Recording never fails a request: a meter, a
+//! classifier, a chooser or a deadline reader that panics costs a measurement, never an answer.
 //!
 //! # Where it differs from tower's `ConcurrencyLimitLayer`
 //!
-//! - One limit per layer value, shared by every service it makes (tower's
-//!   `GlobalConcurrencyLimitLayer`), rather than one per `layer()` call.
-//! - The permit goes back when the inner `poll_ready` fails or panics.
-//! - A limit that cannot admit any more (a closed semaphore) panics at `poll_ready`, in every
-//!   build, with a message naming the limit; waiters are woken to that panic, never left
-//!   hanging. tower's limit panics there only in debug builds, and at `call` in release.
-//! - A [bounded](ResourcesOperationLayer::bounded) layer answers an operation its limit turned
-//!   away (`503`, RESOURCE_EXHAUSTED, or [`Rejected`] as the service's error) without calling
-//!   the inner service, as tower's `LoadShed` does. Without it, nothing is ever turned away.
+//! - **One limit per layer value**, shared by every service the layer makes: tower's
+//!   `GlobalConcurrencyLimitLayer`'s behaviour. tower's `ConcurrencyLimitLayer` makes a new
+//!   semaphore on every `layer()` call, and axum calls `layer()` per route and per connection.
+//! - **The permit goes back when the inner `poll_ready` fails or panics**; tower keeps it in the
+//!   service until the service is dropped.
+//! - **A limit that cannot admit any more** (a closed semaphore) panics at `poll_ready` in every
+//!   build, with a message naming the limit; waiters are woken to that panic. tower panics there
+//!   only in debug builds, and at `call` with an unrelated message in release.
+//! - **A limit that turns operations away** (a queue bound, a queue timeout) makes `poll_ready`
+//!   ready, and `call` answers the rejection as the layer's [`protocol`] says, without calling
+//!   the inner service, as tower's `LoadShed` does. A generic layer answers only once given a
+//!   protocol that can ([`protocol::RejectAsError`] for a `BoxError` service); until then it
+//!   refuses, when it makes its service, a limit that may reject.
+//! - Otherwise the same: the permit is taken in `poll_ready`, waiters are served first come
+//!   first served, a clone starts without a permit, the permit goes back when the response
+//!   future completes, errors or is dropped, or when a service holding an unused permit is
+//!   dropped; `new(0)` is never ready; `call` without `poll_ready` panics, saying so. `Response`
+//!   and `Error` are the inner service's, `tower::load::Load` is forwarded, and
+//!   [`ResourcesOperation::new`] makes the service without the layer.
+//!
+//! # Two compile errors, and what to do about them
+//!
+//! Both come from rustc proving `Send` for a spawned async block (rust-lang/rust#110338), with
+//! `BoxError` as the service's error, in `tokio::spawn(async move { svc.oneshot(req).await })`.
+//!
+//! With [`TimeoutClassifier`](classify::TimeoutClassifier), which looks into the error through
+//! `Any` and so needs it to be `'static`: "higher-ranked lifetime error", "could not prove
+//! `{async block}: Send`".
+//!
+//! ```compile_fail
+//! # use tower::{service_fn, BoxError, Layer, ServiceExt};
+//! # use tower_resources_operation::{classify::TimeoutClassifier, ResourcesOperationLayer};
+//! let verifier = ResourcesOperationLayer::new(2)
+//!     .classifier(TimeoutClassifier::new())
+//!     .layer(service_fn(|n: u32| async move { Ok::<_, BoxError>(n) }));
+//! tokio::spawn(async move { verifier.oneshot(7).await });
+//! ```
+//!
+//! With tower's `Timeout` in the stack, whatever the classifier (tower's own limit fails there
+//! the same way): "implementation of `From` is not general enough".
+//!
+//! ```compile_fail
+//! # use std::time::Duration;
+//! # use tower::{service_fn, BoxError, ServiceBuilder, ServiceExt};
+//! # use tower_resources_operation::ResourcesOperationLayer;
+//! let verifier = ServiceBuilder::new()
+//!     .layer(ResourcesOperationLayer::new(2))
+//!     .timeout(Duration::from_secs(1))
+//!     .service(service_fn(|n: u32| async move { Ok::<_, BoxError>(n) }));
+//! tokio::spawn(async move { verifier.oneshot(7).await });
+//! ```
+//!
+//! For either, spawn the `oneshot` future itself, or box the service before the async block
+//! (`tower::util::BoxCloneService`). The default classifier puts no bound on the error, so the
+//! default layer compiles wherever tower's limit does. axum and tonic handlers, whose errors are
+//! `Infallible`, meet neither error.
+//!
+//! ```
+//! # use std::time::Duration;
+//! # use tower::{service_fn, util::BoxCloneService, BoxError, ServiceBuilder, ServiceExt};
+//! # use tower_resources_operation::{classify::TimeoutClassifier, ResourcesOperationLayer};
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let verifier = ServiceBuilder::new()
+//!     .layer(ResourcesOperationLayer::new(2).classifier(TimeoutClassifier::new()))
+//!     .timeout(Duration::from_secs(1))
+//!     .service(service_fn(|n: u32| async move { Ok::<_, BoxError>(n) }));
+//! // Spawn the `oneshot` future itself...
+//! let direct = tokio::spawn(verifier.clone().oneshot(7));
+//! // ...or box the service first.
+//! let boxed = BoxCloneService::new(verifier);
+//! let in_block = tokio::spawn(async move { boxed.oneshot(8).await });
+//! assert_eq!(direct.await.unwrap().unwrap() + in_block.await.unwrap().unwrap(), 15);
+//! # }
+//! ```
 //!
 //! # Cargo features
 //!
 //! - `tonic`: the layered services implement tonic's `NamedService`, so a layered gRPC
 //!   service can go to `Server::add_service`.
-//! - `axum`: [`ByMatchedPath`], which chooses each request's operation by axum's matched route.
+//! - `axum`: [`per_request::ByMatchedPath`], which chooses each request's operation by axum's
+//!   matched route.
 //! - `serde`: [`Operation`], [`Executor`], [`Outcome`] and [`Rejection`] (de)serialize as their
 //!   attribute strings.
 //! - `experimental-bound-instruments`: records through OpenTelemetry's bound instruments

@@ -275,6 +275,7 @@ impl<P> Lifecycle<P> {
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
+    /// Recording, the operation carries `()` to decide its outcome, until it is called.
     #[inline(never)]
     fn record_admission(&mut self, series: Option<&Series>) {
         match &mut self.record {
@@ -286,6 +287,9 @@ impl<P> Lifecycle<P> {
                     self.record = Some(record);
                 }
             }
+        }
+        if self.record.is_some() {
+            self.decides = Some(());
         }
     }
 

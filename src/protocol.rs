@@ -221,7 +221,11 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
 /// server's own timeout (tonic's `Server::timeout`), whichever is shorter.
 ///
 /// tonic enforces both outside the layer: when one passes it drops the call and answers
-/// CANCELLED, so the layer sees a drop; with the deadline known, that drop counts as `timeout`.
+/// CANCELLED, so the layer sees a drop. With the deadline known, a call dropped while it runs,
+/// at its deadline, counts as `timeout` rather than `cancelled`; one dropped while it still waits
+/// for a permit is an abandoned wait, as every caller that gives up in the queue is. A client
+/// that gives up by its own clock may hang up a little before the server's deadline: such a drop
+/// counts as `cancelled`.
 #[derive(Clone, Debug)]
 pub struct Grpc {
     deadline: Deadline,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 use tokio_test::{assert_pending, assert_ready_ok};
-use tower::ServiceExt as _;
+use tower::{Layer as _, ServiceExt as _};
 use tower_test::{assert_request_eq, mock};
 
 use support::Telemetry;
@@ -354,4 +354,186 @@ fn try_new_at_max_permits_is_ok() {
         Limit::try_new(Semaphore::MAX_PERMITS).expect("Semaphore::MAX_PERMITS is a valid limit");
     let layer = ResourcesOperationLayer::new(limit);
     assert_eq!(layer.limit().available(), Semaphore::MAX_PERMITS);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Defects found in the seams of the previous version, each pinned.
+
+/// An inner service whose `poll_ready` panics.
+#[derive(Clone)]
+struct PanicsWhenPolled;
+
+impl tower::Service<()> for PanicsWhenPolled {
+    type Response = ();
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<(), std::convert::Infallible>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        panic!("expected test panic: the inner poll_ready")
+    }
+
+    fn call(&mut self, (): ()) -> Self::Future {
+        std::future::ready(Ok(()))
+    }
+}
+
+/// With metrics off the operation takes the same path: a panic in the inner `poll_ready` ends
+/// it and gives its permit back, though the service lives on.
+#[tokio::test(flavor = "current_thread")]
+async fn with_metrics_disabled_a_panic_in_the_inner_poll_ready_gives_the_permit_back() {
+    let limit = Limit::new(1);
+    let mut service = quiet_on(limit.clone()).layer(PanicsWhenPolled);
+    let panicked = catch_unwind(AssertUnwindSafe(|| {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let _ = tower::Service::poll_ready(&mut service, &mut cx);
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(limit.available(), 1, "the permit stayed in the service");
+    drop(service);
+    assert_eq!(limit.available(), 1);
+}
+
+fn quiet_on(limit: Limit) -> ResourcesOperationLayer {
+    ResourcesOperationLayer::new(limit).metrics(OperationMetrics::disabled())
+}
+
+/// A limit whose permits, when they go back, note how many operations the metrics counted as
+/// active at that moment.
+#[derive(Clone)]
+struct Watched {
+    places: Arc<Semaphore>,
+    on_release: Arc<dyn Fn() + Send + Sync>,
+}
+
+struct WatchedPermit {
+    _place: tokio::sync::OwnedSemaphorePermit,
+    on_release: Arc<dyn Fn() + Send + Sync>,
+}
+
+impl Drop for WatchedPermit {
+    fn drop(&mut self) {
+        (self.on_release)();
+    }
+}
+
+impl tower_resources_operation::Acquire for Watched {
+    type Permit = WatchedPermit;
+
+    async fn acquire(
+        &self,
+    ) -> Result<WatchedPermit, tower_resources_operation::limit::AcquireError> {
+        let place = Arc::clone(&self.places)
+            .acquire_owned()
+            .await
+            .map_err(|_| tower_resources_operation::limit::AcquireError::closed())?;
+        Ok(WatchedPermit {
+            _place: place,
+            on_release: Arc::clone(&self.on_release),
+        })
+    }
+}
+
+/// Every way an admitted operation ends records its end before its permit goes back, so that
+/// `active` never counts an operation whose place is already free: `active` is 0 at each release.
+#[tokio::test(flavor = "current_thread")]
+async fn an_operation_is_recorded_as_ended_before_its_permit_goes_back() {
+    let telemetry = Arc::new(Telemetry::new());
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let limit = Watched {
+        places: Arc::new(Semaphore::new(1)),
+        on_release: {
+            let (telemetry, seen) = (Arc::clone(&telemetry), Arc::clone(&seen));
+            Arc::new(move || {
+                let active =
+                    telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &[]);
+                seen.lock().unwrap().push(active);
+            })
+        },
+    };
+    let layer = ResourcesOperationLayer::new(limit).metrics(telemetry.metrics.clone());
+    let (mut service, mut handle) = mock::spawn_layer::<&str, &str, _>(layer);
+
+    // Completed.
+    assert_ready_ok!(service.poll_ready());
+    let response = service.call("done");
+    assert_request_eq!(handle, "done").send_response("ok");
+    response.await.unwrap();
+    // Dropped before it completed.
+    assert_ready_ok!(service.poll_ready());
+    drop(service.call("dropped"));
+    // Admitted by poll_ready, never called: the service is dropped holding its permit.
+    assert_ready_ok!(service.poll_ready());
+    drop(service);
+
+    assert_eq!(*seen.lock().unwrap(), [0, 0, 0]);
+    assert_eq!(
+        telemetry.outcomes(&[]),
+        [("cancelled".to_owned(), 2), ("ok".to_owned(), 1)]
+            .into_iter()
+            .collect()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resizing a limit while it serves.
+
+/// Threads take and give back places while another resizes the limit down and up, without a
+/// pause: at the end, with nothing held, every place of the final capacity is free, and no more.
+/// (The protocol is checked under loom too: `RUSTFLAGS="--cfg tro_loom" cargo test --release
+/// --lib limit::resize`; this samples it on the real semaphore.)
+#[test]
+fn resizing_while_operations_come_and_go_loses_and_makes_up_no_place() {
+    use tower_resources_operation::Acquire as _;
+    let limit = Limit::new(5);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..3)
+        .map(|_| {
+            let (limit, stop) = (limit.clone(), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if let Some(Ok(permit)) = limit.try_acquire() {
+                        std::hint::spin_loop();
+                        drop(permit);
+                    }
+                }
+            })
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let mut capacity = 5;
+    while started.elapsed() < std::time::Duration::from_millis(500) {
+        capacity = if capacity == 5 { 1 } else { 5 };
+        limit.set_capacity(capacity).unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for worker in workers {
+        worker.join().unwrap();
+    }
+    limit.set_capacity(5).unwrap();
+    assert_eq!(limit.capacity(), 5);
+    assert_eq!(limit.available(), 5, "places were lost or made up");
+}
+
+/// Lowering the capacity revokes nobody: the running operations finish, and the places above
+/// the new capacity leave as they come back; raising it again admits at once.
+#[tokio::test(flavor = "current_thread")]
+async fn lowering_the_capacity_revokes_nobody_and_raising_it_admits_at_once() {
+    use tower_resources_operation::Acquire as _;
+    let limit = Limit::new(3);
+    let held: Vec<_> = (0..3)
+        .map(|_| limit.try_acquire().unwrap().unwrap())
+        .collect();
+    limit.set_capacity(1).unwrap();
+    assert_eq!((limit.capacity(), limit.available()), (1, 0));
+    drop(held);
+    assert_eq!(
+        limit.available(),
+        1,
+        "two of the three places left as they came back"
+    );
+    limit.set_capacity(4).unwrap();
+    assert_eq!(limit.available(), 4);
 }

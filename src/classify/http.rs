@@ -2,7 +2,7 @@
 
 use http::{HeaderMap, Response, StatusCode};
 
-use super::ClassifyOutcome;
+use super::{ClassifyOutcome, ClassifyTrailers};
 use crate::Outcome;
 
 /// Lowest and highest status code an [`HttpClassifier`] can be told about.
@@ -120,10 +120,10 @@ impl<B, E> ClassifyOutcome<Response<B>, E> for HttpClassifier {
 ///   response, which is how tonic answers a handler's `Err(Status)`; no header is `ok`. A status
 ///   sent in the trailers, after a body, is not seen there.
 /// - **At the end of the body** (the layer's
-///   [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form): the `grpc-status`
-///   of the trailers decides, so a server stream that fails midway is an error; a trailers-only
-///   response decides at its head. A stream that ends without trailers, or trailers without
-///   `grpc-status`, keeps the head's outcome (`ok` for a head without one), as tower-http's
+///   [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form): a trailers-only
+///   response still decides at the head; any other decides at the end of its stream, from the
+///   `grpc-status` of its trailers, so a server stream that fails midway is an error. A stream
+///   that ends without trailers, or trailers without `grpc-status`, is `ok`, as tower-http's
 ///   `GrpcErrorsAsFailures` says.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GrpcClassifier;
@@ -152,13 +152,13 @@ impl<B, E> ClassifyOutcome<Response<B>, E> for GrpcClassifier {
         }
     }
 
-    /// The `grpc-status` of the trailers, if they carry one; the head's outcome otherwise.
-    fn classify_trailers(head: Outcome, trailers: Option<&HeaderMap>) -> Outcome {
-        match trailers {
-            Some(trailers) if trailers.contains_key(GRPC_STATUS) => {
-                Self::classify_headers(trailers)
-            }
-            _ => head,
+    /// A response whose head carries no `grpc-status` (a stream) ends with the `grpc-status`
+    /// of its trailers; one whose head does (trailers-only) is decided at the head.
+    fn classify_at_end(&self, response: &Response<B>) -> Option<ClassifyTrailers> {
+        if response.headers().contains_key(GRPC_STATUS) {
+            None
+        } else {
+            Some(|trailers| trailers.map_or(Outcome::Ok, GrpcClassifier::classify_headers))
         }
     }
 }

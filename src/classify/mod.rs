@@ -49,17 +49,19 @@ pub trait ClassifyOutcome<Res, Err> {
     fn classify(&self, result: Result<&Res, &Err>) -> Outcome;
 
     /// In the body-end form ([`until_body_end`](crate::ResourcesOperationLayer::until_body_end)):
-    /// the outcome at the end of a stream whose head [`classify`](Self::classify) called
-    /// `head`, from its trailers if it sent any. Defaults to `head`; a gRPC stream's status is
-    /// in its trailers.
-    fn classify_trailers(head: Outcome, trailers: Option<&HeaderMap>) -> Outcome
-    where
-        Self: Sized,
-    {
-        let _ = trailers;
-        head
+    /// whether the end of the stream, rather than the head `response`, decides the outcome, and
+    /// how: from the trailers, if the stream sends any. Defaults to `None`: the head decides.
+    /// The gRPC classifier reads the trailers' `grpc-status` for a response whose head carries
+    /// none.
+    fn classify_at_end(&self, response: &Res) -> Option<ClassifyTrailers> {
+        let _ = response;
+        None
     }
 }
+
+/// How the end of a stream decides an operation's outcome: from its trailers, or `None` when
+/// the stream ended without any. See [`ClassifyOutcome::classify_at_end`].
+pub type ClassifyTrailers = fn(Option<&HeaderMap>) -> Outcome;
 
 impl<F, Res, Err> ClassifyOutcome<Res, Err> for F
 where
@@ -148,8 +150,8 @@ where
         }
     }
 
-    fn classify_trailers(head: Outcome, trailers: Option<&HeaderMap>) -> Outcome {
-        C::classify_trailers(head, trailers)
+    fn classify_at_end(&self, response: &Res) -> Option<ClassifyTrailers> {
+        self.inner.classify_at_end(response)
     }
 }
 

@@ -9,7 +9,7 @@ use http::{HeaderMap, Response};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::classify::ClassifyOutcome;
+use crate::classify::{ClassifyOutcome, ClassifyTrailers};
 use crate::operation::{guarded, Ending, Lifecycle};
 use crate::Outcome;
 
@@ -78,9 +78,15 @@ where
     ) -> Result<Self::Response, Err> {
         match result {
             Ok(response) => {
-                let streaming = operation.carry(|classifier| StreamEnd {
-                    head: guarded(|| classifier.classify(Ok(&response))).unwrap_or(Outcome::Error),
-                    trailers: C::classify_trailers,
+                let streaming = operation.carry(|classifier| {
+                    guarded(|| StreamEnd {
+                        head: classifier.classify(Ok(&response)),
+                        at_end: classifier.classify_at_end(&response),
+                    })
+                    .unwrap_or(StreamEnd {
+                        head: Outcome::Error,
+                        at_end: None,
+                    })
                 });
                 Ok(response.map(|body| OperationBody::new(body, streaming)))
             }
@@ -102,13 +108,13 @@ where
 pub(crate) struct StreamEnd {
     /// What the head said.
     head: Outcome,
-    /// What the trailers say, given the head's outcome.
-    trailers: fn(Outcome, Option<&HeaderMap>) -> Outcome,
+    /// How the end of the stream decides instead, if it does.
+    at_end: Option<ClassifyTrailers>,
 }
 
 impl StreamEnd {
     fn outcome(&self, trailers: Option<&HeaderMap>) -> Outcome {
-        (self.trailers)(self.head, trailers)
+        self.at_end.map_or(self.head, |at_end| at_end(trailers))
     }
 }
 
@@ -121,7 +127,8 @@ pin_project! {
     ///
     /// - at the end of the stream (the trailers, a frame after which `is_end_stream` is true, or
     ///   the end itself; or at once, for a body empty from the start), the operation ends with
-    ///   what the head decided, or what the classifier says of the trailers (gRPC's status);
+    ///   what the head decided, or what the trailers say when the classifier lets them decide
+    ///   ([`ClassifyOutcome::classify_at_end`]: a gRPC stream's status);
     /// - a body error ends it as `error`;
     /// - dropped before its end (the client hung up), it ends as `cancelled`, or `timeout` past
     ///   the caller's deadline;

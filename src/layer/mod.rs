@@ -358,9 +358,11 @@ where
     /// (see [`protocol`](crate::protocol); a closure `Fn(Rejected) -> Result<Res, Err>` answers
     /// with what it returns).
     pub fn protocol<Q>(self, protocol: Q) -> ResourcesOperationLayer<C, L, Q, E, T> {
+        // Every protocol answers rejections but `Plain`.
+        let answers = std::any::type_name::<Q>() != std::any::type_name::<Plain>();
         self.reconfigure(|parts| Parts {
             protocol,
-            answers: true,
+            answers,
             limit: parts.limit,
             classifier: parts.classifier,
         })

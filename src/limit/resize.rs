@@ -6,15 +6,22 @@
 //! keeps `capacity = free + held - debt`: a release pays one unit of debt or frees its place; a
 //! sweep takes free places out only to pay debt, and frees again any it took that it could not
 //! pay with. So no place is lost and none is made up, whatever the interleaving; the loom tests
-//! below check that (`RUSTFLAGS="--cfg loom" cargo test --release --lib limit::resize`).
+//! below check every interleaving of it:
+//!
+//! ```text
+//! RUSTFLAGS="--cfg tro_loom" cargo test --release --lib limit::resize
+//! ```
+//!
+//! (A cfg of the crate's own: `--cfg loom` would also switch tokio to its loom build, which has
+//! no `net`, and the dev-dependencies need it.)
 
-#[cfg(not(all(test, loom)))]
+#[cfg(not(all(test, tro_loom)))]
 use std::sync::{
     atomic::{AtomicUsize, Ordering::SeqCst},
     Mutex,
 };
 
-#[cfg(all(test, loom))]
+#[cfg(all(test, tro_loom))]
 use loom::sync::{
     atomic::{AtomicUsize, Ordering::SeqCst},
     Mutex,
@@ -125,7 +132,7 @@ impl<S: Places> Resizable<S> {
     }
 }
 
-#[cfg(all(test, loom))]
+#[cfg(all(test, tro_loom))]
 mod loom_tests {
     use loom::sync::atomic::AtomicUsize;
     use loom::sync::Arc;

@@ -1,0 +1,142 @@
+//! What a queued operation costs: heap bytes per waiter, and the time to drain the queue, with
+//! tower's `ConcurrencyLimit` beside this layer (metrics off and on).
+//!
+//! ```text
+//! cargo bench --bench queue
+//! ```
+//!
+//! Each case spawns N tasks on a current-thread runtime, each sending one request through a
+//! clone of one service limited to 1 (`clone().oneshot()`, as hyper and axum drive a service).
+//! The first request holds the permit until every task has started and queued; the heap in use
+//! then, less the heap before, divided by N, is the memory per queued operation (task, future,
+//! the service's clone, the limit's wait). Then the first request finishes and the queue drains,
+//! one operation at a time: that time, divided by N, is the drain time per operation.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+use tower::{service_fn, Layer, Service, ServiceExt};
+use tower_resources_operation::{OperationMetrics, ResourcesOperationLayer};
+
+mod common;
+
+/// Counts the bytes in use on the heap.
+struct Counting;
+
+static IN_USE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        IN_USE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        IN_USE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        IN_USE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Bytes per queued operation and drain time per operation, for `waiters` operations queued
+/// behind one that holds the only permit.
+fn measure<S>(service: S, waiters: usize) -> (f64, Duration)
+where
+    S: Service<Arc<Notify>, Response = ()> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug + Send,
+{
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let release = Arc::new(Notify::new());
+        let first = tokio::spawn(service.clone().oneshot(Arc::clone(&release)));
+        tokio::task::yield_now().await;
+        let before = IN_USE.load(Ordering::Relaxed);
+        // Room for every handle first, so the vector's growth is not counted.
+        let mut tasks = Vec::with_capacity(waiters);
+        let reserved = IN_USE.load(Ordering::Relaxed);
+        for _ in 0..waiters {
+            let service = service.clone();
+            tasks.push(tokio::spawn(service.oneshot(Arc::new(Notify::new()))));
+        }
+        // Every task runs until it waits for the permit.
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+        let queued = IN_USE.load(Ordering::Relaxed) - reserved;
+        let _ = before;
+        let started = Instant::now();
+        release.notify_one();
+        first.await.unwrap().unwrap();
+        for task in tasks {
+            task.await.unwrap().unwrap();
+        }
+        let drained = started.elapsed();
+        (queued as f64 / waiters as f64, drained / waiters as u32)
+    })
+}
+
+fn main() {
+    if !std::env::args().any(|arg| arg == "--bench") {
+        return;
+    }
+    // The first request waits to be told to finish; every other one finishes at once.
+    let inner = || {
+        service_fn(|release: Arc<Notify>| async move {
+            if Arc::strong_count(&release) > 1 {
+                release.notified().await;
+            }
+            Ok::<_, Infallible>(())
+        })
+    };
+    let (_provider, meter) = common::sdk_meter();
+    let metrics = OperationMetrics::new(&meter);
+    for waiters in [10_000, 100_000] {
+        println!("\n{waiters} operations queued behind a limit of 1");
+        let tower = measure(tower::limit::ConcurrencyLimit::new(inner(), 1), waiters);
+        let cases = [
+            ("tower_limit", tower),
+            (
+                "layer_disabled",
+                measure(
+                    ResourcesOperationLayer::new(1)
+                        .metrics(OperationMetrics::disabled())
+                        .layer(inner()),
+                    waiters,
+                ),
+            ),
+            (
+                "layer_metrics",
+                measure(
+                    ResourcesOperationLayer::new(1)
+                        .metrics(metrics.clone())
+                        .layer(inner()),
+                    waiters,
+                ),
+            ),
+        ];
+        for (name, (bytes, drain)) in cases {
+            println!(
+                "  {name:<16} {bytes:>6.0} bytes/op ({:.2}x)   drain {:>7.1} ns/op ({:.2}x)",
+                bytes / tower.0,
+                drain.as_nanos() as f64,
+                drain.as_nanos() as f64 / tower.1.as_nanos() as f64,
+            );
+        }
+    }
+}
