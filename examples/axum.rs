@@ -8,11 +8,11 @@
 //! ```
 //!
 //! - `/verify` (verify, subprocess) and `/judge` (judge, inline) share one limit: two layers made
-//!   `with_limit_for_http` from clones of one `Limit`. `/verify` enforces its own deadline with
+//!   `new_for_http` from clones of one `Limit`. `/verify` enforces its own deadline with
 //!   `tokio::time::timeout` and, when it hits it, answers a fallback and calls
 //!   `set_outcome(Outcome::Timeout)`.
 //! - `/tool` (tool, thread) runs its work in `spawn_blocking` under a limit of its own
-//!   (`new_for_http`).
+//!   (`new_for_http` with a number).
 //! - Every route takes `?ms=N` (how long the work takes) and `?fail=1` (the work fails: 500,
 //!   recorded as `error`).
 //! - `/metrics` is the Prometheus text format, from `opentelemetry-prometheus` built
@@ -44,9 +44,9 @@ use opentelemetry_sdk::Resource;
 use prometheus::{Registry, TextEncoder, TEXT_FORMAT};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tower_resources_operation::metrics::METER_NAME;
 use tower_resources_operation::{
     set_outcome, Executor, Limit, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
-    METER_NAME,
 };
 
 /// An error from setting up or running the example.
@@ -143,7 +143,7 @@ impl Telemetry {
 pub fn app(config: &Config, telemetry: &Telemetry) -> Router {
     let shared = Limit::new(config.shared_limit);
     let shared_limit = |operation, executor| {
-        ResourcesOperationLayer::with_limit_for_http(shared.clone())
+        ResourcesOperationLayer::new_for_http(shared.clone())
             .operation(operation)
             .executor(executor)
             .metrics(telemetry.metrics.clone())

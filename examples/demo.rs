@@ -31,11 +31,14 @@ use opentelemetry_sdk::metrics::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tower_resources_operation::metrics::{
+    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+};
+use tower_resources_operation::protocol::Http;
 use tower_resources_operation::{
-    set_outcome, Executor, HttpRejection, Limit, Operation, OperationMetrics, Outcome,
-    ResourcesOperationLayer, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    EXECUTOR_ATTRIBUTE, LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+    set_outcome, Acquire, Executor, Limit, Operation, OperationMetrics, Outcome,
+    ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
+    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 const VERIFY_REQUESTS: u32 = 32;
@@ -84,19 +87,20 @@ async fn main() {
     .print();
 }
 
-/// The server: two routes, one limit, one layer per route with its own tags.
-fn app(limit: &Limit, run: Run, metrics: &OperationMetrics) -> Router {
+/// The server: two routes, one limit, one layer per route with its own tags. `limit` is a
+/// [`Limit`], or one that bounds its waiting; either way a rejection is answered `503` with
+/// `Retry-After`.
+fn app<L>(limit: &L, metrics: &OperationMetrics) -> Router
+where
+    L: Acquire + Clone + Send + Sync + 'static,
+    L::Permit: Send + Sync + 'static,
+{
     let tagged = |operation, executor| {
-        let layer = ResourcesOperationLayer::with_limit_for_http(limit.clone())
+        ResourcesOperationLayer::new_for_http(limit.clone())
             .operation(operation)
             .executor(executor)
             .metrics(metrics.clone())
-            .reject_with(HttpRejection::new().retry_after(Duration::from_secs(1)));
-        if run.bounded {
-            layer.queue_timeout(QUEUE_TIMEOUT)
-        } else {
-            layer
-        }
+            .protocol(Http::new().retry_after(Duration::from_secs(1)))
     };
     Router::new()
         .route(
@@ -145,17 +149,17 @@ async fn judge(uri: Uri) -> &'static str {
 
 async fn run_burst(run: Run) -> Report {
     let telemetry = Telemetry::new();
-    let limit = Limit::new(run.capacity);
-    let limit = if run.bounded {
-        limit.max_queued(MAX_QUEUED)
-    } else {
-        limit
-    };
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind 127.0.0.1");
     let addr = listener.local_addr().expect("local addr");
-    let app = app(&limit, run, &telemetry.metrics);
+    let app = if run.bounded {
+        // The bound is the limit's: past it, or past the queue timeout, a request is turned away.
+        let limit = Limit::with_max_queued(run.capacity, MAX_QUEUED).queue_timeout(QUEUE_TIMEOUT);
+        app(&limit, &telemetry.metrics)
+    } else {
+        app(&Limit::new(run.capacity), &telemetry.metrics)
+    };
     let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("server") });
 
     let started = Instant::now();

@@ -49,11 +49,14 @@ use opentelemetry_sdk::metrics::{
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
+use tower_resources_operation::limit::AcquireError;
+use tower_resources_operation::metrics::{
+    Capacity, ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT,
+};
 use tower_resources_operation::{
-    Acquire, AcquireError, Capacity, Executor, Operation, OperationMetrics,
-    ResourcesOperationLayer, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    EXECUTOR_ATTRIBUTE, LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
+    Acquire, Executor, Operation, OperationMetrics, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
+    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -118,8 +121,8 @@ impl Acquire for Weighted {
         }
     }
 
-    fn capacity(&self) -> Option<&Capacity> {
-        Some(&self.capacity)
+    fn capacity(&self) -> Option<Capacity> {
+        Some(self.capacity.clone())
     }
 }
 
@@ -220,8 +223,8 @@ impl Acquire for Sandboxes {
         }
     }
 
-    fn capacity(&self) -> Option<&Capacity> {
-        Some(&self.pool.capacity)
+    fn capacity(&self) -> Option<Capacity> {
+        Some(self.pool.capacity.clone())
     }
 }
 
@@ -267,12 +270,12 @@ async fn weighted(telemetry: &Telemetry) {
             }
         }
     };
-    let small = ResourcesOperationLayer::with_limit(units.weighing(1))
+    let small = ResourcesOperationLayer::new(units.weighing(1))
         .operation(Operation::Tool)
         .executor(Executor::Inline)
         .metrics(telemetry.metrics.clone())
         .layer(service_fn(job.clone()));
-    let big = ResourcesOperationLayer::with_limit(units.weighing(3))
+    let big = ResourcesOperationLayer::new(units.weighing(3))
         .operation(Operation::Verify)
         .executor(Executor::Subprocess)
         .metrics(telemetry.metrics.clone())

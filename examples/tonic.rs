@@ -21,8 +21,12 @@
 //!   answers DEADLINE_EXCEEDED (trailers-only), which the metrics count as `timeout`;
 //! - the `cache` backend is down: its check answers UNAVAILABLE (`error`), and its watch fails
 //!   after two messages with UNAVAILABLE in the trailers, which only the body-end form sees;
-//! - one watch of `db` is called with a 60 ms client deadline: the client gives up mid-stream,
-//!   and the layer, which reads `grpc-timeout`, counts it as `timeout`, not `cancelled`.
+//! - one watch of `db` is called with a 60 ms client deadline, sent as `grpc-timeout`: the
+//!   client gives up after 60 ms, and tonic drops the call. Behind the burst's checks it has
+//!   usually not got its permit by then, so the metrics count an abandoned wait
+//!   (`gym.resources.operation.abandoned`, no outcome); had it started, it ends `cancelled`, or
+//!   `timeout` if the drop comes at the deadline as the layer, which reads `grpc-timeout`,
+//!   reckons it from its own start.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -43,11 +47,12 @@ use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::ServiceBuilder;
+use tower_resources_operation::metrics::{ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT};
+use tower_resources_operation::per_request::{ByGrpcMethod, Choice};
 use tower_resources_operation::{
-    ByGrpcMethod, Choice, Executor, Operation, OperationMetrics, ResourcesOperationLayer,
-    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
-    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-    REJECTED_INSTRUMENT,
+    Executor, Operation, OperationMetrics, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
+    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -180,7 +185,8 @@ async fn main() -> Result<(), Error> {
     );
     println!(
         "injected failures: judge's probe runs past the handler's deadline (timeout), cache is \
-         down (error; its watch fails mid-stream), one watch's client gives up after 60 ms (timeout).\n"
+         down (error; its watch fails mid-stream), one watch's client gives up after 60 ms (usually \
+         while still queued: abandoned).\n"
     );
     let telemetry = Telemetry::new();
 

@@ -278,7 +278,8 @@ pub const EXECUTORS: &[&str] = &["inline", "thread", "process", "subprocess", "o
 /// The values of [`OUTCOME_ATTRIBUTE`], one per [`Outcome`].
 pub const OUTCOMES: &[&str] = &["ok", "error", "timeout", "cancelled", "crashed"];
 
-/// The README's examples, run as doctests so they stay true.
-#[cfg(doctest)]
+/// The README's examples, run as doctests so they stay true; with the features they use, as a
+/// reader's crate would have them (`cargo test --all-features`).
+#[cfg(all(doctest, feature = "tonic"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;

@@ -142,7 +142,6 @@ impl<P, K> Lifecycle<P, K> {
         self.permit = None;
     }
 
-    #[inline(never)]
     fn record_end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Outcome) {
         if let Some(record) = &mut self.record {
             let decides = self.decides.as_ref();
@@ -268,7 +267,6 @@ impl<P> Lifecycle<P> {
         polled
     }
 
-    #[inline(never)]
     fn start_waiting(&mut self, series: &Series) {
         series.start_waiting();
         self.record = Some(Record::waiting(series.clone()));
@@ -276,7 +274,6 @@ impl<P> Lifecycle<P> {
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
     /// Recording, the operation carries `()` to decide its outcome, until it is called.
-    #[inline(never)]
     fn record_admission(&mut self, series: Option<&Series>) {
         match &mut self.record {
             Some(waited) => waited.admit(true),
@@ -296,7 +293,6 @@ impl<P> Lifecycle<P> {
     /// The limit admitted no operation: a rejection is counted and returned, a failure is
     /// counted as abandoned and ends the caller.
     #[cold]
-    #[inline(never)]
     fn refused<L: ?Sized>(
         &mut self,
         error: &AcquireError,
@@ -331,7 +327,7 @@ impl<P> Lifecycle<P> {
     /// which `carried` makes only if there is something to record (`None` for a classifier
     /// that could not be made: the outcome is then `error`). The lifecycle it leaves behind has
     /// not asked yet.
-    #[inline(always)]
+    #[inline]
     pub(crate) fn called<K>(
         &mut self,
         carried: impl FnOnce() -> (Option<K>, Option<Duration>),
@@ -404,7 +400,6 @@ impl Record {
 impl Record {
     /// Records the end of the admitted operation, once; `classify` says what a returned work's
     /// outcome is, if it can (`None` when nothing was made to decide it).
-    #[inline(never)]
     fn end(&mut self, end: Ending, classify: impl FnOnce() -> Option<Outcome>) {
         if std::mem::replace(&mut self.stage, ENDED) != ADMITTED {
             return;

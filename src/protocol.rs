@@ -72,17 +72,22 @@ impl Error for Rejected {}
 /// Every `Fn(Rejected) -> Result<Res, Err>` is one, with no deadline:
 ///
 /// ```
-/// use tower_resources_operation::ResourcesOperationLayer;
+/// use tower::{service_fn, Layer, ServiceExt};
+/// use tower_resources_operation::{Limit, Rejected, ResourcesOperationLayer};
 ///
 /// #[derive(Debug)]
 /// enum VerifierError {
 ///     Busy,
 /// }
 ///
-/// // A limit of 2 with at most 8 waiting, whose rejections are this service's own error.
-/// let layer = ResourcesOperationLayer::new(tower_resources_operation::Limit::with_max_queued(2, 8))
-///     .protocol(|_rejected| Err::<String, _>(VerifierError::Busy));
-/// # drop(layer);
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// // One at a time, and none waiting: a busy verifier answers with its own error.
+/// let verifier = ResourcesOperationLayer::new(Limit::with_max_queued(1, 0))
+///     .protocol(|_: Rejected| Err(VerifierError::Busy))
+///     .layer(service_fn(|answer: u32| async move { Ok::<_, VerifierError>(answer == 42) }));
+/// assert!(verifier.oneshot(42).await.unwrap());
+/// # }
 /// ```
 pub trait Protocol<Req, Res, Err> {
     /// The answer to an operation turned away for `rejected`.

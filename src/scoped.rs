@@ -135,8 +135,13 @@ impl OperationMetrics {
         F: Future,
         F::Output: OperationOutput,
     {
-        self.resources_operation_with(limit, operation, executor, async |_: &A::Permit| work.await)
-            .await
+        let (permit, mut running) = self.admit(&limit, operation, executor).await?;
+        // The permit is held here, and the operation, declared after it, records its end
+        // before the permit goes back, however the work ends.
+        let output = run(work, &mut running).await;
+        drop(running);
+        drop(permit);
+        Ok(output)
     }
 
     /// [`resources_operation_with`] reporting through these metrics instead of the global ones.
@@ -152,28 +157,46 @@ impl OperationMetrics {
         W: AsyncFnOnce(&A::Permit) -> T,
         T: OperationOutput,
     {
-        let series = self.series(operation, executor, limit.capacity().as_ref());
-        let mut asked = Lifecycle::new();
-        {
-            let wait = pin!(limit.acquire());
-            let mut asking = limit::in_place(&limit, wait);
-            poll_fn(|cx| asked.poll_admit::<A>(&mut asking, series, cx))
-                .await
-                .map_err(Rejected::new)?;
-        }
-        // The work borrows the permit: the permit is held here, and the operation, declared
-        // after it, records its end before the permit goes back, however the work ends.
-        let (permit, mut running) = asked.lend_permit();
-        let output = Scoped {
-            work: work(&permit),
-            running: &mut running,
-        }
-        .await;
-        running.end(Ending::Returned, |()| output.outcome());
+        let (permit, mut running) = self.admit(&limit, operation, executor).await?;
+        let output = run(work(&permit), &mut running).await;
         drop(running);
         drop(permit);
         Ok(output)
     }
+
+    /// Takes the permit of an operation of (`operation`, `executor`) from `limit`, waiting for it
+    /// if it has to: the permit, and the admitted operation that borrows its place, or the
+    /// rejection.
+    async fn admit<A: Acquire>(
+        &self,
+        limit: &A,
+        operation: Operation,
+        executor: Executor,
+    ) -> Result<(A::Permit, Lifecycle<()>), Rejected> {
+        let series = self.series(operation, executor, limit.capacity().as_ref());
+        let mut asked = Lifecycle::new();
+        let wait = pin!(limit.acquire());
+        let mut asking = limit::in_place(limit, wait);
+        poll_fn(|cx| asked.poll_admit::<A>(&mut asking, series, cx))
+            .await
+            .map_err(Rejected::new)?;
+        Ok(asked.lend_permit())
+    }
+}
+
+/// Runs `work` as the admitted operation `running`, and ends it with the work's outcome.
+async fn run<F>(work: F, running: &mut Lifecycle<()>) -> F::Output
+where
+    F: Future,
+    F::Output: OperationOutput,
+{
+    let output = Scoped {
+        work,
+        running: &mut *running,
+    }
+    .await;
+    running.end(Ending::Returned, |()| output.outcome());
+    output
 }
 
 pin_project! {

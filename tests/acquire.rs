@@ -5,28 +5,35 @@
 //! outcomes as the work ended, one queue and one duration sample per admitted operation, live
 //! counts back to 0, turned-away and abandoned operations counted, no permit leaked, no hang.
 //! Also: the crate's own limits (`Arc<Semaphore>`, `&Semaphore`, `&Limit`) in the scoped API, and
-//! `PollAcquire` polled directly.
+//! how a layer's service polls a limit (`poll_ready` pending, woken and ready once a permit is
+//! released; a limit's failure as a panic naming it).
 
 mod support;
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
-use tokio_test::{assert_pending, assert_ready, task};
+use tokio_test::{assert_pending, assert_ready_ok};
 use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
 use tower_test::mock;
 
 use support::{panic_message, settle, Telemetry};
+use tower_resources_operation::classify::DefaultClassifier;
+use tower_resources_operation::limit::AcquireError;
+use tower_resources_operation::metrics::{
+    Capacity, ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+};
+use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{
-    Acquire, AcquireError, Capacity, Executor, Limit, Operation, PollAcquire, Rejected, Rejection,
-    ResourcesOperationLayer, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-    REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+    Acquire, Executor, Limit, Operation, OperationMetrics, Rejected, Rejection, ResourcesOperation,
+    ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 /// A safety net so a limit that hangs fails the test instead; not a performance bound.
@@ -90,8 +97,8 @@ impl Acquire for Weighted {
         }
     }
 
-    fn capacity(&self) -> Option<&Capacity> {
-        Some(&self.capacity)
+    fn capacity(&self) -> Option<Capacity> {
+        Some(self.capacity.clone())
     }
 }
 
@@ -187,8 +194,8 @@ impl Acquire for Sandboxes {
         }
     }
 
-    fn capacity(&self) -> Option<&Capacity> {
-        Some(&self.pool.capacity)
+    fn capacity(&self) -> Option<Capacity> {
+        Some(self.pool.capacity.clone())
     }
 }
 
@@ -336,6 +343,15 @@ async fn never_run() {
     panic!("never admitted, never run")
 }
 
+/// Awaits every task: how many ended in an error.
+async fn count_failed<T, E>(tasks: Vec<tokio::task::JoinHandle<Result<T, E>>>) -> u64 {
+    let mut failed = 0;
+    for task in tasks {
+        failed += u64::from(task.await.unwrap().is_err());
+    }
+    failed
+}
+
 /// The most of something at once.
 #[derive(Default)]
 struct Peak(AtomicUsize);
@@ -373,11 +389,11 @@ async fn a_weighted_limit_keeps_its_units_through_the_layer_and_the_rules_hold()
             }
         })
     };
-    let small = ResourcesOperationLayer::with_limit(units.weighing(1))
+    let small = ResourcesOperationLayer::new(units.weighing(1))
         .operation(Operation::Tool)
         .metrics(t.metrics.clone())
         .layer(work.clone());
-    let big = ResourcesOperationLayer::with_limit(units.weighing(3))
+    let big = ResourcesOperationLayer::new(units.weighing(3))
         .operation(Operation::Tool)
         .metrics(t.metrics.clone())
         .layer(work);
@@ -396,10 +412,7 @@ async fn a_weighted_limit_keeps_its_units_through_the_layer_and_the_rules_hold()
             }
         })
         .collect();
-    let mut failed = 0;
-    for task in tasks {
-        failed += u64::from(task.await.unwrap().is_err());
-    }
+    let failed = count_failed(tasks).await;
 
     assert_eq!(peak.get(), 4, "the units were all used, and never more");
     assert_books(&t, "tool", 24 - failed, failed);
@@ -432,10 +445,7 @@ async fn a_weighted_limit_keeps_its_units_through_resources_operation_and_the_ru
             })
         })
         .collect();
-    let mut failed = 0;
-    for task in tasks {
-        failed += u64::from(task.await.unwrap().is_err());
-    }
+    let failed = count_failed(tasks).await;
     assert_eq!(peak.get(), 4);
     assert_books(&t, "judge", 24 - failed, failed);
     assert_eq!(limit_of(&t, "judge"), 4);
@@ -447,7 +457,7 @@ async fn a_weighted_operation_waits_until_its_whole_weight_is_free() {
     let t = Telemetry::new();
     let units = Weighted::new(4);
     let held = units.units.clone().try_acquire_many_owned(2).unwrap();
-    let big = ResourcesOperationLayer::with_limit(units.weighing(3))
+    let big = ResourcesOperationLayer::new(units.weighing(3))
         .operation(Operation::Verify)
         .metrics(t.metrics.clone())
         .layer(service_fn(|()| async { Ok::<_, BoxError>(()) }));
@@ -493,7 +503,7 @@ async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_the_layer_and_
     let pool = Sandboxes::new(&[7, 8]);
     let in_use = Arc::new(Mutex::new(BTreeSet::new()));
     let used = Arc::new(Mutex::new(BTreeSet::new()));
-    let service = ResourcesOperationLayer::with_limit(pool.clone())
+    let service = ResourcesOperationLayer::new(pool.clone())
         .operation(Operation::Tool)
         .executor(Executor::Subprocess)
         .metrics(t.metrics.clone())
@@ -546,10 +556,7 @@ async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_resources_oper
             }))
         })
         .collect();
-    let mut failed = 0;
-    for task in tasks {
-        failed += u64::from(task.await.unwrap().is_err());
-    }
+    let failed = count_failed(tasks).await;
     assert_eq!(*used.lock().unwrap(), BTreeSet::from([1, 2]));
     assert_eq!(pool.free(), BTreeSet::from([1, 2]), "every sandbox is back");
     assert_eq!(pool.pool.places.available_permits(), 2);
@@ -617,7 +624,7 @@ async fn resources_operation_with_hands_the_checkout_to_the_work_and_takes_it_ba
 async fn a_pool_gets_its_sandbox_back_from_a_cancelled_operation() {
     let t = Telemetry::new();
     let pool = Sandboxes::new(&[3]);
-    let service = ResourcesOperationLayer::with_limit(pool.clone())
+    let service = ResourcesOperationLayer::new(pool.clone())
         .metrics(t.metrics.clone())
         .layer(service_fn(|()| async {
             std::future::pending::<()>().await;
@@ -646,9 +653,10 @@ async fn a_limit_that_never_admits_is_answered_with_queue_timeout_by_a_layer_wit
 {
     let t = Telemetry::new();
     let never = Never::default();
-    let service = ResourcesOperationLayer::with_limit(never.clone())
+    let service = ResourcesOperationLayer::new(never.clone())
         .operation(Operation::Judge)
         .metrics(t.metrics.clone())
+        .protocol(RejectAsError)
         .queue_timeout(Duration::from_millis(250))
         .layer(service_fn(not_called));
     let error = tokio::time::timeout(DEADLINE, service.oneshot(()))
@@ -684,7 +692,7 @@ async fn a_limit_that_never_admits_is_answered_with_queue_timeout_by_a_layer_wit
 async fn a_limit_that_never_admits_counts_a_caller_that_gives_up_as_abandoned_and_leaks_nothing() {
     let t = Telemetry::new();
     let never = Never::default();
-    let layer = ResourcesOperationLayer::with_limit(never.clone())
+    let layer = ResourcesOperationLayer::new(never.clone())
         .operation(Operation::Tool)
         .metrics(t.metrics.clone());
 
@@ -748,7 +756,7 @@ async fn a_failing_limit_panics_the_caller_and_counts_it_abandoned(after: Durati
     let t = Telemetry::new();
     let limit = Unreachable { after };
 
-    let service = ResourcesOperationLayer::with_limit(limit.clone())
+    let service = ResourcesOperationLayer::new(limit.clone())
         .operation(Operation::Verify)
         .metrics(t.metrics.clone())
         .layer(service_fn(not_called));
@@ -805,7 +813,7 @@ async fn a_slow_limits_admission_time_is_queue_time_through_the_layer() {
         places: Arc::new(Semaphore::new(1)),
         delay: Duration::from_millis(200),
     };
-    let service = ResourcesOperationLayer::with_limit(slow.clone())
+    let service = ResourcesOperationLayer::new(slow.clone())
         .operation(Operation::Verify)
         .metrics(t.metrics.clone())
         .layer(service_fn(|()| async {
@@ -867,6 +875,24 @@ async fn a_slow_limits_admission_time_is_queue_time_through_resources_operation(
 // The crate's own limits in the scoped API
 // ---------------------------------------------------------------------------------------------
 
+/// `output`, from a `verify` operation on `limit` run by `resources_operation`, whose work checks
+/// that `free` places are left: none, it holds the only one.
+async fn verify_holding<A: Acquire>(
+    t: &Telemetry,
+    limit: A,
+    free: impl Fn() -> usize,
+    output: u32,
+) -> u32 {
+    t.metrics
+        .resources_operation(limit, Operation::Verify, Executor::Inline, async {
+            assert_eq!(free(), 0, "held while the work runs");
+            Ok::<_, BoxError>(output)
+        })
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn arc_semaphore_ref_semaphore_and_ref_limit_work_with_resources_operation() {
     let t = Telemetry::new();
@@ -874,38 +900,9 @@ async fn arc_semaphore_ref_semaphore_and_ref_limit_work_with_resources_operation
     let borrowed = Semaphore::new(1);
     let limit = Limit::new(1);
 
-    let a = t
-        .metrics
-        .resources_operation(
-            Arc::clone(&shared),
-            Operation::Verify,
-            Executor::Inline,
-            async {
-                assert_eq!(shared.available_permits(), 0, "held while the work runs");
-                Ok::<_, BoxError>(1)
-            },
-        )
-        .await
-        .unwrap()
-        .unwrap();
-    let b = t
-        .metrics
-        .resources_operation(&borrowed, Operation::Verify, Executor::Inline, async {
-            assert_eq!(borrowed.available_permits(), 0);
-            Ok::<_, BoxError>(2)
-        })
-        .await
-        .unwrap()
-        .unwrap();
-    let c = t
-        .metrics
-        .resources_operation(&limit, Operation::Verify, Executor::Inline, async {
-            assert_eq!(limit.available(), 0);
-            Ok::<_, BoxError>(3)
-        })
-        .await
-        .unwrap()
-        .unwrap();
+    let a = verify_holding(&t, Arc::clone(&shared), || shared.available_permits(), 1).await;
+    let b = verify_holding(&t, &borrowed, || borrowed.available_permits(), 2).await;
+    let c = verify_holding(&t, &limit, || limit.available(), 3).await;
     assert_eq!((a, b, c), (1, 2, 3));
     assert_eq!(
         (
@@ -946,72 +943,88 @@ async fn arc_semaphore_ref_semaphore_and_ref_limit_work_with_resources_operation
 }
 
 // ---------------------------------------------------------------------------------------------
-// `PollAcquire`
+// How a layer's service polls a limit
 // ---------------------------------------------------------------------------------------------
 
-#[tokio::test(flavor = "current_thread")]
-async fn poll_acquire_polls_a_limit_pending_then_ready_once_a_permit_is_released() {
-    let limit = Limit::new(1);
-    let mut poller = PollAcquire::new(limit.clone());
-    let mut cx = task::spawn(());
+/// A service of a layer on `limit` that records nothing, over a mock inner service.
+type Quiet<L> = mock::Spawn<ResourcesOperation<mock::Mock<(), ()>, DefaultClassifier, L>>;
 
-    let first = assert_ready!(cx.enter(|cx, _| poller.poll_acquire(cx))).unwrap();
-    assert!(!poller.is_waiting());
-    assert_eq!(limit.available(), 0);
-
-    assert_pending!(cx.enter(|cx, _| poller.poll_acquire(cx)));
-    assert!(poller.is_waiting());
-    assert_eq!(limit.queued(), 1);
-    assert!(!cx.is_woken());
-
-    drop(first);
-    assert!(cx.is_woken(), "the release wakes the poller");
-    let second = assert_ready!(cx.enter(|cx, _| poller.poll_acquire(cx))).unwrap();
-    assert!(!poller.is_waiting());
-    assert_eq!((limit.available(), limit.queued()), (0, 0));
-
-    // It waits again, reusing its future; dropped while it waits, it gives up its place.
-    assert_pending!(cx.enter(|cx, _| poller.poll_acquire(cx)));
-    let mut clone = poller.clone();
-    assert!(
-        !clone.is_waiting(),
-        "a clone starts with no wait of its own"
-    );
-    assert_pending!(cx.enter(|cx, _| clone.poll_acquire(cx)));
-    assert_eq!(limit.queued(), 2);
-    drop(poller);
-    assert_eq!(limit.queued(), 1);
-    drop(second);
-    let third = assert_ready!(cx.enter(|cx, _| clone.poll_acquire(cx))).unwrap();
-    drop(third);
-    assert_eq!((limit.available(), limit.queued()), (1, 0));
-    assert_eq!(clone.get_ref().capacity(), 1);
+/// A layer on `limit` that records nothing, spawned over a mock inner service; the handle keeps
+/// the inner service open.
+fn spawn_quiet<L>(limit: L) -> (Quiet<L>, mock::Handle<(), ()>)
+where
+    L: Acquire + Clone + Send + Sync + 'static,
+    L::Permit: Send + 'static,
+{
+    mock::spawn_layer(ResourcesOperationLayer::new(limit).metrics(OperationMetrics::disabled()))
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn poll_acquire_polls_a_user_defined_limit_and_reports_its_failures() {
+async fn a_layers_service_is_pending_on_a_full_limit_then_woken_and_ready_once_a_permit_is_released(
+) {
+    let limit = Limit::new(1);
+    let (mut service, _handle) = spawn_quiet(limit.clone());
+
+    assert_ready_ok!(service.poll_ready());
+    assert_eq!(limit.available(), 0);
+    let first = service.call(());
+
+    assert_pending!(service.poll_ready());
+    assert_eq!(limit.queued(), 1, "the service waits in the limit's queue");
+    assert!(!service.is_woken());
+
+    drop(first);
+    assert!(service.is_woken(), "the release wakes the waiting service");
+    assert_ready_ok!(service.poll_ready());
+    assert_eq!((limit.available(), limit.queued()), (0, 0));
+    let second = service.call(());
+
+    // It waits again; dropped while it waits, it gives up its place.
+    assert_pending!(service.poll_ready());
+    let mut clone = service.clone();
+    assert_eq!(limit.queued(), 1, "a clone starts with no wait of its own");
+    assert_pending!(clone.poll_ready());
+    assert_eq!(limit.queued(), 2);
+    drop(service);
+    assert_eq!(limit.queued(), 1);
+    drop(second);
+    assert!(clone.is_woken());
+    assert_ready_ok!(clone.poll_ready());
+    drop(clone.call(()));
+    assert_eq!((limit.available(), limit.queued()), (1, 0));
+    assert_eq!(clone.get_ref().limit().capacity(), 1);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_layers_service_waits_on_a_user_defined_limit_and_panics_naming_it_when_it_fails() {
     let units = Weighted::new(3);
-    let mut poller = PollAcquire::new(units.weighing(2));
-    let mut cx = task::spawn(());
-    let held = assert_ready!(cx.enter(|cx, _| poller.poll_acquire(cx))).unwrap();
-    assert_eq!(held.num_permits(), 2);
-    assert_pending!(
-        cx.enter(|cx, _| poller.poll_acquire(cx)),
-        "1 unit left of 3"
-    );
+    let (mut service, _handle) = spawn_quiet(units.weighing(2));
+    assert_ready_ok!(service.poll_ready());
+    assert_eq!(units.in_use(), 2, "the operation holds its whole weight");
+    let held = service.call(());
+    assert_pending!(service.poll_ready(), "1 unit left of 3");
     drop(held);
-    assert!(cx.is_woken());
-    let again = assert_ready!(cx.enter(|cx, _| poller.poll_acquire(cx))).unwrap();
-    drop(again);
+    assert!(service.is_woken());
+    assert_ready_ok!(service.poll_ready());
+    drop(service.call(()));
     assert_eq!(units.units.available_permits(), 3);
 
-    let mut failing = PollAcquire::new(Unreachable {
+    let failing = Unreachable {
         after: Duration::ZERO,
-    });
-    let error = assert_ready!(cx.enter(|cx, _| failing.poll_acquire(cx))).unwrap_err();
+    };
+    let error = failing.acquire().await.unwrap_err();
     assert_eq!(error.rejection(), None, "a failure, not a rejection");
     assert!(error.to_string().contains("store unreachable"), "{error}");
     assert!(std::error::Error::source(&error).is_some());
+
+    // A layer's service reports it as the documented panic: the limit cannot admit any
+    // operation, naming its type and the cause (not a rejection it could not answer).
+    let (mut service, _handle) = spawn_quiet(failing);
+    let panicked = catch_unwind(AssertUnwindSafe(|| service.poll_ready())).unwrap_err();
+    let message = panic_message(&*panicked);
+    assert_names_limit_and_cause(&message);
+    assert!(message.contains("cannot admit any operation"), "{message}");
+    assert!(!message.contains("turned an operation away"), "{message}");
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! No heap allocation per operation in steady state, with metrics disabled or enabled: through
-//! the layer (head-end and body-end forms, reused and `clone().oneshot()`), and through
-//! `resources_operation`.
+//! the layer (head-end and body-end forms, reused and `clone().oneshot()`, per-request tags,
+//! rejections answered), and through `resources_operation`.
 //!
 //! A counting global allocator counts the allocations made by this thread while operations run
 //! on a current-thread runtime (a count, not a time). The first operations are a warm-up: the
@@ -11,15 +11,20 @@ mod support;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::convert::Infallible;
-use std::future::{ready, Ready};
+use std::future::{ready, Future, Ready};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use support::Telemetry;
 use tower::{Layer, Service, ServiceExt};
+use tower_resources_operation::metrics::REJECTED_INSTRUMENT;
+use tower_resources_operation::per_request::Choice;
+use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{
-    resources_operation, set_outcome, Executor, Limit, Operation, OperationMetrics, Outcome,
-    ResourcesOperationLayer,
+    resources_operation, set_outcome, Acquire, Executor, Limit, Operation, OperationMetrics,
+    Outcome, Rejected, ResourcesOperationLayer, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
+    OUTCOME_ATTRIBUTE,
 };
 
 /// Counts allocations of the current thread, so other test threads do not disturb the count.
@@ -82,36 +87,74 @@ impl Service<u32> for Noop {
 const WARM_UP: u32 = 100;
 const MEASURED: u32 = 1_000;
 
-/// Allocations made by `MEASURED` operations after `WARM_UP`, in both the reused-service and
-/// the `clone().oneshot()` patterns.
-fn steady_state_allocations(metrics: OperationMetrics) -> u64 {
+/// Allocations made by `MEASURED` rounds of `round` (given the round's number) after `WARM_UP`
+/// rounds, on a current-thread runtime.
+fn steady_state<F: Future<Output = ()>>(mut round: impl FnMut(u32) -> F) -> u64 {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
+    rt.block_on(async {
+        for n in 0..WARM_UP {
+            round(n).await;
+        }
+        let before = allocations();
+        for n in 0..MEASURED {
+            round(n).await;
+        }
+        allocations() - before
+    })
+}
+
+/// Asserts that `allocations_with` counts no allocation with metrics disabled, then with metrics
+/// enabled; returns the telemetry the enabled run recorded into.
+fn assert_no_allocation_with_metrics_disabled_or_enabled(
+    allocations_with: impl Fn(OperationMetrics) -> u64,
+) -> Telemetry {
+    assert_eq!(
+        allocations_with(OperationMetrics::disabled()),
+        0,
+        "metrics disabled"
+    );
+    let telemetry = Telemetry::new();
+    assert_eq!(
+        allocations_with(telemetry.metrics.clone()),
+        0,
+        "metrics enabled"
+    );
+    telemetry
+}
+
+/// Operations that `telemetry` recorded as `outcome`, among those matching `filter`.
+fn recorded_as(telemetry: &Telemetry, outcome: &str, filter: &[(&str, &str)]) -> u64 {
+    let mut filter = filter.to_vec();
+    filter.push((OUTCOME_ATTRIBUTE, outcome));
+    telemetry.count(DURATION_INSTRUMENT, &filter)
+}
+
+/// Rounds of the warm-up and the measurement whose number is a multiple of 3 (their work chose
+/// `timeout`).
+fn multiples_of_3() -> u64 {
+    (0..WARM_UP)
+        .chain(0..MEASURED)
+        .filter(|n| n % 3 == 0)
+        .count() as u64
+}
+
+/// Allocations made by operations through the layer, in both the reused-service and the
+/// `clone().oneshot()` patterns.
+fn steady_state_allocations(metrics: OperationMetrics) -> u64 {
     let layer = ResourcesOperationLayer::new(4)
         .operation(Operation::Tool)
         .executor(Executor::Thread)
         .metrics(metrics);
-    let mut service = layer.layer(Noop);
-    rt.block_on(async {
-        let run = |n: u32| {
-            let mut service = service.clone();
-            async move {
-                service.ready().await.unwrap().call(n).await.unwrap();
-                service.clone().oneshot(n).await.unwrap();
-            }
-        };
-        for n in 0..WARM_UP {
-            run(n).await;
+    // Alive across the measurement.
+    let service = layer.layer(Noop);
+    steady_state(|n| {
+        let mut service = service.clone();
+        async move {
+            service.ready().await.unwrap().call(n).await.unwrap();
+            service.clone().oneshot(n).await.unwrap();
         }
-        let before = allocations();
-        for n in 0..MEASURED {
-            run(n).await;
-        }
-        let after = allocations();
-        // Keep the service alive across the measurement.
-        service.ready().await.unwrap();
-        after - before
     })
 }
 
@@ -122,75 +165,48 @@ fn no_allocation_per_operation_with_metrics_disabled() {
 
 #[test]
 fn no_allocation_per_operation_with_metrics_enabled() {
-    let telemetry = support::Telemetry::new();
+    let telemetry = Telemetry::new();
     assert_eq!(steady_state_allocations(telemetry.metrics.clone()), 0);
     // The operations really were recorded: 2 per round, a third of them as timeouts.
-    let rounds = WARM_UP + MEASURED;
-    let multiples_of_3 = |end: u32| (0..end).filter(|n| n % 3 == 0).count() as u64;
-    let timeouts = 2 * (multiples_of_3(WARM_UP) + multiples_of_3(MEASURED));
-    let count = |outcome| {
-        telemetry.count(
-            tower_resources_operation::DURATION_INSTRUMENT,
-            &[
-                (tower_resources_operation::OPERATION_ATTRIBUTE, "tool"),
-                (tower_resources_operation::OUTCOME_ATTRIBUTE, outcome),
-            ],
-        )
-    };
+    let rounds = u64::from(WARM_UP + MEASURED);
+    let timeouts = 2 * multiples_of_3();
+    let count = |outcome| recorded_as(&telemetry, outcome, &[(OPERATION_ATTRIBUTE, "tool")]);
     assert_eq!(count("timeout"), timeouts);
-    assert_eq!(count("ok"), u64::from(2 * rounds) - timeouts);
+    assert_eq!(count("ok"), 2 * rounds - timeouts);
 }
 
-/// Allocations made by `MEASURED` scoped operations after `WARM_UP`, through `metrics` (or the
-/// free function, on the global provider, when `None`), on a `Limit` and on a `Semaphore`.
+/// Allocations made by scoped operations through `metrics` (or the free function, on the global
+/// provider, when `None`), on a `Limit` and on a `Semaphore`.
 fn scoped_steady_state_allocations(metrics: Option<OperationMetrics>) -> u64 {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
     let limit = Limit::new(4);
     let semaphore = tokio::sync::Semaphore::new(4);
-    rt.block_on(async {
-        let run = |n: u32| {
-            let metrics = metrics.clone();
-            let (limit, semaphore) = (&limit, &semaphore);
-            async move {
-                let work = async move {
-                    if n % 3 == 0 {
-                        set_outcome(Outcome::Timeout);
-                    }
-                    Ok::<_, Infallible>(n)
-                };
-                let output = match &metrics {
-                    Some(metrics) => {
-                        let on_limit = metrics
-                            .resources_operation(limit, Operation::Judge, Executor::Inline, work)
-                            .await;
-                        let on_semaphore = metrics
-                            .resources_operation(
-                                semaphore,
-                                Operation::Judge,
-                                Executor::Inline,
-                                async { Ok::<_, Infallible>(n) },
-                            )
-                            .await;
-                        assert_eq!(on_semaphore.unwrap().unwrap(), n);
-                        on_limit
-                    }
-                    None => {
-                        resources_operation(limit, Operation::Judge, Executor::Inline, work).await
-                    }
-                };
-                assert_eq!(output.unwrap().unwrap(), n);
-            }
-        };
-        for n in 0..WARM_UP {
-            run(n).await;
+    steady_state(|n| {
+        let metrics = metrics.clone();
+        let (limit, semaphore) = (&limit, &semaphore);
+        async move {
+            let work = async move {
+                if n % 3 == 0 {
+                    set_outcome(Outcome::Timeout);
+                }
+                Ok::<_, Infallible>(n)
+            };
+            let output = match &metrics {
+                Some(metrics) => {
+                    let on_limit = metrics
+                        .resources_operation(limit, Operation::Judge, Executor::Inline, work)
+                        .await;
+                    let on_semaphore = metrics
+                        .resources_operation(semaphore, Operation::Judge, Executor::Inline, async {
+                            Ok::<_, Infallible>(n)
+                        })
+                        .await;
+                    assert_eq!(on_semaphore.unwrap().unwrap(), n);
+                    on_limit
+                }
+                None => resources_operation(limit, Operation::Judge, Executor::Inline, work).await,
+            };
+            assert_eq!(output.unwrap().unwrap(), n);
         }
-        let before = allocations();
-        for n in 0..MEASURED {
-            run(n).await;
-        }
-        allocations() - before
     })
 }
 
@@ -204,22 +220,16 @@ fn no_allocation_per_scoped_operation_with_metrics_disabled() {
 
 #[test]
 fn no_allocation_per_scoped_operation_with_metrics_enabled() {
-    let telemetry = support::Telemetry::new();
+    let telemetry = Telemetry::new();
     assert_eq!(
         scoped_steady_state_allocations(Some(telemetry.metrics.clone())),
         0
     );
-    let count = |outcome| {
-        telemetry.count(
-            tower_resources_operation::DURATION_INSTRUMENT,
-            &[(tower_resources_operation::OUTCOME_ATTRIBUTE, outcome)],
-        )
-    };
+    // The operations really were recorded: 2 per round, a third of those on the `Limit` as
+    // timeouts.
     let rounds = u64::from(WARM_UP + MEASURED);
-    let timeouts = (0..WARM_UP)
-        .chain(0..MEASURED)
-        .filter(|n| n % 3 == 0)
-        .count() as u64;
+    let timeouts = multiples_of_3();
+    let count = |outcome| recorded_as(&telemetry, outcome, &[]);
     assert_eq!(count("timeout"), timeouts);
     assert_eq!(count("ok"), 2 * rounds - timeouts);
 }
@@ -230,11 +240,8 @@ fn no_allocation_per_operation_of_the_free_function() {
     assert_eq!(scoped_steady_state_allocations(None), 0);
 }
 
-/// Allocations made by `MEASURED` body-end operations after `WARM_UP`, each body read to its end.
+/// Allocations made by body-end operations, each body read to its end.
 fn body_end_steady_state_allocations(metrics: OperationMetrics) -> u64 {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
     let layer = ResourcesOperationLayer::new_for_http(4)
         .operation(Operation::Verify)
         .metrics(metrics)
@@ -244,44 +251,61 @@ fn body_end_steady_state_allocations(metrics: OperationMetrics) -> u64 {
             b"verified",
         ))))
     }));
-    rt.block_on(async {
-        let run = || {
-            let service = service.clone();
-            async move {
-                let response = service.oneshot(http::Request::new(())).await.unwrap();
-                // Frame by frame: collecting would allocate a buffer of its own.
-                let mut body = response.into_body();
-                let mut read = 0;
-                while let Some(frame) = body.frame().await {
-                    read += frame.unwrap().into_data().map_or(0, |data| data.len());
-                }
-                assert_eq!(read, b"verified".len());
+    steady_state(|_| {
+        let service = service.clone();
+        async move {
+            let response = service.oneshot(http::Request::new(())).await.unwrap();
+            // Frame by frame: collecting would allocate a buffer of its own.
+            let mut body = response.into_body();
+            let mut read = 0;
+            while let Some(frame) = body.frame().await {
+                read += frame.unwrap().into_data().map_or(0, |data| data.len());
             }
-        };
-        for _ in 0..WARM_UP {
-            run().await;
+            assert_eq!(read, b"verified".len());
         }
-        let before = allocations();
-        for _ in 0..MEASURED {
-            run().await;
-        }
-        allocations() - before
     })
 }
 
 #[test]
 fn no_allocation_per_body_end_operation_with_metrics_enabled_or_disabled() {
+    let telemetry =
+        assert_no_allocation_with_metrics_disabled_or_enabled(body_end_steady_state_allocations);
     assert_eq!(
-        body_end_steady_state_allocations(OperationMetrics::disabled()),
-        0
+        telemetry.count(DURATION_INSTRUMENT, &[]),
+        u64::from(WARM_UP + MEASURED)
     );
-    let telemetry = support::Telemetry::new();
+}
+
+/// Allocations made by operations of a layer over many routes, each request choosing its
+/// operation: odd ones as `verify`, even ones unlimited (neither limited nor recorded).
+fn per_request_steady_state_allocations(metrics: OperationMetrics) -> u64 {
+    let layer = ResourcesOperationLayer::new(4)
+        .metrics(metrics)
+        .per_request(|n: &u32| match n % 2 {
+            1 => Choice::limited(Operation::Verify, Executor::Inline),
+            _ => Choice::Unlimited,
+        });
+    let service = layer.layer(Noop);
+    steady_state(|n| {
+        let service = service.clone();
+        async move {
+            assert_eq!(service.clone().oneshot(n).await.unwrap(), n);
+            assert_eq!(service.oneshot(n + 1).await.unwrap(), n + 1);
+        }
+    })
+}
+
+#[test]
+fn no_allocation_per_operation_chosen_per_request_with_metrics_enabled_or_disabled() {
+    let telemetry =
+        assert_no_allocation_with_metrics_disabled_or_enabled(per_request_steady_state_allocations);
+    // One limited operation per round, recorded as `verify`.
     assert_eq!(
-        body_end_steady_state_allocations(telemetry.metrics.clone()),
-        0
+        telemetry.count(DURATION_INSTRUMENT, &[(OPERATION_ATTRIBUTE, "verify")]),
+        u64::from(WARM_UP + MEASURED)
     );
     assert_eq!(
-        telemetry.count(tower_resources_operation::DURATION_INSTRUMENT, &[]),
+        telemetry.count(DURATION_INSTRUMENT, &[]),
         u64::from(WARM_UP + MEASURED)
     );
 }
@@ -292,67 +316,44 @@ enum Busy {
     Rejected,
 }
 
-impl From<tower_resources_operation::Rejected> for Busy {
-    fn from(_: tower_resources_operation::Rejected) -> Self {
+impl From<Rejected> for Busy {
+    fn from(_: Rejected) -> Self {
         Busy::Rejected
     }
 }
 
-/// Allocations made by `MEASURED` operations turned away at once (the limit full, no room to
-/// wait), through a generic layer answering with an error and an HTTP layer answering 503.
+/// Allocations made by operations turned away at once (the limit full, no room to wait), through
+/// a generic layer answering with an error and an HTTP layer answering 503.
 fn rejected_steady_state_allocations(metrics: OperationMetrics) -> u64 {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let full = Limit::new(1).max_queued(0);
-    let held = tower_resources_operation::Acquire::try_acquire(&full)
-        .unwrap()
-        .unwrap();
-    let generic = ResourcesOperationLayer::with_limit(full.clone())
+    let full = Limit::with_max_queued(1, 0);
+    let held = full.try_acquire().unwrap().unwrap();
+    let generic = ResourcesOperationLayer::new(full.clone())
         .metrics(metrics.clone())
-        .bounded()
+        .protocol(RejectAsError)
         .layer(tower::service_fn(|n: u32| async move { Ok::<_, Busy>(n) }));
-    let http = ResourcesOperationLayer::with_limit_for_http(full.clone())
+    let http = ResourcesOperationLayer::new_for_http(full.clone())
         .metrics(metrics)
-        .bounded()
         .layer(tower::service_fn(|_: http::Request<()>| async {
             Ok::<_, Infallible>(http::Response::new(()))
         }));
-    rt.block_on(async {
-        let run = || {
-            let (generic, http) = (generic.clone(), http.clone());
-            async move {
-                assert!(matches!(generic.oneshot(1).await, Err(Busy::Rejected)));
-                let answer = http.oneshot(http::Request::new(())).await.unwrap();
-                assert_eq!(answer.status(), 503);
-            }
-        };
-        for _ in 0..WARM_UP {
-            run().await;
+    let made = steady_state(|_| {
+        let (generic, http) = (generic.clone(), http.clone());
+        async move {
+            assert!(matches!(generic.oneshot(1).await, Err(Busy::Rejected)));
+            let answer = http.oneshot(http::Request::new(())).await.unwrap();
+            assert_eq!(answer.status(), 503);
         }
-        let before = allocations();
-        for _ in 0..MEASURED {
-            run().await;
-        }
-        let made = allocations() - before;
-        drop(held);
-        made
-    })
+    });
+    drop(held);
+    made
 }
 
 #[test]
 fn no_allocation_per_rejected_operation() {
+    let telemetry =
+        assert_no_allocation_with_metrics_disabled_or_enabled(rejected_steady_state_allocations);
     assert_eq!(
-        rejected_steady_state_allocations(OperationMetrics::disabled()),
-        0
-    );
-    let telemetry = support::Telemetry::new();
-    assert_eq!(
-        rejected_steady_state_allocations(telemetry.metrics.clone()),
-        0
-    );
-    assert_eq!(
-        telemetry.live_value(tower_resources_operation::REJECTED_INSTRUMENT, &[]),
+        telemetry.live_value(REJECTED_INSTRUMENT, &[]),
         i64::from(2 * (WARM_UP + MEASURED)),
         "every operation was turned away, and counted"
     );
@@ -360,7 +361,7 @@ fn no_allocation_per_rejected_operation() {
 
 #[test]
 fn the_counter_sees_allocations() {
-    // Guards the two tests above against a counter that never counts.
+    // Guards the tests above against a counter that never counts.
     let before = allocations();
     let boxed = std::hint::black_box(Box::new(7_u64));
     assert_eq!(*boxed, 7);

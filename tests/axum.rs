@@ -217,11 +217,11 @@ async fn two_routes_with_layers_from_one_semaphore_share_its_cap() {
     let telemetry = Telemetry::new();
     let load = Arc::new(Load::default());
     let slots = Arc::new(Semaphore::new(2));
-    let verify = ResourcesOperationLayer::with_semaphore(Arc::clone(&slots))
+    let verify = ResourcesOperationLayer::new(Arc::clone(&slots))
         .operation(Operation::Verify)
         .executor(Executor::Subprocess)
         .metrics(telemetry.metrics.clone());
-    let judge = ResourcesOperationLayer::with_semaphore(Arc::clone(&slots))
+    let judge = ResourcesOperationLayer::new(Arc::clone(&slots))
         .operation(Operation::Judge)
         .executor(Executor::Inline)
         .metrics(telemetry.metrics.clone());

@@ -11,7 +11,6 @@
 //! deadline is `timeout` (before it `cancelled`; one that ends on its own keeps its outcome), and
 //! with metrics disabled the permit is still held until the body ends.
 
-mod reliability;
 mod support;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -43,11 +42,13 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
-use reliability::{quiet_expected_panics, EXPECTED_PANIC};
+use support::reliability::{quiet_expected_panics, EXPECTED_PANIC};
 use support::{panic_message, Telemetry};
+use tower_resources_operation::classify::{GrpcClassifier, HttpClassifier};
+use tower_resources_operation::layer::AtBodyEnd;
+use tower_resources_operation::protocol::{Grpc, Http};
 use tower_resources_operation::{
-    set_outcome, AtBodyEnd, Executor, GrpcClassifier, HttpClassifier, Limit, Operation,
-    OperationMetrics, Outcome, ResourcesOperationLayer, SharedClassifier, Unbounded,
+    set_outcome, Executor, Limit, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
     ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
     QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
@@ -265,8 +266,8 @@ async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
 fn verify_layer(
     telemetry: &Telemetry,
     limit: &Limit,
-) -> ResourcesOperationLayer<SharedClassifier<HttpClassifier>> {
-    ResourcesOperationLayer::with_limit_for_http(limit.clone())
+) -> ResourcesOperationLayer<HttpClassifier, Limit, Http> {
+    ResourcesOperationLayer::new_for_http(limit.clone())
         .operation(Operation::Verify)
         .executor(Executor::Subprocess)
         .metrics(telemetry.metrics.clone())
@@ -545,12 +546,28 @@ async fn with_a_limit_of_one_a_second_request_waits_for_the_first_body_to_end() 
 // The body rules, with oneshot
 // ---------------------------------------------------------------------------------------------
 
-type HttpBodyEnd =
-    ResourcesOperationLayer<SharedClassifier<HttpClassifier>, Limit, Unbounded, AtBodyEnd>;
+type HttpBodyEnd = ResourcesOperationLayer<HttpClassifier, Limit, Http, AtBodyEnd>;
+type GrpcBodyEnd = ResourcesOperationLayer<GrpcClassifier, Limit, Grpc, AtBodyEnd>;
 
 /// An HTTP layer on `limit`, in the body-end form.
 fn http_layer(telemetry: &Telemetry, limit: &Limit) -> HttpBodyEnd {
-    ResourcesOperationLayer::with_limit_for_http(limit.clone())
+    ResourcesOperationLayer::new_for_http(limit.clone())
+        .metrics(telemetry.metrics.clone())
+        .until_body_end()
+}
+
+/// An HTTP layer on `limit` that reads each request's deadline from `x-request-timeout`, in the
+/// body-end form.
+fn deadline_layer(telemetry: &Telemetry, limit: &Limit) -> HttpBodyEnd {
+    ResourcesOperationLayer::new_for_http(limit.clone())
+        .protocol(Http::new().deadline_header(HeaderName::from_static("x-request-timeout")))
+        .metrics(telemetry.metrics.clone())
+        .until_body_end()
+}
+
+/// A gRPC layer on `limit`, in the body-end form.
+fn grpc_layer(telemetry: &Telemetry, limit: &Limit) -> GrpcBodyEnd {
+    ResourcesOperationLayer::new_for_grpc(limit.clone())
         .metrics(telemetry.metrics.clone())
         .until_body_end()
 }
@@ -568,6 +585,10 @@ fn answering<B: Send + 'static>(
 
 /// A body of the given frames. `is_end_stream` is true once it returned its end (`None`), or, if
 /// `eager`, once it has no frame left.
+///
+/// The bodies of this file are `Default`, as an HTTP or gRPC layer needs of its service's body:
+/// the empty body it answers a rejection with.
+#[derive(Default)]
 struct Frames {
     frames: VecDeque<Frame<Bytes>>,
     hint: SizeHint,
@@ -624,6 +645,7 @@ impl HttpBody for Frames {
 }
 
 /// A body that never sends anything and never ends.
+#[derive(Default)]
 struct Endless;
 
 impl HttpBody for Endless {
@@ -727,9 +749,7 @@ async fn with_the_grpc_classifier_the_grpc_status_of_the_trailers_decides() {
     ] {
         let telemetry = Telemetry::new();
         let limit = Limit::new(1);
-        let layer = ResourcesOperationLayer::with_limit_for_grpc(limit.clone())
-            .metrics(telemetry.metrics.clone())
-            .until_body_end();
+        let layer = grpc_layer(&telemetry, &limit);
         let body = Frames::data(&["message"]).with_trailers(trailers(&[("grpc-status", code)]));
         let service = layer.layer(answering(grpc_response(body)));
 
@@ -760,7 +780,7 @@ async fn the_grpc_classifier_given_to_classifier_reads_the_trailers_too() {
     for (code, outcome) in [("0", "ok"), ("4", "timeout"), ("13", "error")] {
         let telemetry = Telemetry::new();
         let limit = Limit::new(1);
-        let layer = ResourcesOperationLayer::with_limit(limit.clone())
+        let layer = ResourcesOperationLayer::new(limit.clone())
             .classifier(GrpcClassifier)
             .metrics(telemetry.metrics.clone())
             .until_body_end();
@@ -778,9 +798,7 @@ async fn the_grpc_classifier_given_to_classifier_reads_the_trailers_too() {
 async fn with_the_grpc_classifier_a_stream_that_ends_without_trailers_is_ok() {
     let telemetry = Telemetry::new();
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit_for_grpc(limit.clone())
-        .metrics(telemetry.metrics.clone())
-        .until_body_end();
+    let layer = grpc_layer(&telemetry, &limit);
     let service = layer.layer(answering(grpc_response(Frames::data(&["one", "two"]))));
 
     let mut body = service.oneshot(Request::new(())).await.unwrap().into_body();
@@ -800,9 +818,7 @@ async fn with_the_grpc_classifier_a_trailers_only_response_decides_at_the_head()
     for (code, outcome) in [("4", "timeout"), ("13", "error"), ("1", "cancelled")] {
         let telemetry = Telemetry::new();
         let limit = Limit::new(1);
-        let layer = ResourcesOperationLayer::with_limit_for_grpc(limit.clone())
-            .metrics(telemetry.metrics.clone())
-            .until_body_end();
+        let layer = grpc_layer(&telemetry, &limit);
         let mut response = grpc_response(Empty::<Bytes>::new());
         response
             .headers_mut()
@@ -814,13 +830,14 @@ async fn with_the_grpc_classifier_a_trailers_only_response_decides_at_the_head()
         assert_eq!(telemetry.outcomes(&[]), only(outcome), "grpc-status {code}");
         drop(response);
     }
+}
 
+#[tokio::test]
+async fn with_the_grpc_classifier_an_error_in_the_head_stays_an_error_when_trailers_follow() {
     // The head decides even if trailers follow: an error in the head stays an error.
     let telemetry = Telemetry::new();
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit_for_grpc(limit.clone())
-        .metrics(telemetry.metrics.clone())
-        .until_body_end();
+    let layer = grpc_layer(&telemetry, &limit);
     let body = Frames::data(&["late"]).with_trailers(trailers(&[("grpc-status", "0")]));
     let mut response = grpc_response(body);
     response
@@ -887,6 +904,7 @@ async fn size_hint_is_end_stream_and_data_frames_pass_through_unchanged() {
 }
 
 /// A body that calls `set_outcome(Timeout)` in its first `poll_frame`, then streams `inner`.
+#[derive(Default)]
 struct ChoosesTimeout {
     inner: Frames,
     chose: Option<bool>,
@@ -934,9 +952,7 @@ async fn set_outcome_called_while_the_body_is_polled_wins_over_the_classifier() 
     // The trailers say OK to the gRPC classifier.
     let telemetry = Telemetry::new();
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit_for_grpc(limit.clone())
-        .metrics(telemetry.metrics.clone())
-        .until_body_end();
+    let layer = grpc_layer(&telemetry, &limit);
     let body = ChoosesTimeout {
         inner: Frames::data(&["partial"]).with_trailers(trailers(&[("grpc-status", "0")])),
         chose: None,
@@ -949,6 +965,7 @@ async fn set_outcome_called_while_the_body_is_polled_wins_over_the_classifier() 
 }
 
 /// A body that sends one frame, then panics when polled.
+#[derive(Default)]
 struct PanicsMidStream {
     polled: usize,
 }
@@ -1008,10 +1025,7 @@ async fn a_panic_while_the_body_is_polled_ends_the_operation_crashed_and_goes_on
 async fn dropped_after(elapsed: Duration) -> BTreeMap<String, u64> {
     let telemetry = Telemetry::new();
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit_for_http(limit.clone())
-        .deadline_header(HeaderName::from_static("x-request-timeout"))
-        .metrics(telemetry.metrics.clone())
-        .until_body_end();
+    let layer = deadline_layer(&telemetry, &limit);
     let service = layer.layer(answering(Response::new(Endless)));
     let request = Request::get("/slow")
         .header("x-request-timeout", "1000")
@@ -1048,10 +1062,7 @@ async fn a_body_dropped_before_the_request_deadline_ends_the_operation_cancelled
 async fn a_body_dropped_without_a_deadline_header_ends_the_operation_cancelled() {
     let telemetry = Telemetry::new();
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit_for_http(limit.clone())
-        .deadline_header(HeaderName::from_static("x-request-timeout"))
-        .metrics(telemetry.metrics.clone())
-        .until_body_end();
+    let layer = deadline_layer(&telemetry, &limit);
     let service = layer.layer(answering(Response::new(Endless)));
 
     let response = service.oneshot(Request::new(())).await.unwrap();
@@ -1064,7 +1075,7 @@ async fn a_body_dropped_without_a_deadline_header_ends_the_operation_cancelled()
 #[tokio::test]
 async fn with_metrics_disabled_the_body_end_form_still_holds_the_permit_until_the_body_ends() {
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit(limit.clone())
+    let layer = ResourcesOperationLayer::new(limit.clone())
         .metrics(OperationMetrics::disabled())
         .until_body_end();
 
@@ -1098,10 +1109,7 @@ async fn with_metrics_disabled_the_body_end_form_still_holds_the_permit_until_th
 async fn a_body_that_ends_on_its_own_past_the_request_deadline_keeps_its_classifiers_outcome() {
     let telemetry = Telemetry::new();
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit_for_http(limit.clone())
-        .deadline_header(HeaderName::from_static("x-request-timeout"))
-        .metrics(telemetry.metrics.clone())
-        .until_body_end();
+    let layer = deadline_layer(&telemetry, &limit);
     let service = layer.layer(answering(Response::new(Frames::data(&["late"]))));
     let request = Request::get("/slow")
         .header("x-request-timeout", "1000")

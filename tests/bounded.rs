@@ -1,11 +1,12 @@
 //! Bounded waiting: the crate's `Limit` (capacity, what is free, who waits, resizing it while it
-//! serves, closing it), its queue bound (`max_queued`, shared by every layer and by the scoped
-//! API), each layer's own queue timeout, tower's `LoadShed` semantics for a rejection
-//! (`poll_ready` ready, `call` answers without the inner service), how each kind of layer answers
-//! (a `BoxError` or an error of your own, HTTP 503/429, gRPC RESOURCE_EXHAUSTED, an axum route
-//! that stays `Infallible`, a real tonic client), and the metrics of turned-away and abandoned
-//! operations with their books: every operation that asks for a permit ends up exactly one of
-//! admitted, rejected or abandoned.
+//! serves, closing it), its queue bound (`with_max_queued`, fixed when the limit is made, shared
+//! by every layer and by the scoped API), each layer's own queue timeout, tower's `LoadShed`
+//! semantics for a rejection (`poll_ready` ready, `call` answers without the inner service), how
+//! each kind of layer answers (a `BoxError` or an error of your own, HTTP 503/429, gRPC
+//! RESOURCE_EXHAUSTED, an axum route that stays `Infallible`, a real tonic client), that a layer
+//! that cannot answer refuses a limit that may turn operations away, and the metrics of
+//! turned-away and abandoned operations with their books: every operation that asks for a permit
+//! ends up exactly one of admitted, rejected or abandoned.
 
 mod support;
 
@@ -24,11 +25,17 @@ use tower::{service_fn, BoxError, Layer as _, Service, ServiceExt as _};
 use tower_test::mock;
 
 use support::{panic_message, settle, Telemetry};
+use tower_resources_operation::classify::DefaultClassifier;
+use tower_resources_operation::limit::LimitPermit;
+use tower_resources_operation::metrics::{
+    ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+};
+use tower_resources_operation::per_request::Choice;
+use tower_resources_operation::protocol::{Http, RejectAsError};
 use tower_resources_operation::{
-    Acquire, Choice, Executor, HttpRejection, Limit, LimitPermit, Operation, OperationMetrics,
-    Rejected, Rejection, ResourcesOperationLayer, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-    REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+    Acquire, Executor, Limit, Operation, OperationMetrics, Rejected, Rejection,
+    ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -45,7 +52,26 @@ fn take(limit: &Limit) -> LimitPermit {
 
 /// A layer on `limit` that records nothing, so no test depends on the global provider.
 fn quiet(limit: &Limit) -> ResourcesOperationLayer {
-    ResourcesOperationLayer::with_limit(limit.clone()).metrics(OperationMetrics::disabled())
+    ResourcesOperationLayer::new(limit.clone()).metrics(OperationMetrics::disabled())
+}
+
+/// A generic layer on `limit` tagged `operation`, reporting to `t`, that answers a rejection
+/// with its service's error, made from `Rejected`.
+fn answering(
+    t: &Telemetry,
+    limit: &Limit,
+    operation: Operation,
+) -> ResourcesOperationLayer<DefaultClassifier, Limit, RejectAsError> {
+    ResourcesOperationLayer::new(limit.clone())
+        .operation(operation)
+        .metrics(t.metrics.clone())
+        .protocol(RejectAsError)
+}
+
+/// What `layer` panics with when it refuses to make its service over `inner`.
+fn refusal<S, L: tower::Layer<S>>(layer: &L, inner: S) -> String {
+    let refused = catch_unwind(AssertUnwindSafe(|| drop(layer.layer(inner))));
+    panic_message(&*refused.expect_err("the layer refuses"))
 }
 
 /// Turned-away operations of `operation`, for `reason`.
@@ -109,12 +135,18 @@ async fn a_limit_reports_its_capacity_its_free_places_and_its_bound_and_clones_s
     drop(other);
     assert_eq!((limit.capacity(), limit.available()), (3, 3));
 
-    let bounded = limit.clone().max_queued(5);
+    // The bound is fixed when the limit is made.
+    let bounded = Limit::with_max_queued(3, 5);
     assert_eq!(bounded.queue_bound(), Some(5));
     assert_eq!(
-        limit.queue_bound(),
+        bounded.clone().queue_bound(),
         Some(5),
         "the bound is the limit's, shared by every clone"
+    );
+    assert_eq!(
+        limit.queue_bound(),
+        None,
+        "a limit made without one has none"
     );
 }
 
@@ -378,8 +410,9 @@ async fn a_capacity_of_zero_pauses_admission_until_it_is_raised() {
     assert!(waiter.is_woken());
     assert_ready_ok!(waiter.poll_ready());
 
-    let paused = Limit::new(0).max_queued(0);
-    let (mut turned_away, _handle) = mock::spawn_layer::<(), (), _>(quiet(&paused).bounded());
+    let paused = Limit::with_max_queued(0, 0);
+    let (mut turned_away, _handle) =
+        mock::spawn_layer::<(), (), _>(quiet(&paused).protocol(RejectAsError));
     assert_ready_ok!(turned_away.poll_ready());
     let error = turned_away.call(()).await.unwrap_err();
     assert_eq!(rejection_of(&error), Rejection::QueueFull);
@@ -476,22 +509,16 @@ async fn closing_the_limit_wakes_a_waiting_scoped_operation_to_a_panic_naming_th
 }
 
 // ---------------------------------------------------------------------------------------------
-// `Limit::max_queued`
+// `Limit::with_max_queued`
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "current_thread")]
-async fn max_queued_lets_n_wait_across_every_layer_sharing_it_and_turns_the_next_away_with_queue_full(
+async fn a_queue_bound_lets_n_wait_across_every_layer_sharing_it_and_turns_the_next_away_with_queue_full(
 ) {
     let t = Telemetry::new();
-    let limit = Limit::new(1).max_queued(2);
-    let verify = ResourcesOperationLayer::with_limit(limit.clone())
-        .operation(Operation::Verify)
-        .metrics(t.metrics.clone())
-        .bounded();
-    let judge = ResourcesOperationLayer::with_limit(limit.clone())
-        .operation(Operation::Judge)
-        .metrics(t.metrics.clone())
-        .bounded();
+    let limit = Limit::with_max_queued(1, 2);
+    let verify = answering(&t, &limit, Operation::Verify);
+    let judge = answering(&t, &limit, Operation::Judge);
     let (mut verifier, mut verify_handle) = mock::spawn_layer::<&str, &str, _>(verify);
     let (mut judge, mut judge_handle) = mock::spawn_layer::<&str, &str, _>(judge);
 
@@ -520,9 +547,10 @@ async fn max_queued_lets_n_wait_across_every_layer_sharing_it_and_turns_the_next
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn max_queued_zero_turns_away_every_operation_that_finds_no_free_place() {
-    let limit = Limit::new(1).max_queued(0);
-    let (mut service, mut handle) = mock::spawn_layer::<&str, &str, _>(quiet(&limit).bounded());
+async fn a_queue_bound_of_zero_turns_away_every_operation_that_finds_no_free_place() {
+    let limit = Limit::with_max_queued(1, 0);
+    let (mut service, mut handle) =
+        mock::spawn_layer::<&str, &str, _>(quiet(&limit).protocol(RejectAsError));
 
     assert_ready_ok!(service.poll_ready());
     let admitted = service.call("admitted");
@@ -547,7 +575,7 @@ async fn max_queued_zero_turns_away_every_operation_that_finds_no_free_place() {
 #[tokio::test(flavor = "current_thread")]
 async fn the_queue_bound_counts_waiters_of_the_scoped_api_too() {
     let t = Telemetry::new();
-    let limit = Limit::new(1).max_queued(1);
+    let limit = Limit::with_max_queued(1, 1);
     let held = take(&limit);
 
     // A scoped waiter fills the queue: the layer's operation is turned away.
@@ -558,10 +586,7 @@ async fn the_queue_bound_counts_waiters_of_the_scoped_api_too() {
         async { Ok::<_, Infallible>("scoped") },
     ));
     assert_pending!(scoped.poll());
-    let layer = ResourcesOperationLayer::with_limit(limit.clone())
-        .operation(Operation::Verify)
-        .metrics(t.metrics.clone())
-        .bounded();
+    let layer = answering(&t, &limit, Operation::Verify);
     let (mut service, mut handle) = mock::spawn_layer::<&str, &str, _>(layer);
     assert_ready_ok!(service.poll_ready());
     let error = service.call("turned away").await.unwrap_err();
@@ -593,10 +618,7 @@ async fn the_queue_bound_counts_waiters_of_the_scoped_api_too() {
 async fn an_operation_that_waited_its_queue_timeout_is_turned_away_with_queue_timeout() {
     let t = Telemetry::new();
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit(limit.clone())
-        .operation(Operation::Verify)
-        .metrics(t.metrics.clone())
-        .queue_timeout(Duration::from_millis(100));
+    let layer = answering(&t, &limit, Operation::Verify).queue_timeout(Duration::from_millis(100));
     let (mut service, mut handle) = mock::spawn_layer::<&str, &str, _>(layer);
     let held = take(&limit);
 
@@ -626,9 +648,7 @@ async fn an_operation_that_waited_its_queue_timeout_is_turned_away_with_queue_ti
 async fn an_operation_that_got_its_permit_before_its_queue_timeout_is_not_turned_away() {
     let t = Telemetry::new();
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit(limit.clone())
-        .metrics(t.metrics.clone())
-        .queue_timeout(Duration::from_millis(100));
+    let layer = answering(&t, &limit, Operation::Other).queue_timeout(Duration::from_millis(100));
     let (mut service, mut handle) = mock::spawn_layer::<&str, &str, _>(layer);
     let held = take(&limit);
 
@@ -654,14 +674,9 @@ async fn an_operation_that_got_its_permit_before_its_queue_timeout_is_not_turned
 async fn each_layer_sharing_a_limit_has_its_own_queue_timeout() {
     let t = Telemetry::new();
     let limit = Limit::new(1);
-    let impatient = ResourcesOperationLayer::with_limit(limit.clone())
-        .operation(Operation::Verify)
-        .metrics(t.metrics.clone())
-        .queue_timeout(Duration::from_millis(100));
-    let patient = ResourcesOperationLayer::with_limit(limit.clone())
-        .operation(Operation::Judge)
-        .metrics(t.metrics.clone())
-        .queue_timeout(Duration::from_millis(300));
+    let impatient =
+        answering(&t, &limit, Operation::Verify).queue_timeout(Duration::from_millis(100));
+    let patient = answering(&t, &limit, Operation::Judge).queue_timeout(Duration::from_millis(300));
     let unbounded = quiet(&limit);
     let (mut impatient, _h1) = mock::spawn_layer::<&str, &str, _>(impatient);
     let (mut patient, _h2) = mock::spawn_layer::<&str, &str, _>(patient);
@@ -699,8 +714,9 @@ async fn each_layer_sharing_a_limit_has_its_own_queue_timeout() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_rejection_makes_poll_ready_ready_and_call_answers_it_without_calling_the_inner_service()
 {
-    let limit = Limit::new(1).max_queued(0);
-    let (mut service, mut handle) = mock::spawn_layer::<&str, &str, _>(quiet(&limit).bounded());
+    let limit = Limit::with_max_queued(1, 0);
+    let (mut service, mut handle) =
+        mock::spawn_layer::<&str, &str, _>(quiet(&limit).protocol(RejectAsError));
     let held = take(&limit);
 
     // Ready, even though no place is free: the operation is already decided.
@@ -731,9 +747,9 @@ async fn a_rejection_makes_poll_ready_ready_and_call_answers_it_without_calling_
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_generic_layer_answers_a_rejection_with_a_box_error_that_downcasts_to_rejected() {
-    let limit = Limit::new(1).max_queued(0);
+    let limit = Limit::with_max_queued(1, 0);
     let service = quiet(&limit)
-        .bounded()
+        .protocol(RejectAsError)
         .layer(service_fn(|x: u32| async move { Ok::<_, BoxError>(x) }));
     let _held = take(&limit);
     let error: BoxError = service.oneshot(7).await.unwrap_err();
@@ -742,7 +758,8 @@ async fn a_generic_layer_answers_a_rejection_with_a_box_error_that_downcasts_to_
     assert_eq!(*rejected, Rejected::new(Rejection::QueueFull));
 }
 
-/// An application's own error, which a bounded generic layer makes from `Rejected`.
+/// An application's own error, which a generic layer answering with `RejectAsError` makes from
+/// `Rejected`.
 #[derive(Debug, PartialEq)]
 enum AppError {
     Busy(Rejection),
@@ -759,6 +776,7 @@ impl From<Rejected> for AppError {
 async fn a_generic_layer_answers_with_an_error_type_of_your_own_made_from_rejected() {
     let limit = Limit::new(1);
     let service = quiet(&limit)
+        .protocol(RejectAsError)
         .queue_timeout(Duration::from_millis(20))
         .layer(service_fn(|fail: bool| async move {
             if fail {
@@ -784,11 +802,10 @@ async fn a_generic_layer_answers_with_an_error_type_of_your_own_made_from_reject
 #[tokio::test(flavor = "current_thread")]
 async fn an_http_layer_answers_a_rejection_with_503_and_no_retry_after() {
     let t = Telemetry::new();
-    let layer = ResourcesOperationLayer::new_for_http(1)
+    let layer = ResourcesOperationLayer::new_for_http(Limit::with_max_queued(1, 0))
         .operation(Operation::Tool)
-        .metrics(t.metrics.clone())
-        .bounded();
-    let limit = layer.limit().clone().max_queued(0);
+        .metrics(t.metrics.clone());
+    let limit = layer.limit().clone();
     let (mut service, mut handle) = mock::spawn_layer::<Request<()>, Response<String>, _>(layer);
     let _held = take(&limit);
 
@@ -807,13 +824,14 @@ async fn an_http_layer_answers_a_rejection_with_503_and_no_retry_after() {
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn reject_with_an_http_rejection_answers_429_with_retry_after_rounded_up_to_whole_seconds() {
-    let limit = Limit::new(1).max_queued(0);
-    let layer = ResourcesOperationLayer::with_limit_for_http(limit.clone())
+async fn an_http_protocol_with_a_rejection_status_answers_429_with_retry_after_rounded_up_to_whole_seconds(
+) {
+    let limit = Limit::with_max_queued(1, 0);
+    let layer = ResourcesOperationLayer::new_for_http(limit.clone())
         .metrics(OperationMetrics::disabled())
-        .reject_with(
-            HttpRejection::new()
-                .status(StatusCode::TOO_MANY_REQUESTS)
+        .protocol(
+            Http::new()
+                .rejection_status(StatusCode::TOO_MANY_REQUESTS)
                 .retry_after(Duration::from_millis(1500)),
         );
     let (mut service, mut handle) = mock::spawn_layer::<Request<()>, Response<String>, _>(layer);
@@ -828,10 +846,9 @@ async fn reject_with_an_http_rejection_answers_429_with_retry_after_rounded_up_t
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_grpc_layer_answers_a_rejection_with_grpc_status_resource_exhausted_in_an_http_200() {
-    let layer = ResourcesOperationLayer::new_for_grpc(1)
-        .metrics(OperationMetrics::disabled())
-        .bounded();
-    let limit = layer.limit().clone().max_queued(0);
+    let layer = ResourcesOperationLayer::new_for_grpc(Limit::with_max_queued(1, 0))
+        .metrics(OperationMetrics::disabled());
+    let limit = layer.limit().clone();
     let (mut service, mut handle) = mock::spawn_layer::<Request<()>, Response<String>, _>(layer);
     let _held = take(&limit);
 
@@ -845,17 +862,16 @@ async fn a_grpc_layer_answers_a_rejection_with_grpc_status_resource_exhausted_in
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn an_axum_route_with_a_bounded_layer_keeps_its_infallible_error_and_answers_503() {
+async fn an_axum_route_with_an_http_layer_keeps_its_infallible_error_and_answers_503() {
     use axum::body::Body;
     use axum::routing::get;
     use axum::Router;
 
     let t = Telemetry::new();
-    let limit = Limit::new(1).max_queued(0);
-    let layer = ResourcesOperationLayer::with_limit_for_http(limit.clone())
+    let limit = Limit::with_max_queued(1, 0);
+    let layer = ResourcesOperationLayer::new_for_http(limit.clone())
         .operation(Operation::Judge)
-        .metrics(t.metrics.clone())
-        .bounded();
+        .metrics(t.metrics.clone());
 
     // The layered service's error is still `Infallible`, which `Router::route` requires.
     fn infallible<S: Service<Request<Body>, Error = Infallible>>(_: &S) {}
@@ -885,8 +901,8 @@ async fn an_axum_route_with_a_bounded_layer_keeps_its_infallible_error_and_answe
 
 #[cfg(feature = "tonic")]
 mod grpc_over_the_wire {
-    //! A real tonic server and client on 127.0.0.1: the client reads a bounded gRPC layer's
-    //! answer as a RESOURCE_EXHAUSTED status.
+    //! A real tonic server and client on 127.0.0.1: the client reads a gRPC layer's answer to a
+    //! rejection as a RESOURCE_EXHAUSTED status.
 
     use super::*;
     use std::pin::Pin;
@@ -926,13 +942,12 @@ mod grpc_over_the_wire {
     }
 
     #[tokio::test]
-    async fn a_tonic_client_reads_a_bounded_grpc_layers_rejection_as_resource_exhausted() {
+    async fn a_tonic_client_reads_a_grpc_layers_rejection_as_resource_exhausted() {
         let t = Telemetry::new();
-        let limit = Limit::new(1).max_queued(0);
-        let limited = ResourcesOperationLayer::with_limit_for_grpc(limit.clone())
+        let limit = Limit::with_max_queued(1, 0);
+        let limited = ResourcesOperationLayer::new_for_grpc(limit.clone())
             .operation(Operation::Verify)
             .metrics(t.metrics.clone())
-            .bounded()
             .layer(HealthServer::new(Serving));
         let incoming = TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = incoming.local_addr().unwrap();
@@ -974,13 +989,12 @@ fn choose(request: &Request<()>) -> Choice {
 #[tokio::test(flavor = "current_thread")]
 async fn a_per_request_layer_answers_a_rejection_from_its_response_future() {
     let t = Telemetry::new();
-    let limit = Limit::new(1).max_queued(0);
+    let limit = Limit::with_max_queued(1, 0);
     let inner = service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(String::from("served")))
     });
-    let service = ResourcesOperationLayer::with_limit_for_http(limit.clone())
+    let service = ResourcesOperationLayer::new_for_http(limit.clone())
         .metrics(t.metrics.clone())
-        .bounded()
         .per_request(choose)
         .layer(inner);
     let get = |path: &str| Request::get(path).body(()).unwrap();
@@ -1004,15 +1018,21 @@ async fn a_per_request_layer_answers_a_rejection_from_its_response_future() {
 }
 
 #[test]
-fn a_per_request_layer_that_is_not_bounded_refuses_a_limit_with_max_queued() {
-    let limit = Limit::new(1).max_queued(0);
+fn a_per_request_layer_that_cannot_answer_refuses_a_limit_with_a_bound_and_an_http_one_takes_it() {
+    let limit = Limit::with_max_queued(1, 0);
     let inner =
-        service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new(String::new())) });
-    let layer = ResourcesOperationLayer::with_limit_for_http(limit)
+        || service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new(String::new())) });
+    let plain = ResourcesOperationLayer::new(limit.clone())
         .metrics(OperationMetrics::disabled())
         .per_request(choose);
-    let refused = catch_unwind(AssertUnwindSafe(|| layer.layer(inner))).unwrap_err();
-    assert!(panic_message(&*refused).contains("make it bounded"));
+    let message = refusal(&plain, inner());
+    assert!(message.contains("cannot answer a rejection"), "{message}");
+
+    // An HTTP layer answers rejections from the start.
+    let _ = ResourcesOperationLayer::new_for_http(limit)
+        .metrics(OperationMetrics::disabled())
+        .per_request(choose)
+        .layer(inner());
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -1022,11 +1042,10 @@ async fn a_layer_that_holds_operations_until_the_body_ends_answers_a_rejection_w
     use http_body_util::{BodyExt as _, Full};
 
     let t = Telemetry::new();
-    let limit = Limit::new(1).max_queued(0);
-    let service = ResourcesOperationLayer::with_limit_for_http(limit.clone())
+    let limit = Limit::with_max_queued(1, 0);
+    let service = ResourcesOperationLayer::new_for_http(limit.clone())
         .operation(Operation::Tool)
         .metrics(t.metrics.clone())
-        .bounded()
         .until_body_end()
         .layer(service_fn(|_: Request<()>| async {
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"streamed"))))
@@ -1057,30 +1076,53 @@ async fn a_layer_that_holds_operations_until_the_body_ends_answers_a_rejection_w
     );
 }
 
-#[test]
-fn a_layer_that_is_not_bounded_refuses_a_limit_with_max_queued_when_it_makes_its_service() {
-    let limit = Limit::new(1).max_queued(4);
+/// The bound is fixed when the limit is made, so a layer knows, when it makes its service,
+/// whether its limit may turn an operation away: one that cannot answer a rejection refuses such
+/// a limit then (rather than fail a caller later), and takes a limit made without a bound, which
+/// never turns anyone away.
+#[tokio::test(start_paused = true)]
+async fn a_layer_that_cannot_answer_refuses_a_limit_made_with_a_bound_and_one_made_without_never_turns_away(
+) {
     let inner = || service_fn(|x: u32| async move { Ok::<_, BoxError>(x) });
-
-    let unbounded = quiet(&limit);
-    let refused = catch_unwind(AssertUnwindSafe(|| unbounded.layer(inner()))).unwrap_err();
-    let message = panic_message(&*refused);
-    assert!(message.contains("make it bounded"), "{message}");
+    let limit = Limit::with_max_queued(1, 4);
+    assert!(limit.may_reject());
+    let message = refusal(&quiet(&limit), inner());
+    assert!(message.contains("cannot answer a rejection"), "{message}");
     assert!(
         message.contains(std::any::type_name::<Limit>()),
         "{message}"
     );
+    // A queue timeout may turn operations away too, whatever the limit.
+    let timed = quiet(&Limit::new(1)).queue_timeout(Duration::from_secs(1));
+    let message = refusal(&timed, inner());
+    assert!(message.contains("cannot answer a rejection"), "{message}");
 
-    // Each way of making it bounded accepts the limit.
-    let _ = quiet(&limit).bounded().layer(inner());
+    // Each way of answering takes the limit.
+    let _ = quiet(&limit).protocol(RejectAsError).layer(inner());
     let _ = quiet(&limit)
+        .protocol(RejectAsError)
         .queue_timeout(Duration::from_secs(1))
         .layer(inner());
     let _ = quiet(&limit)
-        .reject_with(tower_resources_operation::RejectAsError)
+        .protocol(|rejected: Rejected| Err::<u32, BoxError>(rejected.into()))
         .layer(inner());
-    // And an unbounded layer accepts a limit without a bound.
-    let _ = quiet(&Limit::new(1)).layer(inner());
+
+    // A limit made without a bound: a layer that cannot answer takes it, and its callers wait
+    // as long as it takes, however many they are.
+    let unbounded = Limit::new(1);
+    assert!(!unbounded.may_reject());
+    let _held = take(&unbounded);
+    let mut waiters: Vec<_> = (0..50)
+        .map(|_| mock::spawn_layer::<(), (), _>(quiet(&unbounded)))
+        .collect();
+    for (waiter, _) in &mut waiters {
+        assert_pending!(waiter.poll_ready());
+    }
+    tokio::time::advance(Duration::from_secs(3600)).await;
+    for (waiter, _) in &mut waiters {
+        assert_pending!(waiter.poll_ready(), "never turned away");
+    }
+    assert_eq!(unbounded.queued(), 50);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1091,7 +1133,7 @@ fn a_layer_that_is_not_bounded_refuses_a_limit_with_max_queued_when_it_makes_its
 async fn resources_operation_returns_queue_full_and_does_not_run_the_work_when_the_bound_is_reached(
 ) {
     let t = Telemetry::new();
-    let limit = Limit::new(1).max_queued(0);
+    let limit = Limit::with_max_queued(1, 0);
     let held = take(&limit);
     let ran = AtomicBool::new(false);
     let result = t
@@ -1117,12 +1159,10 @@ async fn resources_operation_returns_queue_full_and_does_not_run_the_work_when_t
 #[tokio::test(start_paused = true)]
 async fn rejections_are_counted_per_series_by_reason() {
     let t = Telemetry::new();
-    let limit = Limit::new(1).max_queued(1);
+    let limit = Limit::with_max_queued(1, 1);
     let layer = |operation| {
-        ResourcesOperationLayer::with_limit(limit.clone())
-            .operation(operation)
+        answering(&t, &limit, operation)
             .executor(Executor::Process)
-            .metrics(t.metrics.clone())
             .queue_timeout(Duration::from_millis(50))
             .layer(service_fn(|()| async { Ok::<_, BoxError>(()) }))
     };
@@ -1159,7 +1199,7 @@ async fn rejections_are_counted_per_series_by_reason() {
 async fn a_service_dropped_while_its_poll_ready_waited_counts_as_abandoned() {
     let t = Telemetry::new();
     let limit = Limit::new(1);
-    let layer = ResourcesOperationLayer::with_limit(limit.clone())
+    let layer = ResourcesOperationLayer::new(limit.clone())
         .operation(Operation::Verify)
         .metrics(t.metrics.clone());
     let (mut waiter, _handle) = mock::spawn_layer::<(), (), _>(layer);
@@ -1205,7 +1245,7 @@ async fn a_tokio_timeout_around_a_waiting_oneshot_counts_as_abandoned_and_after_
 ) {
     let t = Telemetry::new();
     let limit = Limit::new(1);
-    let service = ResourcesOperationLayer::with_limit(limit.clone())
+    let service = ResourcesOperationLayer::new(limit.clone())
         .operation(Operation::Tool)
         .metrics(t.metrics.clone())
         .layer(service_fn(|ms: u64| async move {
@@ -1237,11 +1277,8 @@ async fn a_tokio_timeout_around_a_waiting_oneshot_counts_as_abandoned_and_after_
 #[tokio::test(flavor = "current_thread")]
 async fn a_rejection_costs_no_queue_or_duration_sample_and_leaves_queued_unchanged() {
     let t = Telemetry::new();
-    let limit = Limit::new(1).max_queued(1);
-    let layer = ResourcesOperationLayer::with_limit(limit.clone())
-        .operation(Operation::Verify)
-        .metrics(t.metrics.clone())
-        .bounded();
+    let limit = Limit::with_max_queued(1, 1);
+    let layer = answering(&t, &limit, Operation::Verify);
     let (mut service, mut handle) = mock::spawn_layer::<&str, &str, _>(layer);
 
     assert_ready_ok!(service.poll_ready());
@@ -1320,21 +1357,15 @@ async fn run_job(job: Job) -> Result<(), BoxError> {
 async fn every_operation_that_asked_is_exactly_one_of_admitted_rejected_or_abandoned() {
     const OPERATIONS: usize = 50;
     let t = Telemetry::new();
-    let limit = Limit::new(2).max_queued(5);
+    let limit = Limit::with_max_queued(2, 5);
     let worker = service_fn(|job: Job| {
         job.started.store(true, Ordering::SeqCst);
         run_job(job)
     });
-    let verify = ResourcesOperationLayer::with_limit(limit.clone())
-        .operation(Operation::Verify)
-        .metrics(t.metrics.clone())
+    let verify = answering(&t, &limit, Operation::Verify)
         .queue_timeout(Duration::from_millis(20))
         .layer(worker);
-    let judge = ResourcesOperationLayer::with_limit(limit.clone())
-        .operation(Operation::Judge)
-        .metrics(t.metrics.clone())
-        .bounded()
-        .layer(worker);
+    let judge = answering(&t, &limit, Operation::Judge).layer(worker);
 
     let mut callers = Vec::new();
     for i in 0..OPERATIONS {

@@ -2,7 +2,6 @@
 //! `grpc-status` bytes, errors and panics all land in NeMo Gym's bounded attribute values; and
 //! the parsers and classifiers never panic, whatever they are given.
 
-mod reliability;
 mod support;
 
 use std::collections::BTreeSet;
@@ -13,14 +12,18 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use tower::{service_fn, Layer as _, ServiceExt as _};
 
-use reliability::{assert_books, quiet_expected_panics, Books, EXPECTED_PANIC};
+use support::reliability::{self, assert_books, quiet_expected_panics, Books, EXPECTED_PANIC};
 use support::{Data, Telemetry};
+use tower_resources_operation::classify::{
+    ClassifyOutcome, GrpcClassifier, HttpClassifier, TimeoutClassifier,
+};
+use tower_resources_operation::metrics::{
+    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT, REJECTIONS, REJECTION_ATTRIBUTE,
+};
 use tower_resources_operation::{
-    ClassifyOutcome, Executor, GrpcClassifier, HttpClassifier, Limit, Operation, Outcome,
-    ResourcesOperationLayer, TimeoutClassifier, ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, LIMIT_INSTRUMENT, OPERATIONS,
-    OPERATION_ATTRIBUTE, OUTCOMES, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-    REJECTED_INSTRUMENT, REJECTIONS, REJECTION_ATTRIBUTE,
+    Executor, Limit, Operation, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
+    DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS, OPERATION_ATTRIBUTE, OUTCOMES,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -122,7 +125,7 @@ async fn run(
     answer: Answer,
 ) {
     let inner = service_fn(respond);
-    let base = ResourcesOperationLayer::with_limit(limit.clone())
+    let base = ResourcesOperationLayer::new(limit.clone())
         .operation(operation)
         .executor(executor)
         .metrics(telemetry.metrics.clone());

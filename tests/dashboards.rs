@@ -7,12 +7,12 @@
 //! The promtool half needs `promtool` on PATH (Debian's `prometheus` package ships it): without
 //! it the test says so loudly and passes, unless `REQUIRE_PROMETHEUS=1`.
 
-mod prometheus_support;
+mod support;
 
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use prometheus_support::{load_dashboard, panel_queries, panels, require_binary, root, TempDir};
+use support::prometheus::{load_dashboard, panel_queries, panels, require_binary, root, TempDir};
 
 /// The series the crate's seven instruments become in Prometheus: the two histograms, the
 /// `queued`, `active` and `limit` gauges, and the `rejected` and `abandoned` counters (monotonic
@@ -460,7 +460,7 @@ fn the_selector_check_sees_every_selector() {
 /// Each alert rule of alerts.yml with its expression, read from the file's layout (`- alert:`
 /// then `expr: |` and the lines indented under it): enough for the rules as written.
 fn alert_rules() -> Vec<(String, String)> {
-    let path = root().join(prometheus_support::ALERTS);
+    let path = root().join(support::prometheus::ALERTS);
     let text =
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     let indent = |line: &str| line.len() - line.trim_start().len();
@@ -542,7 +542,7 @@ fn alert_rules_query_only_the_crates_series_per_limit() {
 
 #[test]
 fn alert_unit_tests_see_every_alert_fire_and_stay_quiet() {
-    let path = root().join(prometheus_support::ALERT_TESTS);
+    let path = root().join(support::prometheus::ALERT_TESTS);
     let text =
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     let mut cases = BTreeSet::new();
@@ -596,9 +596,12 @@ fn alert_rules_pass_promtool_check_and_their_unit_tests() {
     let Some(binary) = require_binary("promtool", "the alert rules' promtool checks") else {
         return;
     };
-    let checked = promtool(&binary, &["check", "rules", prometheus_support::ALERTS]);
+    let checked = promtool(&binary, &["check", "rules", support::prometheus::ALERTS]);
     assert!(checked.contains("SUCCESS: 4 rules found"), "{checked}");
-    let tested = promtool(&binary, &["test", "rules", prometheus_support::ALERT_TESTS]);
+    let tested = promtool(
+        &binary,
+        &["test", "rules", support::prometheus::ALERT_TESTS],
+    );
     assert!(tested.contains("SUCCESS"), "{tested}");
 }
 

@@ -16,9 +16,9 @@ use std::time::Duration;
 use tower::load::{Constant, Load};
 use tower::util::BoxCloneService;
 use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
+use tower_resources_operation::classify::TimeoutClassifier;
 use tower_resources_operation::{
-    Limit, ResourcesOperation, ResourcesOperationLayer, TimeoutClassifier, DURATION_INSTRUMENT,
-    OUTCOME_ATTRIBUTE,
+    Limit, ResourcesOperation, ResourcesOperationLayer, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE,
 };
 
 /// The inner service of these tests: echoes its request, and fails with a `BoxError` on 0.
@@ -136,7 +136,7 @@ async fn the_service_is_made_without_the_layer_as_towers_is() {
     assert_eq!(ours.limit().capacity(), 1);
 
     let limit = Limit::new(2);
-    let shared = ResourcesOperation::with_limit(echo, limit.clone());
+    let shared = ResourcesOperation::new(echo, limit.clone());
     let mut held = shared.clone();
     held.ready().await.unwrap();
     assert_eq!(limit.available(), 1, "a permit taken through the service");

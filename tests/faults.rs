@@ -2,7 +2,6 @@
 //! dropped mid-run, an exporter that fails or hangs, or a meter that panics when it records,
 //! every request still gets its own response and the limit still holds.
 
-mod reliability;
 mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -19,7 +18,7 @@ use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider, Temporality};
 use tower::{service_fn, Layer as _, Service as _, ServiceExt as _};
 
-use reliability::Load;
+use support::reliability::Load;
 use tower_resources_operation::{Executor, Operation, OperationMetrics, ResourcesOperationLayer};
 
 /// The limit every test runs under.

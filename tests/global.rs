@@ -13,9 +13,10 @@ use std::convert::Infallible;
 use tokio::sync::{Mutex, MutexGuard};
 
 use tower::{service_fn, Layer, ServiceExt};
+use tower_resources_operation::per_request::{ByGrpcMethod, Choice};
 use tower_resources_operation::{
-    resources_operation, ByGrpcMethod, Choice, Executor, Limit, Operation, OperationMetrics,
-    ResourcesOperationLayer, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    resources_operation, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
     QUEUE_DURATION_INSTRUMENT,
 };
 
@@ -164,7 +165,7 @@ async fn global_metrics_are_one_set_per_provider_so_live_counts_are_not_hidden()
         .await
         .unwrap();
     assert_eq!(
-        global.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &verify_thread),
+        global.live_value(ACTIVE_INSTRUMENT, &verify_thread),
         1,
         "the running operation of `a`, seen through the one callback"
     );
@@ -188,4 +189,39 @@ async fn a_per_request_layer_on_the_default_resolves_the_provider_when_it_first_
     let request = http::Request::post("/pkg.Verifier/Check").body(()).unwrap();
     service.oneshot(request).await.unwrap();
     assert_eq!(operations(&global, "verify"), 1);
+}
+
+#[tokio::test]
+async fn a_default_layer_reports_its_series_from_the_first_request_a_service_serves() {
+    let _turn = global_provider_turn().await;
+    let global = provider();
+    install(&global);
+    let layer = ResourcesOperationLayer::new(1)
+        .operation(Operation::Judge)
+        .executor(Executor::Thread);
+    let service = layer.layer(service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }));
+    let judge_thread = [
+        (OPERATION_ATTRIBUTE, "judge"),
+        (EXECUTOR_ATTRIBUTE, "thread"),
+    ];
+    let reported = |global: &Telemetry| {
+        global
+            .live(ACTIVE_INSTRUMENT)
+            .iter()
+            .filter(|point| support::matches(&point.attributes, &judge_thread))
+            .map(|point| point.value)
+            .collect::<Vec<_>>()
+    };
+
+    assert_eq!(
+        reported(&global),
+        Vec::<i64>::new(),
+        "a service that has not served yet decided no metrics, so reports no series"
+    );
+    service.oneshot(1).await.unwrap();
+    assert_eq!(
+        reported(&global),
+        [0],
+        "from its first request on, it reports 0"
+    );
 }

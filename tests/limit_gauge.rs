@@ -2,8 +2,10 @@
 //! limits it draws from. A `Limit` reports its own capacity (resizes show at the next
 //! collection, a limit that is gone stops counting); a semaphore reports only the `Capacity` it
 //! is given (fixed or read at each collection); one limit reached through several layers or
-//! scoped calls counts once per series; and `active <= limit` holds at every collection, except
-//! while a lowered capacity drains, which shows as `active > limit`.
+//! scoped calls counts once per series (a limit's identity is its `Capacity`'s id, shared by
+//! clones and never reused, so a limit made after a dropped one counts anew); and
+//! `active <= limit` holds at every collection, except while a lowered capacity drains, which
+//! shows as `active > limit`.
 
 mod support;
 
@@ -18,10 +20,12 @@ use tokio::sync::{oneshot, Semaphore};
 use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
 
 use support::{settle, Telemetry};
+use tower_resources_operation::classify::DefaultClassifier;
+use tower_resources_operation::limit::AcquireError;
+use tower_resources_operation::metrics::{Capacity, LIMIT_INSTRUMENT};
 use tower_resources_operation::{
-    Acquire, Capacity, DefaultClassifier, Executor, Limit, Operation, OperationMetrics,
-    ResourcesOperationLayer, SharedClassifier, ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE,
-    LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE,
+    Acquire, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
+    ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
 };
 
 /// `(operation, executor)` of a series.
@@ -81,11 +85,11 @@ fn tagged<L>(
     limit: L,
     operation: Operation,
     executor: Executor,
-) -> ResourcesOperationLayer<SharedClassifier<DefaultClassifier>, L>
+) -> ResourcesOperationLayer<DefaultClassifier, L>
 where
-    L: Acquire,
+    L: Acquire + Clone,
 {
-    ResourcesOperationLayer::with_limit(limit)
+    ResourcesOperationLayer::new(limit)
         .operation(operation)
         .executor(executor)
         .metrics(t.metrics.clone())
@@ -205,6 +209,48 @@ async fn a_new_limit_after_a_gone_one_counts_again() {
     }
 }
 
+/// A limit's identity in the metrics is an id that is never reused, not an address (which is).
+/// Each round makes a new `Limit`, and a new semaphore told a new `Capacity::fixed`, right after
+/// the previous round's were dropped and before any collection forgot them: in memory, the new
+/// ones likely take the old ones' places. Each must still count as a new limit, with its own
+/// capacity, and the old one must be forgotten.
+#[tokio::test]
+async fn a_limit_made_after_the_last_one_of_its_series_was_dropped_counts_as_a_new_limit() {
+    let t = Telemetry::new();
+    for round in 0..50 {
+        let capacity = 1 + round % 7;
+        let limit = Limit::new(capacity);
+        let service =
+            tagged(&t, limit.clone(), Operation::Judge, Executor::Process).layer(instant());
+        service.oneshot(()).await.unwrap();
+        t.metrics
+            .resources_operation(&limit, Operation::Judge, Executor::Process, async {})
+            .await
+            .unwrap();
+        let told = ResourcesOperationLayer::new(Arc::new(Semaphore::new(capacity)))
+            .operation(Operation::Tool)
+            .metrics(t.metrics.clone())
+            .capacity(Capacity::fixed(capacity + 10))
+            .layer(instant());
+        told.clone().oneshot(()).await.unwrap();
+        let capacity = capacity as i64;
+        assert_eq!(
+            limits(&t),
+            only(&[
+                ("judge", "process", capacity),
+                ("tool", "other", capacity + 10)
+            ]),
+            "round {round}: only this round's limits count, each with its own capacity"
+        );
+        drop((limit, told));
+    }
+    assert_eq!(
+        limits(&t),
+        only(&[]),
+        "the last round's limits are gone too"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // `active <= limit`
 // ---------------------------------------------------------------------------------------------
@@ -301,10 +347,10 @@ async fn while_a_lowered_capacity_drains_active_above_the_limit_shows() {
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test]
-async fn a_with_semaphore_layer_reports_no_limit_unless_given_a_capacity() {
+async fn a_semaphore_layer_reports_no_limit_unless_given_a_capacity() {
     let t = Telemetry::new();
     let semaphore = Arc::new(Semaphore::new(5));
-    let bare = ResourcesOperationLayer::with_semaphore(Arc::clone(&semaphore))
+    let bare = ResourcesOperationLayer::new(Arc::clone(&semaphore))
         .operation(Operation::Verify)
         .metrics(t.metrics.clone())
         .layer(instant());
@@ -319,7 +365,7 @@ async fn a_with_semaphore_layer_reports_no_limit_unless_given_a_capacity() {
         "the series itself is reported"
     );
 
-    let told = ResourcesOperationLayer::with_semaphore(semaphore)
+    let told = ResourcesOperationLayer::new(semaphore)
         .operation(Operation::Judge)
         .metrics(t.metrics.clone())
         .capacity(Capacity::fixed(5))
@@ -333,7 +379,7 @@ async fn a_with_semaphore_layer_reports_no_limit_unless_given_a_capacity() {
 #[tokio::test]
 async fn a_capacity_given_to_a_layer_counts_while_its_services_live() {
     let t = Telemetry::new();
-    let service = ResourcesOperationLayer::with_semaphore(Arc::new(Semaphore::new(3)))
+    let service = ResourcesOperationLayer::new(Arc::new(Semaphore::new(3)))
         .operation(Operation::Tool)
         .metrics(t.metrics.clone())
         .capacity(Capacity::fixed(3))
@@ -351,12 +397,12 @@ async fn a_capacity_given_to_a_layer_counts_while_its_services_live() {
 }
 
 #[tokio::test]
-async fn two_with_semaphore_layers_given_clones_of_one_capacity_count_it_once() {
+async fn two_semaphore_layers_given_clones_of_one_capacity_count_it_once() {
     let t = Telemetry::new();
     let semaphore = Arc::new(Semaphore::new(5));
     let capacity = Capacity::fixed(5);
     let layer = |capacity: Capacity, operation| {
-        ResourcesOperationLayer::with_semaphore(Arc::clone(&semaphore))
+        ResourcesOperationLayer::new(Arc::clone(&semaphore))
             .operation(operation)
             .metrics(t.metrics.clone())
             .capacity(capacity)
@@ -367,6 +413,8 @@ async fn two_with_semaphore_layers_given_clones_of_one_capacity_count_it_once() 
     assert_eq!(limits(&t), only(&[("tool", "other", 5)]));
 
     // Another `Capacity` made anew is another limit, even with the same number.
+    assert!(capacity.same_limit(&capacity.clone()));
+    assert!(!capacity.same_limit(&Capacity::fixed(5)));
     let _c = layer(Capacity::fixed(5), Operation::Tool);
     assert_eq!(limits(&t), only(&[("tool", "other", 10)]));
 }
@@ -377,7 +425,7 @@ async fn a_capacity_from_fn_is_read_at_each_collection() {
     let size = Arc::new(AtomicUsize::new(2));
     let read = Arc::clone(&size);
     let capacity = Capacity::from_fn(move || read.load(Ordering::SeqCst));
-    let _service = ResourcesOperationLayer::with_semaphore(Arc::new(Semaphore::new(2)))
+    let _service = ResourcesOperationLayer::new(Arc::new(Semaphore::new(2)))
         .operation(Operation::Judge)
         .executor(Executor::Process)
         .metrics(t.metrics.clone())
@@ -393,7 +441,7 @@ async fn a_capacity_from_fn_is_read_at_each_collection() {
 async fn a_capacity_read_that_panics_costs_its_own_series_not_the_collection() {
     let t = Telemetry::new();
     let _fine = tagged(&t, Limit::new(3), Operation::Verify, Executor::Inline).layer(instant());
-    let _broken = ResourcesOperationLayer::with_semaphore(Arc::new(Semaphore::new(2)))
+    let _broken = ResourcesOperationLayer::new(Arc::new(Semaphore::new(2)))
         .operation(Operation::Judge)
         .metrics(t.metrics.clone())
         .capacity(Capacity::from_fn(|| {
@@ -442,16 +490,14 @@ impl Acquire for OwnLimit {
 
     fn acquire(
         &self,
-    ) -> impl std::future::Future<
-        Output = Result<Self::Permit, tower_resources_operation::AcquireError>,
-    > + Send {
+    ) -> impl std::future::Future<Output = Result<Self::Permit, AcquireError>> + Send {
         Arc::clone(&self.places)
             .acquire_owned()
-            .map(|acquired| acquired.map_err(|_| tower_resources_operation::AcquireError::closed()))
+            .map(|acquired| acquired.map_err(|_| AcquireError::closed()))
     }
 
-    fn capacity(&self) -> Option<&Capacity> {
-        Some(&self.capacity)
+    fn capacity(&self) -> Option<Capacity> {
+        Some(self.capacity.clone())
     }
 }
 
@@ -480,7 +526,7 @@ async fn a_series_whose_semaphore_layer_is_rebuilt_reports_only_the_live_semapho
     // the old ones dropped.
     let t = Telemetry::new();
     for reload in 1..=3 {
-        let service = ResourcesOperationLayer::with_semaphore(Arc::new(Semaphore::new(4)))
+        let service = ResourcesOperationLayer::new(Arc::new(Semaphore::new(4)))
             .operation(Operation::Tool)
             .metrics(t.metrics.clone())
             .capacity(Capacity::fixed(4))
@@ -571,7 +617,7 @@ fn a_layer_on_the_global_provider_registers_its_limit_when_it_first_serves() {
         .unwrap();
     runtime.block_on(async {
         let limit = Limit::new(4);
-        let service = ResourcesOperationLayer::with_limit(limit.clone())
+        let service = ResourcesOperationLayer::new(limit.clone())
             .operation(Operation::Verify)
             .layer(instant());
         service.clone().oneshot(()).await.unwrap();

@@ -14,11 +14,14 @@ use support::{pipeline, settle, Data, Telemetry};
 use tokio::sync::{oneshot, Semaphore};
 use tokio_test::{assert_pending, task};
 use tower::{service_fn, BoxError, Layer, Service, ServiceExt};
+use tower_resources_operation::metrics::{
+    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT,
+};
 use tower_resources_operation::{
     set_outcome, Executor, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
-    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE,
-    LIMIT_INSTRUMENT, OPERATIONS, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOMES,
-    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS,
+    OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOMES, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
 };
 
 /// Paused time moves in whole milliseconds; a recorded duration may be off by a tick or two.
@@ -41,6 +44,20 @@ fn sleeper() -> impl Service<u64, Response = u64, Error = BoxError, Future: Send
     service_fn(|ms: u64| async move {
         tokio::time::sleep(Duration::from_millis(ms)).await;
         Ok::<_, BoxError>(ms)
+    })
+}
+
+/// Two [`sleeper`]s under layers on one semaphore of one permit: `verify`'s and `judge`'s.
+fn verify_and_judge_on_one_permit(
+    t: &Telemetry,
+) -> [impl Service<u64, Response = u64, Error = BoxError, Future: Send + 'static> + Send + 'static; 2]
+{
+    let slots = Arc::new(Semaphore::new(1));
+    [Operation::Verify, Operation::Judge].map(|operation| {
+        ResourcesOperationLayer::new(Arc::clone(&slots))
+            .operation(operation)
+            .metrics(t.metrics.clone())
+            .layer(sleeper())
     })
 }
 
@@ -288,19 +305,10 @@ async fn exported_attributes_are_exactly_nemo_gyms_keys_and_values() {
 #[tokio::test(start_paused = true)]
 async fn queue_duration_is_zero_for_an_immediate_permit_and_the_wait_for_a_queued_one() {
     let t = Telemetry::new();
-    let slots = Arc::new(Semaphore::new(1));
-    let first = ResourcesOperationLayer::with_semaphore(slots.clone())
-        .operation(Operation::Verify)
-        .metrics(t.metrics.clone())
-        .layer(sleeper());
-    let second = ResourcesOperationLayer::with_semaphore(slots)
-        .operation(Operation::Judge)
-        .metrics(t.metrics.clone())
-        .layer(sleeper());
+    let [mut first, second] = verify_and_judge_on_one_permit(&t);
 
     // A takes the only permit now and holds it for 300 ms; B has to wait for it.
-    let mut a = first;
-    let a = tokio::spawn(a.ready().await.unwrap().call(300));
+    let a = tokio::spawn(first.ready().await.unwrap().call(300));
     let b = tokio::spawn(second.oneshot(0));
     assert_eq!(a.await.unwrap().unwrap(), 300);
     assert_eq!(b.await.unwrap().unwrap(), 0);
@@ -409,15 +417,7 @@ async fn waiter_timed_out_on_ready_then_dropped_records_no_queue_sample() {
 #[tokio::test(start_paused = true)]
 async fn duration_runs_from_the_permit_to_the_end_of_the_inner_work() {
     let t = Telemetry::new();
-    let slots = Arc::new(Semaphore::new(1));
-    let mut first = ResourcesOperationLayer::with_semaphore(slots.clone())
-        .operation(Operation::Verify)
-        .metrics(t.metrics.clone())
-        .layer(sleeper());
-    let second = ResourcesOperationLayer::with_semaphore(slots)
-        .operation(Operation::Judge)
-        .metrics(t.metrics.clone())
-        .layer(sleeper());
+    let [mut first, second] = verify_and_judge_on_one_permit(&t);
 
     let a = tokio::spawn(first.ready().await.unwrap().call(300));
     let b = tokio::spawn(second.oneshot(250));
@@ -486,6 +486,13 @@ async fn live_counts_show_the_operations_running_and_waiting_now() {
         .layer(held());
 
     assert_eq!(live(&t), (0, 0), "an idle limit reports 0, not nothing");
+    for name in [QUEUED_INSTRUMENT, ACTIVE_INSTRUMENT] {
+        assert_eq!(
+            t.live(name).len(),
+            1,
+            "{name}: given metrics report the series from the moment the layer makes a service"
+        );
+    }
 
     let mut releases = Vec::new();
     let mut tasks = Vec::new();
@@ -698,7 +705,7 @@ async fn live_counts_return_to_zero_after_a_panic_in_the_response_future() {
 async fn live_counts_return_to_zero_after_the_semaphore_closes_under_a_waiter() {
     let t = Telemetry::new();
     let slots = Arc::new(Semaphore::new(1));
-    let layer = ResourcesOperationLayer::with_semaphore(slots.clone()).metrics(t.metrics.clone());
+    let layer = ResourcesOperationLayer::new(slots.clone()).metrics(t.metrics.clone());
     let taken = slots.clone().try_acquire_owned().unwrap();
 
     let waiter = tokio::spawn(layer.layer(held()).oneshot(oneshot::channel().1));

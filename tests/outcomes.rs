@@ -5,6 +5,8 @@ mod support;
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -12,8 +14,10 @@ use support::{panic_message, Telemetry};
 use tokio_test::{assert_pending, task};
 use tower::timeout::TimeoutLayer;
 use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
+use tower_resources_operation::classify::{ClassifyOutcome, TimeoutClassifier};
+use tower_resources_operation::protocol::Protocol;
 use tower_resources_operation::{
-    set_outcome, ClassifyOutcome, Operation, Outcome, ResourcesOperationLayer, TimeoutClassifier,
+    set_outcome, Acquire, Limit, Operation, Outcome, Rejected, ResourcesOperationLayer,
     ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE,
 };
 
@@ -34,7 +38,10 @@ fn layer(t: &Telemetry) -> ResourcesOperationLayer {
 }
 
 /// The limit is free again and nothing counts as active.
-fn assert_released(t: &Telemetry, layer: &ResourcesOperationLayer) {
+fn assert_released<C: Clone, P: Clone>(
+    t: &Telemetry,
+    layer: &ResourcesOperationLayer<C, Limit, P>,
+) {
     assert_eq!(layer.limit().available(), 1, "the permit is back");
     assert_eq!(
         t.live_value(ACTIVE_INSTRUMENT, &[]),
@@ -65,11 +72,13 @@ async fn default_classifier_records_error_for_an_error() {
     assert_eq!(outcomes(&t), only("error"));
 }
 
-#[tokio::test(start_paused = true)]
-async fn default_classifier_records_error_for_an_elapsed_as_any_other_error() {
-    let t = Telemetry::new();
+/// One request that tower's `Timeout` (100 ms, inside `layer`) ends with its `Elapsed`.
+async fn through_towers_timeout<C>(layer: ResourcesOperationLayer<C>)
+where
+    C: ClassifyOutcome<(), BoxError> + Clone,
+{
     let svc = ServiceBuilder::new()
-        .layer(layer(&t))
+        .layer(layer)
         .layer(TimeoutLayer::new(Duration::from_millis(100)))
         .service(service_fn(|()| async {
             tokio::time::sleep(Duration::from_secs(10)).await;
@@ -77,6 +86,21 @@ async fn default_classifier_records_error_for_an_elapsed_as_any_other_error() {
         }));
     let error = svc.oneshot(()).await.unwrap_err();
     assert!(error.is::<tower::timeout::error::Elapsed>());
+}
+
+/// tokio's `timeout` of 100 ms around a sleep of 10 s: always `Elapsed`.
+async fn tokio_timeout() -> Result<(), tokio::time::error::Elapsed> {
+    tokio::time::timeout(
+        Duration::from_millis(100),
+        tokio::time::sleep(Duration::from_secs(10)),
+    )
+    .await
+}
+
+#[tokio::test(start_paused = true)]
+async fn default_classifier_records_error_for_an_elapsed_as_any_other_error() {
+    let t = Telemetry::new();
+    through_towers_timeout(layer(&t)).await;
     assert_eq!(outcomes(&t), only("error"));
 }
 
@@ -87,15 +111,7 @@ async fn default_classifier_records_error_for_an_elapsed_as_any_other_error() {
 #[tokio::test(start_paused = true)]
 async fn timeout_classifier_records_timeout_for_towers_timeout_layer_inside() {
     let t = Telemetry::new();
-    let svc = ServiceBuilder::new()
-        .layer(layer(&t).classifier(TimeoutClassifier::new()))
-        .layer(TimeoutLayer::new(Duration::from_millis(100)))
-        .service(service_fn(|()| async {
-            tokio::time::sleep(Duration::from_secs(10)).await;
-            Ok::<_, BoxError>(())
-        }));
-    let error = svc.oneshot(()).await.unwrap_err();
-    assert!(error.is::<tower::timeout::error::Elapsed>());
+    through_towers_timeout(layer(&t).classifier(TimeoutClassifier::new())).await;
     assert_eq!(outcomes(&t), only("timeout"));
 }
 
@@ -104,12 +120,7 @@ async fn timeout_classifier_records_timeout_for_a_boxed_tokio_elapsed() {
     let t = Telemetry::new();
     let layer = layer(&t).classifier(TimeoutClassifier::new());
     let svc = layer.layer(service_fn(|()| async {
-        tokio::time::timeout(
-            Duration::from_millis(100),
-            tokio::time::sleep(Duration::from_secs(10)),
-        )
-        .await
-        .map_err(BoxError::from)
+        tokio_timeout().await.map_err(BoxError::from)
     }));
     let error = svc.oneshot(()).await.unwrap_err();
     assert!(error.is::<tokio::time::error::Elapsed>());
@@ -120,13 +131,7 @@ async fn timeout_classifier_records_timeout_for_a_boxed_tokio_elapsed() {
 async fn timeout_classifier_records_timeout_for_tokio_elapsed_as_the_error_type() {
     let t = Telemetry::new();
     let layer = layer(&t).classifier(TimeoutClassifier::new());
-    let svc = layer.layer(service_fn(|()| async {
-        tokio::time::timeout(
-            Duration::from_millis(100),
-            tokio::time::sleep(Duration::from_secs(10)),
-        )
-        .await
-    }));
+    let svc = layer.layer(service_fn(|()| tokio_timeout()));
     svc.oneshot(()).await.unwrap_err();
     assert_eq!(outcomes(&t), only("timeout"));
 }
@@ -202,16 +207,99 @@ async fn panicking_classifier_keeps_the_response_and_records_error() {
     let t = Telemetry::new();
     let layer = layer(&t)
         .classifier(|_: Result<&u32, &Infallible>| -> Outcome { panic!("classifier bug") });
-    let svc = layer.layer(service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }));
+    echo_through(&layer, 9).await;
+    assert_eq!(outcomes(&t), only("error"));
+    assert_released(&t, &layer);
+}
 
+/// One request through a service of `layer` that echoes it: the answer goes out, whatever the
+/// layer's own user code (classifier, protocol) does.
+async fn echo_through<C, P>(layer: &ResourcesOperationLayer<C, Limit, P>, n: u32)
+where
+    C: ClassifyOutcome<u32, Infallible> + Clone,
+    P: Protocol<u32, u32, Infallible>,
+{
+    let svc = layer.layer(service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }));
     assert_eq!(
-        svc.oneshot(9).await.unwrap(),
-        9,
+        svc.oneshot(n).await.unwrap(),
+        n,
         "the response still goes out"
     );
+}
+
+/// Counts the calls it panics in, so that a test can tell that the user code did run.
+#[derive(Clone, Default)]
+struct Panics(Arc<AtomicUsize>);
+
+impl Panics {
+    fn now(&self, what: &str) -> ! {
+        self.0.fetch_add(1, SeqCst);
+        panic!("{what} bug")
+    }
+
+    fn times(&self) -> usize {
+        self.0.load(SeqCst)
+    }
+}
+
+/// A classifier whose every clone panics: the layer clones its classifier for each operation.
+struct PanicsWhenCloned(Panics);
+
+impl Clone for PanicsWhenCloned {
+    fn clone(&self) -> Self {
+        self.0.now("classifier clone")
+    }
+}
+
+impl ClassifyOutcome<u32, Infallible> for PanicsWhenCloned {
+    fn classify(&self, _: Result<&u32, &Infallible>) -> Outcome {
+        Outcome::Ok
+    }
+}
+
+#[tokio::test]
+async fn classifier_whose_clone_panics_keeps_the_response_and_records_error() {
+    let t = Telemetry::new();
+    let panics = Panics::default();
+    let layer = layer(&t).classifier(PanicsWhenCloned(panics.clone()));
+    echo_through(&layer, 4).await;
+    assert_eq!(
+        panics.times(),
+        1,
+        "the classifier was cloned for the operation"
+    );
     assert_eq!(outcomes(&t), only("error"));
-    assert_eq!(layer.limit().available(), 1);
-    assert_eq!(t.live_value(ACTIVE_INSTRUMENT, &[]), 0);
+    assert_released(&t, &layer);
+}
+
+/// A protocol whose deadline reader panics (and which never has a rejection to answer: the
+/// limit has no queue bound).
+#[derive(Clone)]
+struct PanicsReadingTheDeadline(Panics);
+
+impl<Req, Res, Err> Protocol<Req, Res, Err> for PanicsReadingTheDeadline {
+    fn answer(&self, rejected: Rejected) -> Result<Res, Err> {
+        unreachable!("an unbounded limit rejects nothing: {rejected}")
+    }
+
+    fn deadline(&self, _: &Req) -> Option<Duration> {
+        self.0.now("deadline reader")
+    }
+}
+
+#[tokio::test]
+async fn protocol_whose_deadline_panics_keeps_the_response_and_records_the_operation() {
+    let t = Telemetry::new();
+    let panics = Panics::default();
+    let layer = layer(&t).protocol(PanicsReadingTheDeadline(panics.clone()));
+    echo_through(&layer, 6).await;
+    assert_eq!(
+        outcomes(&t),
+        only("ok"),
+        "only the deadline is lost, not the operation"
+    );
+    assert_eq!(panics.times(), 1, "the deadline was read");
+    assert_released(&t, &layer);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -279,16 +367,21 @@ impl Service<u32> for PanicsInCall {
 
 #[tokio::test]
 async fn panic_in_inner_call_is_crashed_and_propagates_unchanged() {
+    assert_eq!(outcomes_of_a_panicking_call(None).await, only("crashed"));
+}
+
+/// Calls a [`PanicsInCall`] that sets `outcome` first, if given, behind a layer: the panic goes
+/// on unchanged and the permit comes back. The outcomes recorded.
+async fn outcomes_of_a_panicking_call(outcome: Option<Outcome>) -> BTreeMap<String, u64> {
     let t = Telemetry::new();
     let layer = layer(&t);
-    let mut svc = layer.layer(PanicsInCall { outcome: None });
+    let mut svc = layer.layer(PanicsInCall { outcome });
 
     svc.ready().await.unwrap();
     let payload = catch_unwind(AssertUnwindSafe(|| svc.call(42))).unwrap_err();
     assert_eq!(panic_message(&*payload), "call panicked: 42");
-
-    assert_eq!(outcomes(&t), only("crashed"));
     assert_released(&t, &layer);
+    outcomes(&t)
 }
 
 #[tokio::test]
@@ -514,17 +607,10 @@ async fn set_outcome_before_a_panic_in_the_inner_future_wins_over_crashed() {
 
 #[tokio::test]
 async fn set_outcome_before_a_panic_in_the_inner_call_wins_over_crashed() {
-    let t = Telemetry::new();
-    let layer = layer(&t);
-    let mut svc = layer.layer(PanicsInCall {
-        outcome: Some(Outcome::Error),
-    });
-
-    svc.ready().await.unwrap();
-    let payload = catch_unwind(AssertUnwindSafe(|| svc.call(1))).unwrap_err();
-    assert_eq!(panic_message(&*payload), "call panicked: 1");
-    assert_eq!(outcomes(&t), only("error"));
-    assert_released(&t, &layer);
+    assert_eq!(
+        outcomes_of_a_panicking_call(Some(Outcome::Error)).await,
+        only("error")
+    );
 }
 
 #[tokio::test]
@@ -678,12 +764,12 @@ fn gateway_timeout_with_grpc_cancelled() -> http::Response<()> {
 }
 
 /// The outcomes a layer records for one [`gateway_timeout_with_grpc_cancelled`] response.
-async fn outcome_through<C, L>(layer: ResourcesOperationLayer<C, L>) -> BTreeMap<String, u64>
+async fn outcome_through<C, L, P>(layer: ResourcesOperationLayer<C, L, P>) -> BTreeMap<String, u64>
 where
-    C: tower_resources_operation::MakeClassifier<http::Request<()>, http::Response<()>, Infallible>
-        + Clone,
-    L: tower_resources_operation::Acquire + Clone + Send + Sync + 'static,
+    C: ClassifyOutcome<http::Response<()>, Infallible> + Clone,
+    L: Acquire + Clone + Send + Sync + 'static,
     L::Permit: Send + 'static,
+    P: Protocol<http::Request<()>, http::Response<()>, Infallible> + Clone,
 {
     let t = Telemetry::new();
     let svc = layer
@@ -700,10 +786,10 @@ async fn the_http_constructors_classify_by_status_and_the_grpc_ones_by_grpc_stat
     let semaphore = || std::sync::Arc::new(tokio::sync::Semaphore::new(1));
     let http = ResourcesOperationLayer::new_for_http(1);
     assert_eq!(outcome_through(http).await, only("timeout"));
-    let http = ResourcesOperationLayer::with_semaphore_for_http(semaphore());
+    let http = ResourcesOperationLayer::new_for_http(semaphore());
     assert_eq!(outcome_through(http).await, only("timeout"));
     let grpc = ResourcesOperationLayer::new_for_grpc(1);
     assert_eq!(outcome_through(grpc).await, only("cancelled"));
-    let grpc = ResourcesOperationLayer::with_semaphore_for_grpc(semaphore());
+    let grpc = ResourcesOperationLayer::new_for_grpc(semaphore());
     assert_eq!(outcome_through(grpc).await, only("cancelled"));
 }

@@ -7,8 +7,9 @@
 //! `/metrics` through unlimited and unrecorded (it answers at once while the limit is full), and
 //! sends a 404 to `otherwise`; the limit holds across connections and counts waiters in `queued`
 //! from `call` on; a closure chooser maps arbitrary header values onto the bounded values only;
-//! `ByGrpcMethod` lets method rules win over service rules; and a bounded layer answers a full
-//! queue with 503 and counts it in `gym.resources.operation.rejected`.
+//! `ByGrpcMethod` lets method rules win over service rules; a chooser that panics costs the request
+//! only its tags; and an HTTP layer answers a full queue with 503 and counts it in
+//! `gym.resources.operation.rejected`.
 
 mod support;
 
@@ -34,11 +35,14 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use support::{Load, Telemetry};
+use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
+use tower_resources_operation::per_request::{
+    ByGrpcMethod, ByMatchedPath, Choice, ChooseOperation,
+};
 use tower_resources_operation::{
-    ByGrpcMethod, ByMatchedPath, Choice, Executor, Limit, Operation, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS,
-    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-    REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+    Executor, Limit, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 /// A safety net so a broken limit fails the test instead of hanging it; not a performance bound.
@@ -278,24 +282,35 @@ async fn by_matched_path_otherwise_unlimited_leaves_a_404_unrecorded() {
     );
 }
 
+/// `/verify`, which waits for `gate`, as [`VERIFY`], and `unlimited` (a path and its answer),
+/// unlimited, under one per-request HTTP layer on `limit` that chooses by matched route.
+async fn gated_verify_server(
+    telemetry: &Telemetry,
+    limit: &Limit,
+    gate: &Gate,
+    (unlimited, answer): (&'static str, &'static str),
+) -> SocketAddr {
+    let router = Router::new()
+        .route("/verify", gate.route("verified"))
+        .route(unlimited, get(move || async move { answer }))
+        .layer(
+            ResourcesOperationLayer::new_for_http(limit.clone())
+                .metrics(telemetry.metrics.clone())
+                .per_request(
+                    ByMatchedPath::new()
+                        .route("/verify", VERIFY)
+                        .route(unlimited, Choice::Unlimited),
+                ),
+        );
+    serve(router).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_answers_at_once_while_the_limit_is_full_and_requests_queue_behind_it() {
     let telemetry = Telemetry::new();
     let limit = Limit::new(2);
     let gate = Gate::new();
-    let router = Router::new()
-        .route("/verify", gate.route("verified"))
-        .route("/metrics", get(|| async { "# metrics" }))
-        .layer(
-            ResourcesOperationLayer::with_limit_for_http(limit.clone())
-                .metrics(telemetry.metrics.clone())
-                .per_request(
-                    ByMatchedPath::new()
-                        .route("/verify", VERIFY)
-                        .route("/metrics", Choice::Unlimited),
-                ),
-        );
-    let addr = serve(router).await;
+    let addr = gated_verify_server(&telemetry, &limit, &gate, ("/metrics", "# metrics")).await;
 
     // A burst: two hold the limit (at the gate), two wait behind them.
     let burst: Vec<_> = (0..4).map(|_| spawn_get(addr, "/verify")).collect();
@@ -345,7 +360,7 @@ async fn the_limit_holds_across_connections_and_counts_waiters_in_queued_from_ca
         })
     };
     let router = Router::new().route("/verify", work).layer(
-        ResourcesOperationLayer::with_limit_for_http(limit.clone())
+        ResourcesOperationLayer::new_for_http(limit.clone())
             .metrics(telemetry.metrics.clone())
             .per_request(ByMatchedPath::new().route("/verify", VERIFY)),
     );
@@ -383,6 +398,22 @@ async fn the_limit_holds_across_connections_and_counts_waiters_in_queued_from_ca
     assert_eq!(limit.available(), 2);
 }
 
+/// `/work`, answering "done", under one per-request HTTP layer of limit 4 that chooses with
+/// `chooser`.
+async fn work_server<F>(telemetry: &Telemetry, chooser: F) -> SocketAddr
+where
+    F: ChooseOperation<Request<Body>> + Clone + Send + Sync + 'static,
+{
+    let router = Router::new()
+        .route("/work", get(|| async { "done" }))
+        .layer(
+            ResourcesOperationLayer::new_for_http(4)
+                .metrics(telemetry.metrics.clone())
+                .per_request(chooser),
+        );
+    serve(router).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closure_chooser_maps_arbitrary_header_values_onto_the_bounded_values_only() {
     let telemetry = Telemetry::new();
@@ -396,14 +427,7 @@ async fn a_closure_chooser_maps_arbitrary_header_values_onto_the_bounded_values_
         Some(b"health") => Choice::Unlimited,
         _ => Choice::OTHER,
     };
-    let router = Router::new()
-        .route("/work", get(|| async { "done" }))
-        .layer(
-            ResourcesOperationLayer::new_for_http(4)
-                .metrics(telemetry.metrics.clone())
-                .per_request(chooser),
-        );
-    let addr = serve(router).await;
+    let addr = work_server(&telemetry, chooser).await;
 
     let long = "x".repeat(2000);
     // (HTTP trims whitespace around a header value, so "verify " would arrive as "verify".)
@@ -460,6 +484,40 @@ async fn a_closure_chooser_maps_arbitrary_header_values_onto_the_bounded_values_
             );
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chooser_that_panics_leaves_the_request_served_and_counted_as_other() {
+    let telemetry = Telemetry::new();
+    let chosen = Arc::new(AtomicBool::new(false));
+    let chooser = {
+        let chosen = Arc::clone(&chosen);
+        move |_: &Request<Body>| -> Choice {
+            chosen.store(true, SeqCst);
+            panic!("chooser bug")
+        }
+    };
+    let addr = work_server(&telemetry, chooser).await;
+
+    let answer = send(addr, Method::GET, "/work", &[("x-operation", "verify")]).await;
+    assert_eq!(answer, (200, "done".into()), "the request is served");
+    assert!(chosen.load(SeqCst), "the chooser ran");
+    assert_eq!(
+        ended(&telemetry, Choice::OTHER),
+        1,
+        "limited as other/other"
+    );
+    let other_ok = [
+        (OPERATION_ATTRIBUTE, "other"),
+        (EXECUTOR_ATTRIBUTE, "other"),
+        (OUTCOME_ATTRIBUTE, "ok"),
+    ];
+    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &other_ok), 1);
+    assert_eq!(
+        recorded_series(&telemetry),
+        BTreeSet::from([pair("other", "other")])
+    );
+    assert_eq!(telemetry.live_value(ACTIVE_INSTRUMENT, &[]), 0);
 }
 
 /// The (operation, executor) attribute values of every point of `exported`.
@@ -545,22 +603,9 @@ async fn by_grpc_method_over_plain_http_method_rules_win_and_unknown_is_otherwis
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_is_answered_503_and_counted_while_an_unlimited_route_still_answers() {
     let telemetry = Telemetry::new();
-    let limit = Limit::new(1).max_queued(0);
+    let limit = Limit::with_max_queued(1, 0);
     let gate = Gate::new();
-    let router = Router::new()
-        .route("/verify", gate.route("verified"))
-        .route("/health", get(|| async { "healthy" }))
-        .layer(
-            ResourcesOperationLayer::with_limit_for_http(limit.clone())
-                .bounded()
-                .metrics(telemetry.metrics.clone())
-                .per_request(
-                    ByMatchedPath::new()
-                        .route("/verify", VERIFY)
-                        .route("/health", Choice::Unlimited),
-                ),
-        );
-    let addr = serve(router).await;
+    let addr = gated_verify_server(&telemetry, &limit, &gate, ("/health", "healthy")).await;
 
     let holder = spawn_get(addr, "/verify");
     eventually("the first request holds the permit", || {
@@ -614,7 +659,7 @@ async fn per_request_in_the_body_end_form_holds_a_streamed_route_until_its_body_
         .route("/stream", stream)
         .route("/metrics", get(|| async { "# metrics" }))
         .layer(
-            ResourcesOperationLayer::with_limit_for_http(limit.clone())
+            ResourcesOperationLayer::new_for_http(limit.clone())
                 .metrics(telemetry.metrics.clone())
                 .per_request(
                     ByMatchedPath::new()

@@ -13,7 +13,8 @@ use std::time::Duration;
 use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use tokio::net::TcpListener;
-use tower_resources_operation::{OperationMetrics, METER_NAME, OPERATION_BOUNDARIES_MS};
+use tower_resources_operation::metrics::METER_NAME;
+use tower_resources_operation::{OperationMetrics, OPERATION_BOUNDARIES_MS};
 
 const OPERATION: &str = "nemo_gym_resources_operation";
 const EXECUTOR: &str = "nemo_gym_resources_executor";

@@ -8,7 +8,7 @@
 #[path = "../examples/axum.rs"]
 #[allow(dead_code)]
 mod app;
-mod prometheus_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde_json::Value;
 use tokio::net::TcpListener;
 
-use prometheus_support::{require_binary, TempDir};
+use support::prometheus::{require_binary, TempDir};
 
 /// How long to wait for Prometheus to start, or to have scraped what was done; a safety net so
 /// a broken setup fails instead of hanging, not a performance bound.
@@ -51,7 +51,7 @@ impl Prometheus {
                 ),
             )
             .expect("write prometheus.yml");
-            let addr: SocketAddr = format!("127.0.0.1:{}", prometheus_support::free_port())
+            let addr: SocketAddr = format!("127.0.0.1:{}", support::prometheus::free_port())
                 .parse()
                 .unwrap();
             let log = dir.path().join("prometheus.log");
@@ -110,7 +110,7 @@ impl Prometheus {
     async fn query(&self, promql: &str) -> Vec<Value> {
         let path = format!(
             "/api/v1/query?query={}",
-            prometheus_support::urlencode(promql)
+            support::prometheus::urlencode(promql)
         );
         let (status, body) = app::http_get(self.addr, &path, "HTTP/1.0")
             .await
@@ -391,11 +391,11 @@ async fn a_real_prometheus_sees_the_limit_bind() {
     }
 
     // Every query of the dashboard returns data from this server.
-    let dashboard = prometheus_support::load_dashboard();
-    let queries = prometheus_support::panel_queries(&dashboard);
+    let dashboard = support::prometheus::load_dashboard();
+    let queries = support::prometheus::panel_queries(&dashboard);
     assert!(!queries.is_empty());
     for query in queries {
-        let expr = prometheus_support::substitute_grafana_variables(&query.expr, "1m");
+        let expr = support::prometheus::substitute_grafana_variables(&query.expr, "1m");
         let result = prometheus.query(&expr).await;
         assert!(
             !result.is_empty(),

@@ -5,6 +5,7 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -463,11 +464,15 @@ fn outcome_parse_error_lists_the_outcomes() {
     assert_eq!("crashed".parse::<Outcome>(), Ok(Outcome::Crashed));
 }
 
+/// How many times an [`Awkward`] was asked its outcome.
+static AWKWARD_ASKED: AtomicUsize = AtomicUsize::new(0);
+
 /// An output whose `OperationOutput` panics.
 struct Awkward(u8);
 
-impl tower_resources_operation::OperationOutput for Awkward {
+impl tower_resources_operation::classify::OperationOutput for Awkward {
     fn outcome(&self) -> Outcome {
+        AWKWARD_ASKED.fetch_add(1, SeqCst);
         panic!("an OperationOutput that panics")
     }
 }
@@ -484,6 +489,11 @@ async fn a_panicking_operation_output_keeps_the_output_and_records_error() {
         .await
         .unwrap();
     assert_eq!(output.0, 9);
+    assert_eq!(
+        AWKWARD_ASKED.load(SeqCst),
+        1,
+        "the output was asked its outcome"
+    );
     assert_eq!(outcomes(&t), only("error"));
     assert_eq!(live(&t), (0, 0));
     assert_eq!(limit.available_permits(), 1);

@@ -4,7 +4,6 @@
 //! server recorded is exactly what the clients caused, and the live counts and permits all come
 //! back.
 
-mod reliability;
 mod support;
 
 use std::collections::HashMap;
@@ -14,7 +13,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use axum::http::header::HOST;
 use axum::http::{Request, StatusCode, Uri};
@@ -30,15 +28,17 @@ use tokio::sync::{oneshot, watch, Semaphore};
 use tokio::task::JoinHandle;
 use tower::{Layer, Service};
 
-use reliability::{assert_books, quiet_expected_panics, Books, Series, EXPECTED_PANIC};
+use support::reliability::{
+    assert_books, assert_live_counts_zero, eventually, live_count, quiet_expected_panics, within,
+    Books, Series, EXPECTED_PANIC,
+};
 use support::Telemetry;
+use tower_resources_operation::classify::HttpClassifier;
+use tower_resources_operation::protocol::Http;
 use tower_resources_operation::{
     Executor, Operation, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
 };
-
-/// A safety net so a lost permit fails the test instead of hanging it; not a performance bound.
-const DEADLINE: Duration = Duration::from_secs(60);
 
 /// `/ok` and `/fail`.
 const VERIFY: Series = (Operation::Verify, Executor::Subprocess);
@@ -153,11 +153,8 @@ fn series_layer(
     semaphore: &Arc<Semaphore>,
     (operation, executor): Series,
     telemetry: &Telemetry,
-) -> ResourcesOperationLayer<
-    tower_resources_operation::SharedClassifier<tower_resources_operation::HttpClassifier>,
-    Arc<Semaphore>,
-> {
-    ResourcesOperationLayer::with_semaphore_for_http(Arc::clone(semaphore))
+) -> ResourcesOperationLayer<HttpClassifier, Arc<Semaphore>, Http> {
+    ResourcesOperationLayer::new_for_http(Arc::clone(semaphore))
         .operation(operation)
         .executor(executor)
         .metrics(telemetry.metrics.clone())
@@ -209,32 +206,9 @@ impl Connection {
     /// Lets go of the connection and waits until it has closed cleanly.
     async fn closed(self) {
         drop(self.sender);
-        tokio::time::timeout(DEADLINE, self.driver)
-            .await
-            .expect("a client connection never closed")
-            .unwrap()
-            .unwrap();
+        let closed = within("a client connection closing", self.driver).await;
+        closed.unwrap().unwrap();
     }
-}
-
-/// Polls `condition` every 10 ms until it holds, for at most [`DEADLINE`]: hyper notices closed
-/// sockets asynchronously.
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let start = tokio::time::Instant::now();
-    while !condition() {
-        assert!(start.elapsed() < DEADLINE, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-fn live(telemetry: &Telemetry, instrument: &str, (operation, executor): Series) -> i64 {
-    telemetry.live_value(
-        instrument,
-        &[
-            (OPERATION_ATTRIBUTE, operation.as_str()),
-            (EXECUTOR_ATTRIBUTE, executor.as_str()),
-        ],
-    )
 }
 
 fn cancelled(telemetry: &Telemetry) -> u64 {
@@ -344,9 +318,8 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
         connection.closed().await;
         answer
     });
-    tokio::time::timeout(DEADLINE, holder_rx)
+    within("the /held holder starting", holder_rx)
         .await
-        .expect("the /held holder never started")
         .unwrap();
     let mut queued = Vec::new();
     for _ in 0..GIVEN_UP_IN_QUEUE {
@@ -355,7 +328,7 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
         queued.push((connection, response));
     }
     eventually("every /held request queued", || {
-        live(&telemetry, QUEUED_INSTRUMENT, HELD) == GIVEN_UP_IN_QUEUE as i64
+        live_count(&telemetry, QUEUED_INSTRUMENT, HELD) == GIVEN_UP_IN_QUEUE as i64
     })
     .await;
     for (connection, response) in queued {
@@ -363,31 +336,22 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
         connection.closed().await;
     }
     eventually("the given-up waits taken back", || {
-        live(&telemetry, QUEUED_INSTRUMENT, HELD) == 0
+        live_count(&telemetry, QUEUED_INSTRUMENT, HELD) == 0
     })
     .await;
     gate_tx.send(true).unwrap();
-    let (status, body) = tokio::time::timeout(DEADLINE, holder)
-        .await
-        .expect("the /held holder never answered")
-        .unwrap();
+    let (status, body) = within("the /held holder", holder).await.unwrap();
     assert_eq!((status, body.as_str()), (200, "held"));
 
     let mut statuses: HashMap<u16, u64> = HashMap::new();
     for client in clients {
-        let counts = tokio::time::timeout(DEADLINE, client)
-            .await
-            .expect("a keep-alive client hung")
-            .unwrap();
+        let counts = within("a keep-alive client", client).await.unwrap();
         for (status, n) in counts {
             *statuses.entry(status).or_default() += n;
         }
     }
     for abandoner in abandoners {
-        tokio::time::timeout(DEADLINE, abandoner)
-            .await
-            .expect("an abandoning client hung")
-            .unwrap();
+        within("an abandoning client", abandoner).await.unwrap();
     }
     let abandoned = ABANDONERS * ABANDONS_PER_ABANDONER;
     assert_eq!(
@@ -399,8 +363,8 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
     eventually("every hang-up recorded and nothing left active", || {
         cancelled(&telemetry) >= abandoned
             && [VERIFY, TOOL, JUDGE, HELD].iter().all(|series| {
-                live(&telemetry, ACTIVE_INSTRUMENT, *series) == 0
-                    && live(&telemetry, QUEUED_INSTRUMENT, *series) == 0
+                live_count(&telemetry, ACTIVE_INSTRUMENT, *series) == 0
+                    && live_count(&telemetry, QUEUED_INSTRUMENT, *series) == 0
             })
     })
     .await;
@@ -421,7 +385,7 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
         expected.abandoned(HELD);
     }
     assert_books(&telemetry, &expected);
-    reliability::assert_live_counts_zero(&telemetry);
+    assert_live_counts_zero(&telemetry);
     assert_eq!(slots.available_permits(), 4);
     assert_eq!(held_limit.available_permits(), 1);
     assert!(signals.abandon_started.lock().unwrap().is_empty());

@@ -30,11 +30,16 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::{ServiceBuilder, ServiceExt as _};
 
 use support::{Load, Telemetry};
+use tower_resources_operation::classify::GrpcClassifier;
+use tower_resources_operation::protocol::{Grpc, Plain};
 use tower_resources_operation::{
-    Deadline, Executor, GrpcClassifier, Operation, ResourcesOperation, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
-    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    Executor, Limit, Operation, ResourcesOperation, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
+    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
+
+/// The gRPC layer of these tests: a [`Limit`], the gRPC classifier and protocol.
+type GrpcLayer = ResourcesOperationLayer<GrpcClassifier, Limit, Grpc>;
 
 /// How long a `slow` handler holds its permit.
 const WORK: Duration = Duration::from_millis(100);
@@ -110,10 +115,7 @@ fn incoming() -> (TcpIncoming, SocketAddr) {
 
 /// A server whose only service is `backend`, limited per service by `layer` through
 /// `add_service`.
-fn serve_per_service(
-    backend: &Arc<Backend>,
-    layer: ResourcesOperationLayer<Deadline<GrpcClassifier>>,
-) -> SocketAddr {
+fn serve_per_service(backend: &Arc<Backend>, layer: GrpcLayer) -> SocketAddr {
     let limited = ServiceBuilder::new()
         .layer(layer)
         .service(HealthServer::from_arc(Arc::clone(backend)));
@@ -124,10 +126,7 @@ fn serve_per_service(
 }
 
 /// A server with `layer` on `Server::builder()`: one limit for everything it serves.
-fn serve_whole_server(
-    backend: &Arc<Backend>,
-    layer: ResourcesOperationLayer<Deadline<GrpcClassifier>>,
-) -> SocketAddr {
+fn serve_whole_server(backend: &Arc<Backend>, layer: GrpcLayer) -> SocketAddr {
     let (incoming, addr) = incoming();
     let router = Server::builder()
         .layer(layer)
@@ -213,10 +212,7 @@ const VERIFY_SUBPROCESS: [(&str, &str); 2] = [
     (EXECUTOR_ATTRIBUTE, "subprocess"),
 ];
 
-fn verify_subprocess(
-    telemetry: &Telemetry,
-    max: usize,
-) -> ResourcesOperationLayer<Deadline<GrpcClassifier>> {
+fn verify_subprocess(telemetry: &Telemetry, max: usize) -> GrpcLayer {
     ResourcesOperationLayer::new_for_grpc(max)
         .operation(Operation::Verify)
         .executor(Executor::Subprocess)
@@ -247,10 +243,8 @@ fn assert_idle(telemetry: &Telemetry, series: [(&str, &str); 2]) {
 
 #[test]
 fn the_layered_service_keeps_the_grpc_service_name() {
-    assert_eq!(
-        <ResourcesOperation<HealthServer<Backend>, GrpcClassifier> as NamedService>::NAME,
-        "grpc.health.v1.Health"
-    );
+    type Limited = ResourcesOperation<HealthServer<Backend>, GrpcClassifier, Limit, Grpc>;
+    assert_eq!(<Limited as NamedService>::NAME, "grpc.health.v1.Health");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -293,7 +287,7 @@ async fn per_service_outcomes_come_from_the_grpc_status() {
 fn assert_all_served_two_at_a_time<E: std::fmt::Debug>(
     results: &[Result<i32, E>],
     backend: &Backend,
-    slots: &tower_resources_operation::Limit,
+    slots: &Limit,
 ) {
     for result in results {
         assert!(
@@ -467,10 +461,27 @@ async fn client_that_gives_up_while_queued_records_no_sample_and_leaves_the_queu
     assert_idle(&telemetry, series);
 }
 
+/// A `Check` of `hang` whose client deadline, 100 ms sent as `grpc-timeout`, passes: tonic gives
+/// up on the call, and the client sees DEADLINE_EXCEEDED or CANCELLED.
+async fn check_past_a_client_deadline(channel: Channel) {
+    let mut request = Request::new(HealthCheckRequest {
+        service: "hang".to_owned(),
+    });
+    request.set_timeout(Duration::from_millis(100));
+    let status = tokio::time::timeout(DEADLINE, HealthClient::new(channel).check(request))
+        .await
+        .expect("nobody enforced the client's deadline")
+        .unwrap_err();
+    assert!(
+        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{status:?}"
+    );
+}
+
 /// A deadline tonic enforces (`Server::timeout`, or the client's `grpc-timeout`) wraps the
 /// layered service from outside: when it fires, tonic drops the operation (and answers
 /// CANCELLED, "Timeout expired"). The gRPC layer reads the request's `grpc-timeout` (and, with
-/// `Deadline::at_most`, the server's timeout), so such a drop counts as `timeout`; a layer that
+/// `server_timeout`, the server's timeout), so such a drop counts as `timeout`; a layer that
 /// reads no deadline sees a plain drop, `cancelled`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn deadlines_enforced_by_tonic_end_the_operation_as_timeout() {
@@ -478,10 +489,7 @@ async fn deadlines_enforced_by_tonic_end_the_operation_as_timeout() {
     let backend = Arc::new(Backend::default());
     let server_timeout = Duration::from_millis(300);
     let limited = ServiceBuilder::new()
-        .layer(
-            verify_subprocess(&telemetry, 1)
-                .make_classifier(Deadline::grpc(GrpcClassifier).at_most(server_timeout)),
-        )
+        .layer(verify_subprocess(&telemetry, 1).server_timeout(server_timeout))
         .service(HealthServer::from_arc(Arc::clone(&backend)));
     let (incoming, addr) = incoming();
     let router = Server::builder()
@@ -503,18 +511,7 @@ async fn deadlines_enforced_by_tonic_end_the_operation_as_timeout() {
     .await;
 
     // The client's deadline, sent as `grpc-timeout`.
-    let mut request = Request::new(HealthCheckRequest {
-        service: "hang".to_owned(),
-    });
-    request.set_timeout(Duration::from_millis(100));
-    let status = tokio::time::timeout(DEADLINE, HealthClient::new(channel).check(request))
-        .await
-        .expect("nobody enforced the client's deadline")
-        .unwrap_err();
-    assert!(
-        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
-        "{status:?}"
-    );
+    check_past_a_client_deadline(channel).await;
     eventually("the second operation ended", || {
         telemetry.count(DURATION_INSTRUMENT, &series) == 2
     })
@@ -529,8 +526,9 @@ async fn deadlines_enforced_by_tonic_end_the_operation_as_timeout() {
 async fn a_layer_that_reads_no_deadline_counts_tonics_deadline_as_cancelled() {
     let telemetry = Telemetry::new();
     let backend = Arc::new(Backend::default());
+    // The gRPC classifier, with the `Plain` protocol: no `grpc-timeout` is read.
     let limited = ServiceBuilder::new()
-        .layer(verify_subprocess(&telemetry, 1).classifier(GrpcClassifier))
+        .layer(verify_subprocess(&telemetry, 1).protocol(Plain))
         .service(HealthServer::from_arc(Arc::clone(&backend)));
     let (incoming, addr) = incoming();
     let router = Server::builder().add_service(limited);
@@ -538,18 +536,7 @@ async fn a_layer_that_reads_no_deadline_counts_tonics_deadline_as_cancelled() {
     let channel = connect(addr).await;
     let series = VERIFY_SUBPROCESS;
 
-    let mut request = Request::new(HealthCheckRequest {
-        service: "hang".to_owned(),
-    });
-    request.set_timeout(Duration::from_millis(100));
-    let status = tokio::time::timeout(DEADLINE, HealthClient::new(channel).check(request))
-        .await
-        .expect("nobody enforced the client's deadline")
-        .unwrap_err();
-    assert!(
-        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
-        "{status:?}"
-    );
+    check_past_a_client_deadline(channel).await;
     eventually("the operation ended", || {
         telemetry.count(DURATION_INSTRUMENT, &series) == 1
     })

@@ -7,7 +7,7 @@
 //! firing mid-stream, tonic's `Server::timeout`) end operations as `timeout`; a client that hangs
 //! up mid-stream ends them as `cancelled`; a limit of 1 holds a second stream until the first
 //! ends; the per-request form over a whole `Server` limits and records only the methods it is
-//! told to; a bounded gRPC layer answers RESOURCE_EXHAUSTED to a call that finds the limit full.
+//! told to; a gRPC layer answers RESOURCE_EXHAUSTED to a call that finds the limit full.
 //!
 //! The service is tonic-health's generated `grpc.health.v1.Health` (no `protoc`) around a
 //! `Health` of our own, whose `Watch` streams are fed by the test, message by message, through a
@@ -40,11 +40,14 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::{Layer, Service, ServiceExt as _};
 
 use support::Telemetry;
+use tower_resources_operation::classify::GrpcClassifier;
+use tower_resources_operation::layer::AtBodyEnd;
+use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
+use tower_resources_operation::per_request::{ByGrpcMethod, Choice};
+use tower_resources_operation::protocol::{Grpc, Plain};
 use tower_resources_operation::{
-    AtBodyEnd, ByGrpcMethod, Choice, Deadline, Executor, GrpcClassifier, Limit, Operation,
-    ResourcesOperationLayer, Unbounded, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
-    OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
-    REJECTION_ATTRIBUTE,
+    Executor, Limit, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 /// A safety net so a broken limit fails the test instead of hanging it; not a performance bound.
@@ -224,12 +227,15 @@ where
 fn body_end(
     telemetry: &Telemetry,
     max: usize,
-) -> ResourcesOperationLayer<Deadline<GrpcClassifier>, Limit, Unbounded, AtBodyEnd> {
+) -> ResourcesOperationLayer<GrpcClassifier, Limit, Grpc, AtBodyEnd> {
     at_head(telemetry, max).until_body_end()
 }
 
 /// The gRPC layer of `new_for_grpc`, tagged tool/process, in the default (head-end) form.
-fn at_head(telemetry: &Telemetry, max: usize) -> ResourcesOperationLayer<Deadline<GrpcClassifier>> {
+fn at_head(
+    telemetry: &Telemetry,
+    max: usize,
+) -> ResourcesOperationLayer<GrpcClassifier, Limit, Grpc> {
     ResourcesOperationLayer::new_for_grpc(max)
         .operation(Operation::Tool)
         .executor(Executor::Process)
@@ -643,9 +649,9 @@ async fn give_up_at_the_deadline_mid_stream(
 }
 
 /// The client sends its deadline as `grpc-timeout` and gives up at it, mid-stream: it drops the
-/// stream, the client resets it, the server drops the body. `new_for_grpc` read the deadline
-/// through `Deadline`, so the operation ends `timeout`, not `cancelled`; a layer that reads no
-/// deadline (`.classifier(GrpcClassifier)`) sees the same drop as `cancelled`. (tonic's server
+/// stream, the client resets it, the server drops the body. `new_for_grpc` reads the deadline
+/// (its `Grpc` protocol), so the operation ends `timeout`, not `cancelled`; a layer that reads no
+/// deadline (`.protocol(Plain)`) sees the same drop as `cancelled`. (tonic's server
 /// applies `grpc-timeout` to the response head only: a stream goes on until someone drops it.) A
 /// stream that ends before the client's deadline is still `ok`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -687,7 +693,7 @@ async fn a_client_deadline_that_fires_mid_stream_ends_the_operation_as_timeout()
     // The contrast: a body-end layer that reads no deadline.
     let telemetry = Telemetry::new();
     let (backend, mut watches) = Backend::new();
-    let layer = body_end(&telemetry, 1).classifier(GrpcClassifier);
+    let layer = body_end(&telemetry, 1).protocol(Plain);
     let limit = layer.limit().clone();
     let channel = connect(serve(&backend, layer)).await;
 
@@ -702,16 +708,15 @@ async fn a_client_deadline_that_fires_mid_stream_ends_the_operation_as_timeout()
 }
 
 /// tonic's own `Server::timeout` drops a unary call whose handler runs too long (and answers
-/// CANCELLED, "Timeout expired"); the body-end layer with the classifier
-/// `Deadline::grpc(GrpcClassifier).at_most(server_timeout)` counts that drop as `timeout`, as it
+/// CANCELLED, "Timeout expired"); the body-end layer told `.server_timeout(server_timeout)`
+/// counts that drop as `timeout`, as it
 /// does the client's own `grpc-timeout`, which tonic enforces the same way before the head.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tonics_server_timeout_on_a_unary_call_is_timeout_in_the_body_end_form() {
     let telemetry = Telemetry::new();
     let (backend, _watches) = Backend::new();
     let server_timeout = Duration::from_millis(300);
-    let layer = body_end(&telemetry, 1)
-        .make_classifier(Deadline::grpc(GrpcClassifier).at_most(server_timeout));
+    let layer = body_end(&telemetry, 1).server_timeout(server_timeout);
     let limit = layer.limit().clone();
     let service = layer.layer(HealthServer::from_arc(Arc::clone(&backend)));
     let (incoming, addr) = incoming();
@@ -994,16 +999,15 @@ async fn per_request_over_a_whole_server_limits_and_records_watch_but_not_check(
 // ---------------------------------------------------------------------------------------------
 // Rejections in gRPC.
 
-/// A bounded gRPC layer on a limit that lets nobody wait: a call that finds the limit full (here
+/// A gRPC layer on a limit that lets nobody wait: a call that finds the limit full (here
 /// held by a stream) is answered RESOURCE_EXHAUSTED without reaching its handler, and counted in
 /// `gym.resources.operation.rejected{rejection="queue_full"}`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_call_that_finds_the_limit_full_gets_resource_exhausted_and_is_counted_rejected() {
     let telemetry = Telemetry::new();
     let (backend, mut watches) = Backend::new();
-    let limit = Limit::new(1).max_queued(0);
-    let layer = ResourcesOperationLayer::with_limit_for_grpc(limit.clone())
-        .bounded()
+    let limit = Limit::with_max_queued(1, 0);
+    let layer = ResourcesOperationLayer::new_for_grpc(limit.clone())
         .operation(Operation::Tool)
         .executor(Executor::Process)
         .metrics(telemetry.metrics.clone())

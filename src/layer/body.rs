@@ -202,7 +202,6 @@ impl<B: Body, P> Body for OperationBody<B, P> {
 
 /// The stream ended with the frame (or error, or end) of `polled`: ends the operation. Out of
 /// line: once per operation, not per frame.
-#[inline(never)]
 fn end_of_stream<P, D, E>(
     operation: &mut Lifecycle<P, StreamEnd>,
     polled: &Poll<Option<Result<Frame<D>, E>>>,

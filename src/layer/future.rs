@@ -41,7 +41,7 @@ pin_project! {
 }
 
 impl<F, C, P, R, E> ResponseFuture<F, C, P, R, E> {
-    #[inline(always)]
+    #[inline]
     pub(crate) fn called(inner: F, operation: Lifecycle<P, C>) -> Self {
         Self {
             state: State::Called { inner },

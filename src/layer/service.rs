@@ -161,7 +161,6 @@ where
 {
     /// The limit turned the operation away: `call` answers it, if this layer can.
     #[cold]
-    #[inline(never)]
     fn rejected<Error>(&mut self, rejection: Rejection) -> Poll<Result<(), Error>> {
         if !self.config.answers {
             unanswerable::<L>(Rejected::new(rejection));
@@ -173,7 +172,6 @@ where
     /// `call` of an operation that holds no permit: it answers a rejection, or panics for a
     /// `call` that no `poll_ready` prepared.
     #[cold]
-    #[inline(never)]
     #[track_caller]
     fn answer<Request, Res, Err>(&mut self, _request: Request) -> Result<Res, Err>
     where

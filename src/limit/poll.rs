@@ -79,8 +79,6 @@ where
         self.limit.try_acquire()
     }
 
-    /// Out of line: a free permit never comes here.
-    #[inline(never)]
     fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<L::Permit, AcquireError>> {
         let wait = &mut *self.wait;
         if !wait.waiting {
