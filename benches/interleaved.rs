@@ -246,16 +246,32 @@ fn main() {
         return;
     }
 
+    // `cargo bench --bench interleaved -- <word>` runs the sections whose title has <word>.
+    let filter = std::env::args()
+        .skip(1)
+        .find(|arg| !arg.starts_with("--"))
+        .unwrap_or_default();
+    let wanted = |title: &str| title.contains(filter.as_str());
+
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
-    uncontended("uncontended, reused ready + call", &rt, |rt, s, n| {
-        s.reused(rt, n)
-    });
-    uncontended("uncontended, clone().oneshot()", &rt, |rt, s, n| {
-        s.oneshot(rt, n)
-    });
-    bounded_and_body_end(&rt);
+    if wanted("uncontended, reused") {
+        uncontended("uncontended, reused ready + call", &rt, |rt, s, n| {
+            s.reused(rt, n)
+        });
+    }
+    if wanted("uncontended, clone().oneshot()") {
+        uncontended("uncontended, clone().oneshot()", &rt, |rt, s, n| {
+            s.oneshot(rt, n)
+        });
+    }
+    if wanted("bounded waiting and body-end") {
+        bounded_and_body_end(&rt);
+    }
+    if !wanted("contended: 2 workers") {
+        return;
+    }
 
     let (_provider, meter) = sdk_meter();
     let tower = ConcurrencyLimit::with_semaphore(YieldOnce, Arc::new(Semaphore::new(4)));

@@ -151,6 +151,16 @@ impl<P, K> Lifecycle<P, K> {
         self.decides = None;
     }
 
+    /// Ends the operation as [`end`](Self::end) does, but keeps its permit until the lifecycle
+    /// is dropped: a response future's, which `.await` drops as it completes (tower's limit
+    /// frees its permit there too).
+    #[inline]
+    pub(crate) fn finish(&mut self, end: Ending, classify: impl FnOnce(&K) -> Outcome) {
+        if self.record.is_some() {
+            self.record_end(end, classify);
+        }
+    }
+
     /// Carries on with `decides` in place of what it carried (a response future handing its
     /// operation to the body).
     pub(crate) fn carry<J>(&mut self, decides: impl FnOnce(&K) -> J) -> Lifecycle<P, J> {
@@ -180,9 +190,21 @@ impl<P, K> Lifecycle<P, K> {
         (permit, lent)
     }
 
-    /// Runs `work` (one call or one poll of the operation's work) as this operation:
-    /// [`set_outcome`] inside it sets this operation's outcome, and a panic ends it as
-    /// [`Outcome::Crashed`], giving its permit back, before the panic goes on.
+    /// Polls `work` (the operation's response future or body) as this operation, for an owner
+    /// that a panic in it drops: recording, it is [`run`](Self::run); with nothing to record,
+    /// the work is polled as is, and the drop that follows a panic gives the permit back.
+    #[inline]
+    pub(crate) fn poll<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        if self.record.is_none() {
+            return work();
+        }
+        self.run(work)
+    }
+
+    /// Runs `work` (one call of the inner service, or one poll of it) as this operation, for an
+    /// owner that outlives a panic in it (a service): [`set_outcome`] inside it sets this
+    /// operation's outcome, and a panic ends it as [`Outcome::Crashed`], giving its permit back,
+    /// before the panic goes on.
     #[inline]
     pub(crate) fn run<R>(&mut self, work: impl FnOnce() -> R) -> R {
         let previous = match &self.record {
@@ -269,7 +291,7 @@ impl<P> Lifecycle<P> {
 
     fn start_waiting(&mut self, series: &Series) {
         series.start_waiting();
-        self.record = Some(Record::waiting(series.clone()));
+        self.record = Some(Record::new(series.clone(), series.now()));
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
@@ -279,7 +301,8 @@ impl<P> Lifecycle<P> {
             Some(waited) => waited.admit(true),
             None => {
                 if let Some(series) = series {
-                    let mut record = Record::waiting(series.clone());
+                    // It never waited: its queue sample is 0, and needs no clock.
+                    let mut record = Record::new(series.clone(), UNKNOWN);
                     record.admit(false);
                     self.record = Some(record);
                 }
@@ -372,9 +395,8 @@ impl<P, K> fmt::Debug for Lifecycle<P, K> {
 }
 
 impl Record {
-    /// A record of an operation that starts to wait now.
-    fn waiting(series: Series) -> Self {
-        let at = series.now();
+    /// A record of an operation that started to wait `at`.
+    fn new(series: Series, at: i64) -> Self {
         Record {
             series,
             stage: WAITING,

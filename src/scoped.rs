@@ -214,6 +214,6 @@ impl<F: Future> Future for Scoped<'_, F> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let work = this.work;
-        this.running.run(|| work.poll(cx))
+        this.running.poll(|| work.poll(cx))
     }
 }

@@ -13,8 +13,8 @@ use crate::classify::{ClassifyOutcome, ClassifyTrailers};
 use crate::operation::{guarded, Ending, Lifecycle};
 use crate::Outcome;
 
-/// The operation ends, and its permit goes back, when the inner service's future completes, as
-/// with tower's `ConcurrencyLimit`. The default.
+/// The operation ends when the inner service's future completes, and its permit goes back when
+/// that future is dropped, as with tower's `ConcurrencyLimit`. The default.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AtHead;
 
@@ -53,7 +53,7 @@ impl<Res, Err, C: ClassifyOutcome<Res, Err>, P> End<Res, Err, C, P> for AtHead {
 
     #[inline]
     fn complete(result: Result<Res, Err>, operation: &mut Lifecycle<P, C>) -> Result<Res, Err> {
-        operation.end(Ending::Returned, |classifier| {
+        operation.finish(Ending::Returned, |classifier| {
             classifier.classify(result.as_ref())
         });
         result
@@ -177,7 +177,7 @@ impl<B: Body, P> Body for OperationBody<B, P> {
             return this.inner.poll_frame(cx);
         }
         let mut inner = this.inner;
-        let polled = this.operation.run(|| inner.as_mut().poll_frame(cx));
+        let polled = this.operation.poll(|| inner.as_mut().poll_frame(cx));
         let ended = match &polled {
             Poll::Pending => false,
             Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || inner.is_end_stream(),

@@ -15,9 +15,10 @@ use crate::operation::Lifecycle;
 pin_project! {
     /// The response future of [`ResourcesOperation`](crate::ResourcesOperation).
     ///
-    /// It holds the permit until the operation ends: when it completes (or, in the
-    /// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form, when the body it
-    /// returns ends). Dropped before it completed, the operation ends as
+    /// It records the operation's end when it completes, and holds the permit until it is
+    /// dropped (which `.await` does then), as tower's limit does; in the
+    /// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form, the body it
+    /// returns takes both over. Dropped before it completed, the operation ends as
     /// [`Outcome::Cancelled`](crate::Outcome::Cancelled).
     pub struct ResponseFuture<F, C, P, R, E> {
         #[pin]
@@ -73,7 +74,7 @@ where
         let this = self.project();
         match this.state.project() {
             StateProj::Called { inner } => {
-                let result = ready!(this.operation.run(|| inner.poll(cx)));
+                let result = ready!(this.operation.poll(|| inner.poll(cx)));
                 Poll::Ready(E::complete(result, this.operation))
             }
             StateProj::Answered { answer } => {

@@ -79,12 +79,24 @@ impl<S: Places> Resizable<S> {
     /// A held place comes back: it pays a unit of debt, or is freed.
     #[inline]
     pub(super) fn release(&self) {
-        if self.debt.load(SeqCst) != 0 && self.pay(1) == 1 {
-            return;
+        if self.debt.load(SeqCst) != 0 {
+            return self.release_owed();
         }
         self.places.add(1);
         // A resize that raised the debt after the check above finds this place in its own
         // sweep, or this sweep finds it.
+        if self.debt.load(SeqCst) != 0 {
+            self.sweep();
+        }
+    }
+
+    /// A place comes back while a lowered capacity is owed.
+    #[cold]
+    fn release_owed(&self) {
+        if self.pay(1) == 1 {
+            return;
+        }
+        self.places.add(1);
         if self.debt.load(SeqCst) != 0 {
             self.sweep();
         }
@@ -109,6 +121,7 @@ impl<S: Places> Resizable<S> {
 
     /// Takes free places out to pay the debt; frees again any it could not pay with (a release
     /// paid that unit meanwhile).
+    #[cold]
     fn sweep(&self) {
         let debt = self.debt.load(SeqCst);
         if debt == 0 {
