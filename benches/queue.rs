@@ -70,14 +70,19 @@ where
         let before = IN_USE.load(Ordering::Relaxed);
         // Room for every handle first, so the vector's growth is not counted.
         let mut tasks = Vec::with_capacity(waiters);
+        let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let reserved = IN_USE.load(Ordering::Relaxed);
         for _ in 0..waiters {
-            let service = service.clone();
-            tasks.push(tokio::spawn(service.oneshot(Arc::new(Notify::new()))));
+            let (service, started) = (service.clone(), Arc::clone(&started));
+            tasks.push(tokio::spawn(async move {
+                started.fetch_add(1, Ordering::Relaxed);
+                service.oneshot(Arc::new(Notify::new())).await
+            }));
         }
-        // Every task runs until it waits for the permit.
-        tokio::task::yield_now().await;
-        tokio::task::yield_now().await;
+        // Every task runs until it waits for the permit (the scheduler polls a batch per tick).
+        while started.load(Ordering::Relaxed) < waiters {
+            tokio::task::yield_now().await;
+        }
         let queued = IN_USE.load(Ordering::Relaxed) - reserved;
         let _ = before;
         let started = Instant::now();
@@ -89,6 +94,36 @@ where
         let drained = started.elapsed();
         (queued as f64 / waiters as f64, drained / waiters as u32)
     })
+}
+
+/// Bytes per queued operation when the waiting futures are held directly (boxed, each polled
+/// once until it waits), without a task around each: the future and the limit's wait alone.
+fn measure_futures<S>(service: S, waiters: usize) -> f64
+where
+    S: Service<Arc<Notify>, Response = ()> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let _entered = rt.enter();
+    let mut cx = Context::from_waker(Waker::noop());
+    let release = Arc::new(Notify::new());
+    let mut first = Box::pin(service.clone().oneshot(Arc::clone(&release)));
+    assert!(first.as_mut().poll(&mut cx).is_pending());
+    let mut futures = Vec::with_capacity(waiters);
+    let reserved = IN_USE.load(Ordering::Relaxed);
+    for _ in 0..waiters {
+        let mut future = Box::pin(service.clone().oneshot(Arc::new(Notify::new())));
+        assert!(matches!(future.as_mut().poll(&mut cx), Poll::Pending));
+        futures.push(future);
+    }
+    let queued = IN_USE.load(Ordering::Relaxed) - reserved;
+    drop(futures);
+    drop(first);
+    queued as f64 / waiters as f64
 }
 
 fn main() {
@@ -137,6 +172,32 @@ fn main() {
                 drain.as_nanos() as f64,
                 drain.as_nanos() as f64 / tower.1.as_nanos() as f64,
             );
+        }
+        let tower = measure_futures(tower::limit::ConcurrencyLimit::new(inner(), 1), waiters);
+        let futures = [
+            ("tower_limit", tower),
+            (
+                "layer_disabled",
+                measure_futures(
+                    ResourcesOperationLayer::new(1)
+                        .metrics(OperationMetrics::disabled())
+                        .layer(inner()),
+                    waiters,
+                ),
+            ),
+            (
+                "layer_metrics",
+                measure_futures(
+                    ResourcesOperationLayer::new(1)
+                        .metrics(metrics.clone())
+                        .layer(inner()),
+                    waiters,
+                ),
+            ),
+        ];
+        println!("  the waiting futures alone, boxed, no task each:");
+        for (name, bytes) in futures {
+            println!("  {name:<16} {bytes:>6.0} bytes/op ({:.2}x)", bytes / tower);
         }
     }
 }

@@ -52,8 +52,9 @@ pub(crate) fn guarded<T>(user_code: impl FnOnce() -> T) -> Option<T> {
 pub struct Lifecycle<P, K = ()> {
     /// `None`: nothing to record (metrics off, or nothing asked yet).
     record: Option<Record>,
-    /// What decides the outcome when the work returns; made only for an operation that records.
-    decides: Option<K>,
+    /// What decides the outcome when the work returns: `()` while a service prepares the
+    /// operation, then the classifier (made only for an operation that records).
+    decides: K,
     /// Held from admission to the end.
     permit: Option<P>,
 }
@@ -110,16 +111,18 @@ pub(crate) enum Ending {
     Dropped,
 }
 
-impl<P, K> Lifecycle<P, K> {
+impl<P, K: Default> Lifecycle<P, K> {
     /// An operation that has not asked yet.
-    pub(crate) const fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             record: None,
-            decides: None,
+            decides: K::default(),
             permit: None,
         }
     }
+}
 
+impl<P, K> Lifecycle<P, K> {
     /// Whether it holds its permit.
     #[inline]
     pub(crate) fn is_admitted(&self) -> bool {
@@ -135,27 +138,26 @@ impl<P, K> Lifecycle<P, K> {
     /// Ends the admitted operation as `end` says, asking `classify` for the outcome if its work
     /// returned; records it, then gives the permit back. Only the first end counts.
     #[inline]
-    pub(crate) fn end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Outcome) {
+    pub(crate) fn end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Option<Outcome>) {
         if self.record.is_some() {
             self.record_end(end, classify);
         }
         self.permit = None;
     }
 
-    fn record_end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Outcome) {
+    fn record_end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Option<Outcome>) {
         if let Some(record) = &mut self.record {
-            let decides = self.decides.as_ref();
-            record.end(end, || decides.map(classify));
+            let decides = &self.decides;
+            record.end(end, || classify(decides));
         }
         self.record = None;
-        self.decides = None;
     }
 
     /// Ends the operation as [`end`](Self::end) does, but keeps its permit until the lifecycle
     /// is dropped: a response future's, which `.await` drops as it completes (tower's limit
     /// frees its permit there too).
     #[inline]
-    pub(crate) fn finish(&mut self, end: Ending, classify: impl FnOnce(&K) -> Outcome) {
+    pub(crate) fn finish(&mut self, end: Ending, classify: impl FnOnce(&K) -> Option<Outcome>) {
         if self.record.is_some() {
             self.record_end(end, classify);
         }
@@ -163,12 +165,11 @@ impl<P, K> Lifecycle<P, K> {
 
     /// Carries on with `decides` in place of what it carried (a response future handing its
     /// operation to the body).
-    pub(crate) fn carry<J>(&mut self, decides: impl FnOnce(&K) -> J) -> Lifecycle<P, J> {
-        let carried = match (&self.record, &self.decides) {
-            (Some(_), Some(decided)) => guarded(|| decides(decided)),
-            _ => None,
+    pub(crate) fn carry<J: Default>(&mut self, decides: impl FnOnce(&K) -> J) -> Lifecycle<P, J> {
+        let carried = match &self.record {
+            Some(_) => guarded(|| decides(&self.decides)).unwrap_or_default(),
+            None => J::default(),
         };
-        self.decides = None;
         Lifecycle {
             record: self.record.take(),
             decides: carried,
@@ -295,7 +296,6 @@ impl<P> Lifecycle<P> {
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
-    /// Recording, the operation carries `()` to decide its outcome, until it is called.
     fn record_admission(&mut self, series: Option<&Series>) {
         match &mut self.record {
             Some(waited) => waited.admit(true),
@@ -307,9 +307,6 @@ impl<P> Lifecycle<P> {
                     self.record = Some(record);
                 }
             }
-        }
-        if self.record.is_some() {
-            self.decides = Some(());
         }
     }
 
@@ -351,16 +348,16 @@ impl<P> Lifecycle<P> {
     /// that could not be made: the outcome is then `error`). The lifecycle it leaves behind has
     /// not asked yet.
     #[inline]
-    pub(crate) fn called<K>(
+    pub(crate) fn called<K: Default>(
         &mut self,
-        carried: impl FnOnce() -> (Option<K>, Option<Duration>),
+        carried: impl FnOnce() -> (K, Option<Duration>),
     ) -> Lifecycle<P, K> {
         let permit = self.permit.take();
         if self.record.is_none() {
             // Nothing to record: the lifecycle is its permit, and only that is moved.
             return Lifecycle {
                 record: None,
-                decides: None,
+                decides: K::default(),
                 permit,
             };
         }
@@ -507,7 +504,7 @@ impl<P, K> Drop for Unwinding<'_, P, K> {
         if let Some(previous) = self.previous {
             self.operation.leave(previous);
         }
-        self.operation.end(Ending::Crashed, |_| Outcome::Crashed);
+        self.operation.end(Ending::Crashed, |_| None);
     }
 }
 

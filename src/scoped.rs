@@ -195,7 +195,7 @@ where
         running: &mut *running,
     }
     .await;
-    running.end(Ending::Returned, |()| output.outcome());
+    running.end(Ending::Returned, |()| Some(output.outcome()));
     output
 }
 

@@ -10,7 +10,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 use crate::classify::{ClassifyOutcome, ClassifyTrailers};
-use crate::operation::{guarded, Ending, Lifecycle};
+use crate::operation::{Ending, Lifecycle};
 use crate::Outcome;
 
 /// The operation ends when the inner service's future completes, and its permit goes back when
@@ -40,7 +40,7 @@ pub trait End<Res, Err, C, P>: sealed::Sealed {
     #[doc(hidden)]
     fn complete(
         result: Result<Res, Err>,
-        operation: &mut Lifecycle<P, C>,
+        operation: &mut Lifecycle<P, Option<C>>,
     ) -> Result<Self::Response, Err>;
 
     /// An answer no operation measured: a rejection's, or an unlimited request's.
@@ -52,9 +52,12 @@ impl<Res, Err, C: ClassifyOutcome<Res, Err>, P> End<Res, Err, C, P> for AtHead {
     type Response = Res;
 
     #[inline]
-    fn complete(result: Result<Res, Err>, operation: &mut Lifecycle<P, C>) -> Result<Res, Err> {
+    fn complete(
+        result: Result<Res, Err>,
+        operation: &mut Lifecycle<P, Option<C>>,
+    ) -> Result<Res, Err> {
         operation.finish(Ending::Returned, |classifier| {
-            classifier.classify(result.as_ref())
+            classifier.as_ref().map(|c| c.classify(result.as_ref()))
         });
         result
     }
@@ -74,25 +77,21 @@ where
 
     fn complete(
         result: Result<Response<B>, Err>,
-        operation: &mut Lifecycle<P, C>,
+        operation: &mut Lifecycle<P, Option<C>>,
     ) -> Result<Self::Response, Err> {
         match result {
             Ok(response) => {
                 let streaming = operation.carry(|classifier| {
-                    guarded(|| StreamEnd {
+                    classifier.as_ref().map(|classifier| StreamEnd {
                         head: classifier.classify(Ok(&response)),
                         at_end: classifier.classify_at_end(&response),
-                    })
-                    .unwrap_or(StreamEnd {
-                        head: Outcome::Error,
-                        at_end: None,
                     })
                 });
                 Ok(response.map(|body| OperationBody::new(body, streaming)))
             }
             Err(error) => {
                 operation.end(Ending::Returned, |classifier| {
-                    classifier.classify(Err(&error))
+                    classifier.as_ref().map(|c| c.classify(Err(&error)))
                 });
                 Err(error)
             }
@@ -138,14 +137,16 @@ pin_project! {
     pub struct OperationBody<B, P> {
         #[pin]
         inner: B,
-        operation: Lifecycle<P, StreamEnd>,
+        operation: Lifecycle<P, Option<StreamEnd>>,
     }
 }
 
 impl<B: Body, P> OperationBody<B, P> {
-    fn new(inner: B, mut operation: Lifecycle<P, StreamEnd>) -> Self {
+    fn new(inner: B, mut operation: Lifecycle<P, Option<StreamEnd>>) -> Self {
         if inner.is_end_stream() {
-            operation.end(Ending::Returned, |end| end.outcome(None));
+            operation.end(Ending::Returned, |end| {
+                end.as_ref().map(|end| end.outcome(None))
+            });
         }
         Self { inner, operation }
     }
@@ -203,18 +204,17 @@ impl<B: Body, P> Body for OperationBody<B, P> {
 /// The stream ended with the frame (or error, or end) of `polled`: ends the operation. Out of
 /// line: once per operation, not per frame.
 fn end_of_stream<P, D, E>(
-    operation: &mut Lifecycle<P, StreamEnd>,
+    operation: &mut Lifecycle<P, Option<StreamEnd>>,
     polled: &Poll<Option<Result<Frame<D>, E>>>,
 ) {
-    match polled {
-        Poll::Ready(Some(Ok(frame))) => {
-            operation.end(Ending::Returned, |end| end.outcome(frame.trailers_ref()));
-        }
-        Poll::Ready(Some(Err(_))) => operation.end(Ending::Failed, |_| Outcome::Error),
-        Poll::Ready(None) | Poll::Pending => {
-            operation.end(Ending::Returned, |end| end.outcome(None));
-        }
-    }
+    let trailers = match polled {
+        Poll::Ready(Some(Err(_))) => return operation.end(Ending::Failed, |_| None),
+        Poll::Ready(Some(Ok(frame))) => frame.trailers_ref(),
+        Poll::Ready(None) | Poll::Pending => None,
+    };
+    operation.end(Ending::Returned, |end| {
+        end.as_ref().map(|end| end.outcome(trailers))
+    });
 }
 
 impl<B, P> fmt::Debug for OperationBody<B, P> {

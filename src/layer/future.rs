@@ -23,7 +23,7 @@ pin_project! {
     pub struct ResponseFuture<F, C, P, R, E> {
         #[pin]
         state: State<F, R>,
-        operation: Lifecycle<P, C>,
+        operation: Lifecycle<P, Option<C>>,
         _end: PhantomData<fn() -> E>,
     }
 }
@@ -43,7 +43,7 @@ pin_project! {
 
 impl<F, C, P, R, E> ResponseFuture<F, C, P, R, E> {
     #[inline]
-    pub(crate) fn called(inner: F, operation: Lifecycle<P, C>) -> Self {
+    pub(crate) fn called(inner: F, operation: Lifecycle<P, Option<C>>) -> Self {
         Self {
             state: State::Called { inner },
             operation,

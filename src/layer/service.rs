@@ -16,7 +16,7 @@ use crate::classify::{ClassifyOutcome, DefaultClassifier};
 use crate::limit::{Acquire, IntoLimit, Waiting};
 use crate::operation::{guarded, Ending, Lifecycle};
 use crate::protocol::{unanswerable, Plain, Protocol, Rejected};
-use crate::{Limit, Outcome, Rejection};
+use crate::{Limit, Rejection};
 
 /// A service limited to a number of operations at once, made by
 /// [`ResourcesOperationLayer`](crate::ResourcesOperationLayer).
@@ -36,12 +36,11 @@ use crate::{Limit, Outcome, Rejection};
 pub struct ResourcesOperation<S, C = DefaultClassifier, L: Acquire = Limit, P = Plain, E = AtHead> {
     inner: S,
     config: Arc<Config<C, L, P>>,
-    /// The wait for the next operation's permit, if it has to wait.
+    /// The wait for the next operation's permit, if it has to wait, and why the limit turned
+    /// it away, if it did (for `call` to answer).
     waiting: Waiting<L::Permit>,
     /// The next operation, which `poll_ready` prepares and `call` hands to its future.
     operation: Lifecycle<L::Permit>,
-    /// Why the limit turned the next operation away, for `call` to answer.
-    rejected: Option<Rejection>,
     _end: PhantomData<fn() -> E>,
 }
 
@@ -68,7 +67,6 @@ impl<S, C, L: Acquire, P, E> ResourcesOperation<S, C, L, P, E> {
             config,
             waiting: Waiting::new(),
             operation: Lifecycle::new(),
-            rejected: None,
             _end: PhantomData,
         }
     }
@@ -110,7 +108,7 @@ where
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         if !self.operation.is_admitted() {
-            if self.rejected.is_some() {
+            if self.waiting.rejection().is_some() {
                 // `call` answers it.
                 return Poll::Ready(Ok(()));
             }
@@ -130,7 +128,7 @@ where
         let ready = self.operation.run(|| inner.poll_ready(cx));
         if let Poll::Ready(Err(_)) = ready {
             // It will not be called: the operation ends, and its permit goes back.
-            self.operation.end(Ending::Failed, |_| Outcome::Error);
+            self.operation.end(Ending::Failed, |_| None);
         }
         ready
     }
@@ -165,7 +163,7 @@ where
         if !self.config.answers {
             unanswerable::<L>(Rejected::new(rejection));
         }
-        self.rejected = Some(rejection);
+        self.waiting.reject(rejection);
         Poll::Ready(Ok(()))
     }
 
@@ -177,7 +175,7 @@ where
     where
         P: Protocol<Request, Res, Err>,
     {
-        match self.rejected.take() {
+        match self.waiting.take_rejection() {
             Some(rejection) => self.config.protocol.answer(Rejected::new(rejection)),
             None => panic!(
                 "ResourcesOperation::call without a permit: poll_ready must return \
@@ -207,7 +205,7 @@ impl<S: fmt::Debug, C, L: Acquire, P, E> fmt::Debug for ResourcesOperation<S, C,
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = if self.operation.is_admitted() {
             "admitted"
-        } else if self.rejected.is_some() {
+        } else if self.waiting.rejection().is_some() {
             "rejected"
         } else if self.waiting.is_waiting() {
             "waiting"

@@ -135,17 +135,6 @@ impl Limit {
     pub fn close(&self) {
         self.state.places.places().close();
     }
-
-    /// Waits in the queue for a place, counted in `queued`, or is turned away when the queue is
-    /// full. The handle becomes the permit's.
-    async fn wait(self) -> Result<LimitPermit, AcquireError> {
-        let queued = Queued::join(self.state)?;
-        let placed = queued.state().places.places().acquire().await;
-        match placed.map(std::mem::forget) {
-            Ok(()) => Ok(queued.admitted()),
-            Err(_) => Err(AcquireError::closed()),
-        }
-    }
 }
 
 fn check(max: usize) -> Result<(), LimitTooLarge> {
@@ -163,14 +152,20 @@ impl Acquire for Limit {
         Acquire::acquire_owned(self.clone()).await
     }
 
-    /// The wait of [`acquire`](Acquire::acquire), on a `Limit` given away: its reference to the
-    /// shared state becomes the permit's, rather than the permit taking one more.
+    /// The wait of [`acquire`](Acquire::acquire), on a `Limit` given away: a free place at
+    /// once, whatever the bound on the queue; otherwise a wait in the queue, counted in
+    /// `queued`, or a rejection when the queue is full. The handle becomes the permit's, rather
+    /// than the permit taking one more.
     async fn acquire_owned(self) -> Result<Self::Permit, AcquireError> {
-        // A free place is taken at once, whatever the bound on the queue.
         if let Some(now) = self.try_acquire() {
             return now;
         }
-        self.wait().await
+        let queued = Queued::join(self.state)?;
+        let placed = queued.state().places.places().acquire().await;
+        match placed.map(std::mem::forget) {
+            Ok(()) => Ok(queued.admitted()),
+            Err(_) => Err(AcquireError::closed()),
+        }
     }
 
     /// A free place now; `None` if the operation would wait; a rejection at once if it would

@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use tokio_util::sync::ReusableBoxFuture;
 
 use super::{Acquire, AcquireError};
+use crate::Rejection;
 
 /// One way of asking a limit, for [`Lifecycle::poll_admit`](crate::operation::Lifecycle::poll_admit).
 pub(crate) trait Asking {
@@ -28,22 +29,53 @@ pub(crate) trait Asking {
 /// (as in tokio-util's `PollSemaphore`), reused by the next wait of the same service when it
 /// fits; a clone starts with none.
 pub(crate) struct Waiting<P> {
-    /// The wait in progress (when `waiting`), or the allocation left by the last one.
+    /// The wait in progress (when `standing` says so), or the allocation left by the last one.
     future: Option<ReusableBoxFuture<'static, Result<P, AcquireError>>>,
-    waiting: bool,
+    standing: Standing,
+}
+
+/// Where a service's next operation stands while it holds no permit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Standing {
+    Idle,
+    Waiting,
+    /// Turned away, for `call` to answer.
+    Rejected(Rejection),
 }
 
 impl<P> Waiting<P> {
     pub(crate) const fn new() -> Self {
         Self {
             future: None,
-            waiting: false,
+            standing: Standing::Idle,
         }
     }
 
     /// Whether a wait is in progress.
     pub(crate) fn is_waiting(&self) -> bool {
-        self.waiting
+        self.standing == Standing::Waiting
+    }
+
+    /// Why the limit turned the operation away, if it did.
+    pub(crate) fn rejection(&self) -> Option<Rejection> {
+        match self.standing {
+            Standing::Rejected(rejection) => Some(rejection),
+            _ => None,
+        }
+    }
+
+    /// The limit turned the operation away: `call` answers it.
+    pub(crate) fn reject(&mut self, rejection: Rejection) {
+        self.standing = Standing::Rejected(rejection);
+    }
+
+    /// The rejection to answer, which `call` takes once.
+    pub(crate) fn take_rejection(&mut self) -> Option<Rejection> {
+        let rejection = self.rejection();
+        if rejection.is_some() {
+            self.standing = Standing::Idle;
+        }
+        rejection
     }
 
     /// Asks `limit` through this wait.
@@ -71,7 +103,7 @@ where
 
     #[inline]
     fn is_waiting(&self) -> bool {
-        self.wait.waiting
+        self.wait.is_waiting()
     }
 
     #[inline]
@@ -81,19 +113,19 @@ where
 
     fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<L::Permit, AcquireError>> {
         let wait = &mut *self.wait;
-        if !wait.waiting {
+        if !wait.is_waiting() {
             let next = self.limit.clone().acquire_owned();
             match &mut wait.future {
                 Some(future) => future.set(next),
                 None => wait.future = Some(ReusableBoxFuture::new(next)),
             }
-            wait.waiting = true;
+            wait.standing = Standing::Waiting;
         }
         let Some(future) = &mut wait.future else {
             unreachable!("a wait was started above")
         };
         let acquired = std::task::ready!(future.poll(cx));
-        wait.waiting = false;
+        wait.standing = Standing::Idle;
         Poll::Ready(acquired)
     }
 }
