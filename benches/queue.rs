@@ -141,29 +141,24 @@ fn main() {
     };
     let (_provider, meter) = common::sdk_meter();
     let metrics = OperationMetrics::new(&meter);
+    // The layer on a limit of 1 over `inner`, recording nothing or through the SDK.
+    let layer_disabled = || {
+        ResourcesOperationLayer::new(1)
+            .metrics(OperationMetrics::disabled())
+            .layer(inner())
+    };
+    let layer_metrics = || {
+        ResourcesOperationLayer::new(1)
+            .metrics(metrics.clone())
+            .layer(inner())
+    };
     for waiters in [10_000, 100_000] {
         println!("\n{waiters} operations queued behind a limit of 1");
         let tower = measure(tower::limit::ConcurrencyLimit::new(inner(), 1), waiters);
         let cases = [
             ("tower_limit", tower),
-            (
-                "layer_disabled",
-                measure(
-                    ResourcesOperationLayer::new(1)
-                        .metrics(OperationMetrics::disabled())
-                        .layer(inner()),
-                    waiters,
-                ),
-            ),
-            (
-                "layer_metrics",
-                measure(
-                    ResourcesOperationLayer::new(1)
-                        .metrics(metrics.clone())
-                        .layer(inner()),
-                    waiters,
-                ),
-            ),
+            ("layer_disabled", measure(layer_disabled(), waiters)),
+            ("layer_metrics", measure(layer_metrics(), waiters)),
         ];
         for (name, (bytes, drain)) in cases {
             println!(
@@ -176,24 +171,8 @@ fn main() {
         let tower = measure_futures(tower::limit::ConcurrencyLimit::new(inner(), 1), waiters);
         let futures = [
             ("tower_limit", tower),
-            (
-                "layer_disabled",
-                measure_futures(
-                    ResourcesOperationLayer::new(1)
-                        .metrics(OperationMetrics::disabled())
-                        .layer(inner()),
-                    waiters,
-                ),
-            ),
-            (
-                "layer_metrics",
-                measure_futures(
-                    ResourcesOperationLayer::new(1)
-                        .metrics(metrics.clone())
-                        .layer(inner()),
-                    waiters,
-                ),
-            ),
+            ("layer_disabled", measure_futures(layer_disabled(), waiters)),
+            ("layer_metrics", measure_futures(layer_metrics(), waiters)),
         ];
         println!("  the waiting futures alone, boxed, no task each:");
         for (name, bytes) in futures {

@@ -278,10 +278,10 @@ pub async fn http_get(
 
 /// Sends every path at once, each on its own connection; the status of each, in order (0 for a
 /// request that failed at the socket).
-pub async fn burst(addr: SocketAddr, paths: &[String]) -> Vec<u16> {
+pub async fn burst(addr: SocketAddr, paths: &[impl AsRef<str>]) -> Vec<u16> {
     let clients: Vec<_> = paths
         .iter()
-        .cloned()
+        .map(|path| path.as_ref().to_owned())
         .map(|path| tokio::spawn(async move { http_get(addr, &path, "HTTP/1.1").await }))
         .collect();
     let mut statuses = Vec::with_capacity(clients.len());

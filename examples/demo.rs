@@ -17,6 +17,8 @@
 //! every 11th fails (`500`, `error`), and every 8th client hangs up after 400 ms, in the queue or
 //! while its request runs.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -24,11 +26,8 @@ use std::time::{Duration, Instant};
 use axum::http::{StatusCode, Uri};
 use axum::routing::get;
 use axum::Router;
-use opentelemetry::metrics::MeterProvider as _;
+use common::Telemetry;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
-use opentelemetry_sdk::metrics::{
-    InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
-};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower_resources_operation::metrics::{
@@ -148,7 +147,7 @@ async fn judge(uri: Uri) -> &'static str {
 }
 
 async fn run_burst(run: Run) -> Report {
-    let telemetry = Telemetry::new();
+    let telemetry = Telemetry::new("demo");
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind 127.0.0.1");
@@ -175,7 +174,7 @@ async fn run_burst(run: Run) -> Report {
     let mut peak_queued = 0;
     let mut peak_active = 0;
     while clients.iter().any(|c| !c.is_finished()) {
-        let snapshot = telemetry.snapshot();
+        let snapshot = Snapshot::of(&telemetry);
         peak_queued = peak_queued.max(snapshot.live(QUEUED_INSTRUMENT));
         peak_active = peak_active.max(snapshot.live(ACTIVE_INSTRUMENT));
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -189,7 +188,7 @@ async fn run_burst(run: Run) -> Report {
     let wall = started.elapsed();
     // Let the server notice the clients that hung up, so their operations have ended.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let snapshot = telemetry.snapshot();
+    let snapshot = Snapshot::of(&telemetry);
     server.abort();
 
     Report {
@@ -230,88 +229,7 @@ async fn request(addr: SocketAddr, route: &str, id: u32) -> String {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Reading the metrics back: an in-memory exporter, flushed on demand.
-
-struct Telemetry {
-    provider: SdkMeterProvider,
-    exporter: InMemoryMetricExporter,
-    metrics: OperationMetrics,
-}
-
-impl Telemetry {
-    fn new() -> Self {
-        let exporter = InMemoryMetricExporterBuilder::new().build();
-        let reader = PeriodicReader::builder(exporter.clone())
-            .with_interval(Duration::from_secs(3600))
-            .build();
-        let provider = SdkMeterProvider::builder().with_reader(reader).build();
-        let metrics = OperationMetrics::new(&provider.meter("demo"));
-        Self {
-            provider,
-            exporter,
-            metrics,
-        }
-    }
-
-    fn snapshot(&self) -> Snapshot {
-        self.exporter.reset();
-        self.provider.force_flush().expect("flush metrics");
-        let mut snapshot = Snapshot::default();
-        let exported = self.exporter.get_finished_metrics().expect("read metrics");
-        let Some(last) = exported.last() else {
-            return snapshot;
-        };
-        for metric in last.scope_metrics().flat_map(|s| s.metrics()) {
-            match metric.data() {
-                AggregatedMetrics::F64(MetricData::Histogram(h)) => {
-                    for point in h.data_points() {
-                        let key = key(point.attributes());
-                        snapshot.histograms.insert(
-                            (metric.name().to_owned(), key),
-                            Buckets {
-                                bounds: point.bounds().collect(),
-                                counts: point.bucket_counts().collect(),
-                                count: point.count(),
-                                sum: point.sum(),
-                                min: point.min().unwrap_or(0.0),
-                                max: point.max().unwrap_or(0.0),
-                            },
-                        );
-                    }
-                }
-                AggregatedMetrics::I64(MetricData::Sum(s)) => {
-                    let total = s.data_points().map(|p| p.value()).sum();
-                    snapshot.live.insert(metric.name().to_owned(), total);
-                }
-                AggregatedMetrics::I64(MetricData::Gauge(g))
-                    if metric.name() == LIMIT_INSTRUMENT =>
-                {
-                    for point in g.data_points() {
-                        let (operation, ..) = key(point.attributes());
-                        snapshot
-                            .limits
-                            .insert(operation, u64::try_from(point.value()).unwrap_or(0));
-                    }
-                }
-                AggregatedMetrics::U64(MetricData::Sum(s)) => {
-                    for point in s.data_points() {
-                        let reason = point
-                            .attributes()
-                            .find(|kv| kv.key.as_str() == REJECTION_ATTRIBUTE)
-                            .map(|kv| kv.value.to_string())
-                            .unwrap_or_default();
-                        *snapshot
-                            .counters
-                            .entry((metric.name().to_owned(), reason))
-                            .or_default() += point.value();
-                    }
-                }
-                _ => {}
-            }
-        }
-        snapshot
-    }
-}
+// Reading the metrics back, from the in-memory pipeline of `common`.
 
 /// `(operation, executor, outcome)`; outcome is empty for the queue histogram.
 type SeriesKey = (String, String, String);
@@ -341,6 +259,56 @@ struct Snapshot {
 }
 
 impl Snapshot {
+    /// What the metrics say now.
+    fn of(telemetry: &Telemetry) -> Self {
+        let mut snapshot = Snapshot::default();
+        telemetry.read(|metric| match metric.data() {
+            AggregatedMetrics::F64(MetricData::Histogram(h)) => {
+                for point in h.data_points() {
+                    let key = key(point.attributes());
+                    snapshot.histograms.insert(
+                        (metric.name().to_owned(), key),
+                        Buckets {
+                            bounds: point.bounds().collect(),
+                            counts: point.bucket_counts().collect(),
+                            count: point.count(),
+                            sum: point.sum(),
+                            min: point.min().unwrap_or(0.0),
+                            max: point.max().unwrap_or(0.0),
+                        },
+                    );
+                }
+            }
+            AggregatedMetrics::I64(MetricData::Sum(s)) => {
+                let total = s.data_points().map(|p| p.value()).sum();
+                snapshot.live.insert(metric.name().to_owned(), total);
+            }
+            AggregatedMetrics::I64(MetricData::Gauge(g)) if metric.name() == LIMIT_INSTRUMENT => {
+                for point in g.data_points() {
+                    let (operation, ..) = key(point.attributes());
+                    snapshot
+                        .limits
+                        .insert(operation, u64::try_from(point.value()).unwrap_or(0));
+                }
+            }
+            AggregatedMetrics::U64(MetricData::Sum(s)) => {
+                for point in s.data_points() {
+                    let reason = point
+                        .attributes()
+                        .find(|kv| kv.key.as_str() == REJECTION_ATTRIBUTE)
+                        .map(|kv| kv.value.to_string())
+                        .unwrap_or_default();
+                    *snapshot
+                        .counters
+                        .entry((metric.name().to_owned(), reason))
+                        .or_default() += point.value();
+                }
+            }
+            _ => {}
+        });
+        snapshot
+    }
+
     fn live(&self, name: &str) -> i64 {
         self.live.get(name).copied().unwrap_or(0)
     }

@@ -35,6 +35,11 @@
 //! The run takes well under a second, prints a summary, and checks (panicking otherwise) that
 //! never more than 4 units were in use, that no sandbox served two jobs at once, that both
 //! sandboxes served, and that every place came back.
+//!
+//! The limits are `pub` because the test `acquire` includes this file as a module and holds them
+//! to the crate's rules.
+
+mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -42,11 +47,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use opentelemetry::metrics::MeterProvider as _;
+use common::Telemetry;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
-use opentelemetry_sdk::metrics::{
-    InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
-};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
 use tower_resources_operation::limit::AcquireError;
@@ -54,9 +56,8 @@ use tower_resources_operation::metrics::{
     Capacity, ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT,
 };
 use tower_resources_operation::{
-    Acquire, Executor, Operation, OperationMetrics, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
+    Acquire, Executor, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -64,7 +65,7 @@ use tower_resources_operation::{
 
 /// A limit of `units` shared by every handle; each operation of a handle takes `weight` of them.
 #[derive(Clone)]
-struct Weighted {
+pub struct Weighted {
     units: Arc<Semaphore>,
     weight: u32,
     /// One `Capacity` for the limit, cloned to every handle, so it counts once per series.
@@ -72,7 +73,7 @@ struct Weighted {
 }
 
 impl Weighted {
-    fn new(units: usize) -> Self {
+    pub fn new(units: usize) -> Self {
         Self {
             units: Arc::new(Semaphore::new(units)),
             weight: 1,
@@ -81,7 +82,7 @@ impl Weighted {
     }
 
     /// A handle on the same units whose operations take `weight` each.
-    fn weighing(&self, weight: u32) -> Self {
+    pub fn weighing(&self, weight: u32) -> Self {
         let total = self.capacity.get().unwrap_or(0);
         assert!(
             weight as usize <= total,
@@ -93,7 +94,8 @@ impl Weighted {
         }
     }
 
-    fn in_use(&self) -> usize {
+    /// Units held now.
+    pub fn in_use(&self) -> usize {
         self.capacity.get().unwrap_or(0) - self.units.available_permits()
     }
 }
@@ -131,7 +133,7 @@ impl Acquire for Weighted {
 
 /// A pool of sandboxes; the permit is one sandbox, checked out.
 #[derive(Clone)]
-struct Sandboxes {
+pub struct Sandboxes {
     pool: Arc<Pool>,
 }
 
@@ -144,7 +146,7 @@ struct Pool {
 
 /// A checked-out sandbox. Dropped, it goes back to the pool before its place frees, so whoever
 /// gets the place finds a sandbox.
-struct Checkout {
+pub struct Checkout {
     sandbox: usize,
     pool: Arc<Pool>,
     _place: OwnedSemaphorePermit,
@@ -152,7 +154,7 @@ struct Checkout {
 
 impl Checkout {
     /// The sandbox checked out.
-    fn sandbox(&self) -> &'static str {
+    pub fn sandbox(&self) -> &'static str {
         self.pool.names[self.sandbox]
     }
 }
@@ -165,7 +167,7 @@ impl Drop for Checkout {
 }
 
 impl Sandboxes {
-    fn new(names: &[&'static str]) -> Self {
+    pub fn new(names: &[&'static str]) -> Self {
         Self {
             pool: Arc::new(Pool {
                 names: names.to_vec(),
@@ -191,12 +193,17 @@ impl Sandboxes {
         }
     }
 
-    fn free(&self) -> usize {
-        self.pool
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len()
+    /// The sandboxes in the pool, not checked out.
+    pub fn free(&self) -> BTreeSet<&'static str> {
+        let free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.iter()
+            .map(|&sandbox| self.pool.names[sandbox])
+            .collect()
+    }
+
+    /// Places free: one per sandbox, once every checkout is back.
+    pub fn places(&self) -> usize {
+        self.pool.places.available_permits()
     }
 }
 
@@ -233,11 +240,11 @@ impl Acquire for Sandboxes {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let telemetry = Telemetry::new();
+    let telemetry = Telemetry::new("limits-example");
     println!("tower-resources-operation: limits of your own (the Acquire trait)\n");
     weighted(&telemetry).await;
     sandboxes(&telemetry).await;
-    let snapshot = telemetry.snapshot();
+    let snapshot = Snapshot::of(&telemetry);
     for name in [
         QUEUED_INSTRUMENT,
         ACTIVE_INSTRUMENT,
@@ -258,6 +265,11 @@ async fn weighted(telemetry: &Telemetry) {
     println!("1. Weighted: 4 units; small jobs take 1, big jobs take 3.");
     let units = Weighted::new(4);
     let peak = Arc::new(AtomicUsize::new(0));
+    let series = [
+        ("tool", "inline", "small jobs, through the layer"),
+        ("verify", "subprocess", "big jobs, through the layer"),
+        ("judge", "thread", "small jobs, resources_operation"),
+    ];
 
     let job = {
         let (units, peak) = (units.clone(), Arc::clone(&peak));
@@ -297,16 +309,7 @@ async fn weighted(telemetry: &Telemetry) {
                 .expect("this limit never turns an operation away")
         }));
     }
-    for task in tasks {
-        task.await.expect("a job panicked").expect("a job failed");
-    }
-
-    let snapshot = telemetry.snapshot();
-    snapshot.print(&[
-        ("tool", "inline", "small jobs, through the layer"),
-        ("verify", "subprocess", "big jobs, through the layer"),
-        ("judge", "thread", "small jobs, resources_operation"),
-    ]);
+    let snapshot = finish(telemetry, tasks, &series).await;
     let peak = peak.load(Ordering::SeqCst);
     println!("   most units in use at once: {peak} of 4\n");
     assert!(peak <= 4, "{peak} units in use at once, above 4");
@@ -315,11 +318,7 @@ async fn weighted(telemetry: &Telemetry) {
         "a big job ran, so at least 3 units were in use once"
     );
     assert_eq!(units.units.available_permits(), 4, "every unit came back");
-    for (operation, executor) in [
-        ("tool", "inline"),
-        ("verify", "subprocess"),
-        ("judge", "thread"),
-    ] {
+    for (operation, executor, _) in series {
         assert_eq!(snapshot.limit(operation, executor), Some(4));
     }
     assert_eq!(snapshot.admitted("tool", "inline"), 12);
@@ -334,6 +333,10 @@ async fn sandboxes(telemetry: &Telemetry) {
     let pool = Sandboxes::new(&["sandbox-a", "sandbox-b"]);
     let busy = Arc::new(Mutex::new(BTreeSet::new()));
     let served = Arc::new(Mutex::new(BTreeMap::<&'static str, usize>::new()));
+    let series = [
+        ("tool", "process", "resources_operation_with"),
+        ("verify", "process", "resources_operation_with"),
+    ];
 
     let mut tasks = Vec::new();
     for i in 0..12u64 {
@@ -361,15 +364,7 @@ async fn sandboxes(telemetry: &Telemetry) {
                 .expect("this limit never turns an operation away")
         }));
     }
-    for task in tasks {
-        task.await.expect("a job panicked").expect("a job failed");
-    }
-
-    let snapshot = telemetry.snapshot();
-    snapshot.print(&[
-        ("tool", "process", "resources_operation_with"),
-        ("verify", "process", "resources_operation_with"),
-    ]);
+    let snapshot = finish(telemetry, tasks, &series).await;
     let served = served.lock().unwrap().clone();
     let summary: Vec<_> = served
         .iter()
@@ -378,45 +373,62 @@ async fn sandboxes(telemetry: &Telemetry) {
     println!("   {}\n", summary.join(", "));
     assert_eq!(served.len(), 2, "both sandboxes served: {served:?}");
     assert_eq!(served.values().sum::<usize>(), 12);
-    assert_eq!(pool.free(), 2, "both sandboxes are back in the pool");
-    assert_eq!(pool.pool.places.available_permits(), 2);
+    assert_eq!(
+        pool.free(),
+        BTreeSet::from(["sandbox-a", "sandbox-b"]),
+        "both sandboxes are back in the pool"
+    );
+    assert_eq!(pool.places(), 2);
     assert_eq!(snapshot.limit("tool", "process"), Some(2));
     assert_eq!(snapshot.limit("verify", "process"), Some(2));
 }
 
-// ---------------------------------------------------------------------------------------------
-// Reading the metrics back: an in-memory exporter, flushed on demand.
-
-struct Telemetry {
-    provider: SdkMeterProvider,
-    exporter: InMemoryMetricExporter,
-    metrics: OperationMetrics,
+/// Waits for every job (each must succeed), then prints what the metrics say of each
+/// `(operation, executor, what)` series in `rows`.
+async fn finish<T>(
+    telemetry: &Telemetry,
+    tasks: Vec<tokio::task::JoinHandle<Result<T, BoxError>>>,
+    rows: &[(&str, &str, &str)],
+) -> Snapshot {
+    for task in tasks {
+        task.await.expect("a job panicked").expect("a job failed");
+    }
+    let snapshot = Snapshot::of(telemetry);
+    snapshot.print(rows);
+    snapshot
 }
 
-impl Telemetry {
-    fn new() -> Self {
-        let exporter = InMemoryMetricExporterBuilder::new().build();
-        let reader = PeriodicReader::builder(exporter.clone())
-            .with_interval(Duration::from_secs(3600))
-            .build();
-        let provider = SdkMeterProvider::builder().with_reader(reader).build();
-        let metrics = OperationMetrics::new(&provider.meter("limits-example"));
-        Self {
-            provider,
-            exporter,
-            metrics,
+// ---------------------------------------------------------------------------------------------
+// Reading the metrics back, from the in-memory pipeline of `common`.
+
+/// `(operation, executor)` of a data point.
+type Series = (String, String);
+
+fn series<'a>(attributes: impl Iterator<Item = &'a opentelemetry::KeyValue>) -> Series {
+    let mut series = Series::default();
+    for kv in attributes {
+        match kv.key.as_str() {
+            OPERATION_ATTRIBUTE => series.0 = kv.value.to_string(),
+            EXECUTOR_ATTRIBUTE => series.1 = kv.value.to_string(),
+            _ => {}
         }
     }
+    series
+}
 
-    fn snapshot(&self) -> Snapshot {
-        self.exporter.reset();
-        self.provider.force_flush().expect("flush metrics");
+#[derive(Default)]
+struct Snapshot {
+    /// `(count, sum)` per histogram and series, over outcomes.
+    histograms: BTreeMap<(String, Series), (u64, f64)>,
+    /// Value per observable instrument and series, summed over other attributes.
+    values: BTreeMap<(String, Series), i64>,
+}
+
+impl Snapshot {
+    /// What the metrics say now.
+    fn of(telemetry: &Telemetry) -> Self {
         let mut snapshot = Snapshot::default();
-        let exported = self.exporter.get_finished_metrics().expect("read metrics");
-        let Some(last) = exported.last() else {
-            return snapshot;
-        };
-        for metric in last.scope_metrics().flat_map(|s| s.metrics()) {
+        telemetry.read(|metric| {
             let name = metric.name().to_owned();
             match metric.data() {
                 AggregatedMetrics::F64(MetricData::Histogram(h)) => {
@@ -454,35 +466,10 @@ impl Telemetry {
                 }
                 _ => {}
             }
-        }
+        });
         snapshot
     }
-}
 
-/// `(operation, executor)` of a data point.
-type Series = (String, String);
-
-fn series<'a>(attributes: impl Iterator<Item = &'a opentelemetry::KeyValue>) -> Series {
-    let mut series = Series::default();
-    for kv in attributes {
-        match kv.key.as_str() {
-            OPERATION_ATTRIBUTE => series.0 = kv.value.to_string(),
-            EXECUTOR_ATTRIBUTE => series.1 = kv.value.to_string(),
-            _ => {}
-        }
-    }
-    series
-}
-
-#[derive(Default)]
-struct Snapshot {
-    /// `(count, sum)` per histogram and series, over outcomes.
-    histograms: BTreeMap<(String, Series), (u64, f64)>,
-    /// Value per observable instrument and series, summed over other attributes.
-    values: BTreeMap<(String, Series), i64>,
-}
-
-impl Snapshot {
     fn key(name: &str, operation: &str, executor: &str) -> (String, Series) {
         (name.to_owned(), (operation.to_owned(), executor.to_owned()))
     }

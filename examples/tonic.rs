@@ -28,16 +28,15 @@
 //!   `timeout` if the drop comes at the deadline as the layer, which reads `grpc-timeout`,
 //!   reckons it from its own start.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
-use opentelemetry::metrics::MeterProvider as _;
+use common::Telemetry;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
-use opentelemetry_sdk::metrics::{
-    InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
-};
 use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
@@ -50,9 +49,9 @@ use tower::ServiceBuilder;
 use tower_resources_operation::metrics::{ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT};
 use tower_resources_operation::per_request::{ByGrpcMethod, Choice};
 use tower_resources_operation::{
-    Executor, Operation, OperationMetrics, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    Executor, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -188,7 +187,7 @@ async fn main() -> Result<(), Error> {
          down (error; its watch fails mid-stream), one watch's client gives up after 60 ms (usually \
          while still queued: abandoned).\n"
     );
-    let telemetry = Telemetry::new();
+    let telemetry = Telemetry::new("tonic-example");
 
     // 1. One limit for one service. The layered service keeps the generated server's name,
     //    "grpc.health.v1.Health" (the crate's `tonic` feature forwards `NamedService`), which
@@ -215,7 +214,7 @@ async fn main() -> Result<(), Error> {
     )
     .await?;
     server.abort();
-    telemetry.print();
+    print_metrics(&telemetry);
 
     // 2. One limit for the whole server, each call choosing its operation by method: checks are
     //    verify/subprocess, watches judge/inline. tonic applies a server layer once, so this is
@@ -244,7 +243,7 @@ async fn main() -> Result<(), Error> {
         .add_service(HealthServer::new(Prober));
     let server = tokio::spawn(router.serve_with_incoming(incoming));
     burst("whole server, limit 3, operation by method", local).await?;
-    telemetry.print();
+    print_metrics(&telemetry);
 
     if once {
         server.abort();
@@ -261,7 +260,7 @@ async fn main() -> Result<(), Error> {
     );
     tokio::signal::ctrl_c().await?;
     server.abort();
-    telemetry.print();
+    print_metrics(&telemetry);
     Ok(())
 }
 
@@ -356,13 +355,7 @@ async fn burst(title: &str, addr: SocketAddr) -> Result<(), Error> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Reading the metrics back: an in-memory exporter, flushed on demand.
-
-struct Telemetry {
-    provider: SdkMeterProvider,
-    exporter: InMemoryMetricExporter,
-    metrics: OperationMetrics,
-}
+// Reading the metrics back, from the in-memory pipeline of `common`.
 
 /// Count, sum and max of one histogram data point.
 #[derive(Clone, Copy)]
@@ -378,111 +371,86 @@ impl Point {
     }
 }
 
-impl Telemetry {
-    fn new() -> Self {
-        let exporter = InMemoryMetricExporterBuilder::new().build();
-        let reader = PeriodicReader::builder(exporter.clone())
-            .with_interval(Duration::from_secs(3600))
-            .build();
-        let provider = SdkMeterProvider::builder().with_reader(reader).build();
-        let metrics = OperationMetrics::new(&provider.meter("tonic-example"));
-        Self {
-            provider,
-            exporter,
-            metrics,
-        }
-    }
-
-    /// Per series ("operation/executor"): the queue histogram under outcome "", the duration
-    /// histogram under each outcome; and the live counts summed over all series. Cumulative.
-    fn print(&self) {
-        self.exporter.reset();
-        self.provider.force_flush().expect("flush metrics");
-        let exported = self.exporter.get_finished_metrics().expect("read metrics");
-        let mut points: BTreeMap<(String, String), Point> = BTreeMap::new();
-        let mut live: BTreeMap<String, i64> = BTreeMap::new();
-        for metric in exported
-            .iter()
-            .flat_map(|r| r.scope_metrics())
-            .flat_map(|s| s.metrics())
-        {
-            match metric.data() {
-                AggregatedMetrics::F64(MetricData::Histogram(h)) => {
-                    for p in h.data_points() {
-                        let attr = |key: &str| {
-                            p.attributes()
-                                .find(|kv| kv.key.as_str() == key)
-                                .map(|kv| kv.value.to_string())
-                                .unwrap_or_default()
-                        };
-                        let series =
-                            format!("{}/{}", attr(OPERATION_ATTRIBUTE), attr(EXECUTOR_ATTRIBUTE));
-                        let outcome = match metric.name() {
-                            QUEUE_DURATION_INSTRUMENT => String::new(),
-                            DURATION_INSTRUMENT => attr(OUTCOME_ATTRIBUTE),
-                            _ => continue,
-                        };
-                        let point = Point {
-                            count: p.count(),
-                            sum: p.sum(),
-                            max: p.max().unwrap_or(0.0),
-                        };
-                        points.insert((series, outcome), point);
-                    }
-                }
-                AggregatedMetrics::I64(MetricData::Sum(s)) => {
-                    let total: i64 = s.data_points().map(|p| p.value()).sum();
-                    *live.entry(metric.name().to_owned()).or_default() += total;
-                }
-                AggregatedMetrics::U64(MetricData::Sum(s)) => {
-                    let total: u64 = s.data_points().map(|p| p.value()).sum();
-                    let total = i64::try_from(total).unwrap_or(i64::MAX);
-                    *live.entry(metric.name().to_owned()).or_default() += total;
-                }
-                _ => {}
-            }
-        }
-
-        println!("   exported so far:");
-        println!(
-            "   {:<18} {:>5} {:>10} {:>10} | {:<9} {:>5} {:>9} {:>9}",
-            "series", "calls", "queue mean", "queue max", "outcome", "calls", "run mean", "run max"
-        );
-        for ((series, _), queue) in points.iter().filter(|((_, o), _)| o.is_empty()) {
-            let mut first = true;
-            for ((_, outcome), run) in points
-                .iter()
-                .filter(|((s, o), _)| s == series && !o.is_empty())
-            {
-                let left = if first {
-                    format!(
-                        "{series:<18} {:>5} {:>7.0} ms {:>7.0} ms",
-                        queue.count,
-                        queue.mean(),
-                        queue.max
-                    )
-                } else {
-                    String::new()
+/// Prints what the metrics say, cumulative: per series ("operation/executor") the queue
+/// histogram under outcome "" and the duration histogram under each outcome, and the live counts
+/// summed over all series.
+fn print_metrics(telemetry: &Telemetry) {
+    let mut points: BTreeMap<(String, String), Point> = BTreeMap::new();
+    let mut live: BTreeMap<String, i64> = BTreeMap::new();
+    telemetry.read(|metric| match metric.data() {
+        AggregatedMetrics::F64(MetricData::Histogram(h)) => {
+            for p in h.data_points() {
+                let attr = |key: &str| {
+                    p.attributes()
+                        .find(|kv| kv.key.as_str() == key)
+                        .map(|kv| kv.value.to_string())
+                        .unwrap_or_default()
                 };
-                first = false;
-                println!(
-                    "   {left:<46} | {outcome:<9} {:>5} {:>6.0} ms {:>6.0} ms",
-                    run.count,
-                    run.mean(),
-                    run.max
-                );
+                let series = format!("{}/{}", attr(OPERATION_ATTRIBUTE), attr(EXECUTOR_ATTRIBUTE));
+                let outcome = match metric.name() {
+                    QUEUE_DURATION_INSTRUMENT => String::new(),
+                    DURATION_INSTRUMENT => attr(OUTCOME_ATTRIBUTE),
+                    _ => continue,
+                };
+                let point = Point {
+                    count: p.count(),
+                    sum: p.sum(),
+                    max: p.max().unwrap_or(0.0),
+                };
+                points.insert((series, outcome), point);
             }
         }
-        let get = |name: &str| live.get(name).copied().unwrap_or_default();
-        println!(
-            "   given up while queued (abandoned): {}; turned away (rejected): {}",
-            get(ABANDONED_INSTRUMENT),
-            get(REJECTED_INSTRUMENT)
-        );
-        println!(
-            "   live now: queued {}, active {}\n",
-            get(QUEUED_INSTRUMENT),
-            get(ACTIVE_INSTRUMENT)
-        );
+        AggregatedMetrics::I64(MetricData::Sum(s)) => {
+            let total: i64 = s.data_points().map(|p| p.value()).sum();
+            *live.entry(metric.name().to_owned()).or_default() += total;
+        }
+        AggregatedMetrics::U64(MetricData::Sum(s)) => {
+            let total: u64 = s.data_points().map(|p| p.value()).sum();
+            let total = i64::try_from(total).unwrap_or(i64::MAX);
+            *live.entry(metric.name().to_owned()).or_default() += total;
+        }
+        _ => {}
+    });
+
+    println!("   exported so far:");
+    println!(
+        "   {:<18} {:>5} {:>10} {:>10} | {:<9} {:>5} {:>9} {:>9}",
+        "series", "calls", "queue mean", "queue max", "outcome", "calls", "run mean", "run max"
+    );
+    for ((series, _), queue) in points.iter().filter(|((_, o), _)| o.is_empty()) {
+        let mut first = true;
+        for ((_, outcome), run) in points
+            .iter()
+            .filter(|((s, o), _)| s == series && !o.is_empty())
+        {
+            let left = if first {
+                format!(
+                    "{series:<18} {:>5} {:>7.0} ms {:>7.0} ms",
+                    queue.count,
+                    queue.mean(),
+                    queue.max
+                )
+            } else {
+                String::new()
+            };
+            first = false;
+            println!(
+                "   {left:<46} | {outcome:<9} {:>5} {:>6.0} ms {:>6.0} ms",
+                run.count,
+                run.mean(),
+                run.max
+            );
+        }
     }
+    let get = |name: &str| live.get(name).copied().unwrap_or_default();
+    println!(
+        "   given up while queued (abandoned): {}; turned away (rejected): {}",
+        get(ABANDONED_INSTRUMENT),
+        get(REJECTED_INSTRUMENT)
+    );
+    println!(
+        "   live now: queued {}, active {}\n",
+        get(QUEUED_INSTRUMENT),
+        get(ACTIVE_INSTRUMENT)
+    );
 }

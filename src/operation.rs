@@ -21,6 +21,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::limit::{limit_failed, AcquireError, Asking};
 use crate::metrics::Series;
 use crate::{Outcome, Rejection};
@@ -29,9 +31,6 @@ use crate::{Outcome, Rejection};
 /// the deadline (or a tenth of it, for short ones): the operation started to wait a little after
 /// its caller started the clock.
 const DEADLINE_SLACK: Duration = Duration::from_millis(10);
-
-/// An instant the clock could not read: a duration from or to it is 0.
-pub(crate) const UNKNOWN: i64 = i64::MIN;
 
 /// Runs user code (a classifier, a chooser, a deadline reader, a meter): a panic costs what the
 /// code would have returned, never the request that ran it.
@@ -69,9 +68,9 @@ struct Record {
     chosen: Chosen,
     /// How long it waited before it was admitted, in microseconds.
     queued_us: u32,
-    /// When it started to wait (while waiting), or was admitted (once admitted), on the metrics'
-    /// clock; [`UNKNOWN`] if the clock could not be read.
-    at: i64,
+    /// When it started to wait (while waiting), or was admitted (once admitted); `None` if the
+    /// clock could not be read (a duration from it is then 0).
+    at: Option<Instant>,
     /// How long its caller waits for it, from when it asked, in whole milliseconds; 0 for none.
     deadline_ms: u32,
 }
@@ -302,7 +301,7 @@ impl<P> Lifecycle<P> {
             None => {
                 if let Some(series) = series {
                     // It never waited: its queue sample is 0, and needs no clock.
-                    let mut record = Record::new(series.clone(), UNKNOWN);
+                    let mut record = Record::new(series.clone(), None);
                     record.admit(false);
                     self.record = Some(record);
                 }
@@ -393,7 +392,7 @@ impl<P, K> fmt::Debug for Lifecycle<P, K> {
 
 impl Record {
     /// A record of an operation that started to wait `at`.
-    fn new(series: Series, at: i64) -> Self {
+    fn new(series: Series, at: Option<Instant>) -> Self {
         Record {
             series,
             stage: WAITING,
@@ -408,11 +407,15 @@ impl Record {
     /// did not wait) and counts it as active.
     fn admit(&mut self, waited: bool) {
         let now = self.series.now();
-        let queued_ns = if waited { elapsed(self.at, now) } else { 0 };
-        self.series.admit(waited, queued_ns);
+        let queued = if waited {
+            elapsed(self.at, now)
+        } else {
+            Duration::ZERO
+        };
+        self.series.admit(waited, queued);
         self.stage = ADMITTED;
         self.at = now;
-        self.queued_us = u32::try_from(queued_ns / 1_000).unwrap_or(u32::MAX);
+        self.queued_us = u32::try_from(queued.as_micros()).unwrap_or(u32::MAX);
     }
 }
 
@@ -452,7 +455,7 @@ fn decide(
     record: &Record,
     end: Ending,
     classify: impl FnOnce() -> Option<Outcome>,
-    now: i64,
+    now: Option<Instant>,
 ) -> Outcome {
     if let Some(chosen) = record.chosen.get() {
         return chosen;
@@ -467,23 +470,22 @@ fn decide(
 }
 
 /// Whether the caller's deadline has passed at `now`, counted from when the operation asked.
-fn past_deadline(record: &Record, now: i64) -> bool {
-    if record.deadline_ms == 0 || record.at == UNKNOWN || now == UNKNOWN {
+fn past_deadline(record: &Record, now: Option<Instant>) -> bool {
+    if record.deadline_ms == 0 || record.at.is_none() || now.is_none() {
         return false;
     }
     let deadline = Duration::from_millis(u64::from(record.deadline_ms));
     let slack = DEADLINE_SLACK.min(deadline / 10);
     let waited = Duration::from_micros(u64::from(record.queued_us));
-    let ran = Duration::from_nanos(u64::try_from(elapsed(record.at, now)).unwrap_or(0));
+    let ran = elapsed(record.at, now);
     waited + ran + slack >= deadline
 }
 
-/// Nanoseconds from `from` to `to`: 0 if either is [`UNKNOWN`] or `to` is earlier.
-fn elapsed(from: i64, to: i64) -> i64 {
-    if from == UNKNOWN || to == UNKNOWN {
-        0
-    } else {
-        to.saturating_sub(from).max(0)
+/// The time from `from` to `to`: 0 if the clock could not read either, or `to` is earlier.
+fn elapsed(from: Option<Instant>, to: Option<Instant>) -> Duration {
+    match (from, to) {
+        (Some(from), Some(to)) => to.saturating_duration_since(from),
+        _ => Duration::ZERO,
     }
 }
 

@@ -22,10 +22,11 @@ use std::task::{Context, Poll};
 use pin_project_lite::pin_project;
 use tower::util::Oneshot;
 use tower::ServiceExt;
+use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::classify::ClassifyOutcome;
-use crate::layer::{Config, End, ResourcesOperation};
+use crate::layer::{Config, End, ResourcesOperation, ResourcesOperationLayer};
 use crate::limit::Acquire;
 use crate::operation::guarded;
 use crate::protocol::Protocol;
@@ -442,5 +443,34 @@ impl<A, U, E, K, P> fmt::Debug for PerRequestFuture<A, U, E, K, P> {
         f.debug_struct("PerRequestFuture")
             .field("kind", &kind)
             .finish()
+    }
+}
+
+impl<C: Clone, L: Clone, P: Clone, E> ResourcesOperationLayer<C, L, P, E> {
+    /// Lets each request choose its operation and executor, or to go unlimited, with
+    /// `chooser`: for one layer over a whole axum `Router` or tonic `Server`. See
+    /// [`per_request`](crate::per_request).
+    pub fn per_request<F>(self, chooser: F) -> ResourcesOperationLayer<C, L, P, E, PerRequest<F>> {
+        ResourcesOperationLayer {
+            config: self.config,
+            tags: PerRequest::new(chooser),
+            _end: PhantomData,
+        }
+    }
+}
+
+impl<S, C, L, P, E, F> Layer<S> for ResourcesOperationLayer<C, L, P, E, PerRequest<F>>
+where
+    C: Clone,
+    L: Acquire + Clone,
+    P: Clone,
+    F: Clone,
+{
+    type Service = PerRequestOperation<S, F, C, L, P, E>;
+
+    #[track_caller]
+    fn layer(&self, inner: S) -> Self::Service {
+        self.config.check();
+        PerRequestOperation::new(inner, &self.tags, &self.config)
     }
 }

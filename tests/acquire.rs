@@ -10,6 +10,11 @@
 
 mod support;
 
+/// The example's two limits, [`Weighted`] and [`Sandboxes`], as a user would write them.
+#[allow(dead_code)]
+#[path = "../examples/limits.rs"]
+mod limits;
+
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -18,12 +23,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
+use tokio::sync::Semaphore;
 use tokio_test::{assert_pending, assert_ready_ok};
 use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
 use tower_test::mock;
 
-use support::{panic_message, settle, Telemetry};
+use limits::{Checkout, Sandboxes, Weighted};
+use support::{abandoned, live, panic_message, panic_of, settle, Telemetry, DEADLINE};
 use tower_resources_operation::classify::DefaultClassifier;
 use tower_resources_operation::limit::AcquireError;
 use tower_resources_operation::metrics::{
@@ -36,166 +42,48 @@ use tower_resources_operation::{
     QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
-/// A safety net so a limit that hangs fails the test instead; not a performance bound.
-const DEADLINE: Duration = Duration::from_secs(60);
-
 // ---------------------------------------------------------------------------------------------
 // The limits
 // ---------------------------------------------------------------------------------------------
 
-/// A weighted limit: each operation takes `weight` of the `units` that all its clones share.
-#[derive(Clone)]
-struct Weighted {
-    units: Arc<Semaphore>,
-    weight: u32,
-    capacity: Capacity,
-}
-
-impl Weighted {
-    /// A limit of `total` units, and a handle on it whose operations each take one.
-    fn new(total: usize) -> Self {
-        Self {
-            units: Arc::new(Semaphore::new(total)),
-            weight: 1,
-            capacity: Capacity::fixed(total),
-        }
-    }
-
-    /// A handle on the same units whose operations each take `weight`.
-    fn weighing(&self, weight: u32) -> Self {
-        Self {
-            weight,
-            ..self.clone()
-        }
-    }
-
-    /// Units held now.
-    fn in_use(&self) -> usize {
-        self.capacity.get().unwrap() - self.units.available_permits()
-    }
-}
-
-impl Acquire for Weighted {
-    type Permit = OwnedSemaphorePermit;
-
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
-        let units = Arc::clone(&self.units);
-        let weight = self.weight;
-        async move {
-            units
-                .acquire_many_owned(weight)
-                .await
-                .map_err(|_| AcquireError::closed())
-        }
-    }
-
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
-        match Arc::clone(&self.units).try_acquire_many_owned(self.weight) {
-            Ok(permit) => Some(Ok(permit)),
-            Err(TryAcquireError::NoPermits) => None,
-            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
-        }
-    }
-
-    fn capacity(&self) -> Option<Capacity> {
-        Some(self.capacity.clone())
-    }
-}
-
 tokio::task_local! {
     /// The sandbox the current operation was handed, in the caller's task.
-    static SANDBOX: Cell<Option<usize>>;
+    static SANDBOX: Cell<Option<&'static str>>;
 }
 
-/// A pool of reusable sandboxes: the permit is the checkout of one, which it hands to the work
-/// (through the caller's task-local [`SANDBOX`]: the layer and `resources_operation` hold the
-/// permit, the work only runs inside it) and puts back in the pool when it drops.
+/// The example's pool of sandboxes, which also hands each checkout's sandbox to the work through
+/// the caller's task-local [`SANDBOX`]: the layer and `resources_operation` hold the permit, the
+/// work only runs inside it.
 #[derive(Clone)]
-struct Sandboxes {
-    pool: Arc<Pool>,
-}
+struct HandsOver(Sandboxes);
 
-struct Pool {
-    free: Mutex<Vec<usize>>,
-    places: Arc<Semaphore>,
-    capacity: Capacity,
-}
-
-/// One sandbox, checked out; back in the pool on drop (before its place frees, so whoever gets
-/// the place finds a sandbox).
-struct Checkout {
-    sandbox: usize,
-    pool: Arc<Pool>,
-    _place: OwnedSemaphorePermit,
-}
-
-impl Drop for Checkout {
-    fn drop(&mut self) {
-        self.pool.free.lock().unwrap().push(self.sandbox);
-    }
-}
-
-impl Sandboxes {
-    fn new(ids: &[usize]) -> Self {
-        Self {
-            pool: Arc::new(Pool {
-                free: Mutex::new(ids.to_vec()),
-                places: Arc::new(Semaphore::new(ids.len())),
-                capacity: Capacity::fixed(ids.len()),
-            }),
-        }
-    }
-
-    fn check_out(&self, place: OwnedSemaphorePermit) -> Checkout {
-        let sandbox = self
-            .pool
-            .free
-            .lock()
-            .unwrap()
-            .pop()
-            .expect("a place means a free sandbox");
-        let _ = SANDBOX.try_with(|current| current.set(Some(sandbox)));
-        Checkout {
-            sandbox,
-            pool: Arc::clone(&self.pool),
-            _place: place,
-        }
+impl HandsOver {
+    fn hand_over(checkout: Checkout) -> Checkout {
+        let _ = SANDBOX.try_with(|current| current.set(Some(checkout.sandbox())));
+        checkout
     }
 
     /// The sandbox handed to the operation running in this task.
-    fn current() -> Option<usize> {
+    fn current() -> Option<&'static str> {
         SANDBOX.try_with(Cell::get).ok().flatten()
-    }
-
-    fn free(&self) -> BTreeSet<usize> {
-        self.pool.free.lock().unwrap().iter().copied().collect()
     }
 }
 
-impl Acquire for Sandboxes {
+impl Acquire for HandsOver {
     type Permit = Checkout;
 
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
-        let this = self.clone();
-        async move {
-            let place = Arc::clone(&this.pool.places)
-                .acquire_owned()
-                .await
-                .map_err(|_| AcquireError::closed())?;
-            Ok(this.check_out(place))
-        }
+    fn acquire(&self) -> impl Future<Output = Result<Checkout, AcquireError>> + Send {
+        let checking_out = self.0.acquire();
+        async move { checking_out.await.map(Self::hand_over) }
     }
 
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
-        match Arc::clone(&self.pool.places).try_acquire_owned() {
-            Ok(place) => Some(Ok(self.check_out(place))),
-            Err(TryAcquireError::NoPermits) => None,
-            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
-        }
+    fn try_acquire(&self) -> Option<Result<Checkout, AcquireError>> {
+        let checked_out = self.0.try_acquire()?;
+        Some(checked_out.map(Self::hand_over))
     }
 
     fn capacity(&self) -> Option<Capacity> {
-        Some(self.pool.capacity.clone())
+        self.0.capacity()
     }
 }
 
@@ -258,26 +146,33 @@ impl Acquire for Unreachable {
     }
 }
 
-/// A limit that admits slowly: each admission costs `delay` before it even asks its semaphore.
-/// `try_acquire` is left at its default, `None`.
+/// A limit that admits slowly: each admission costs `delay` before it even asks its units (the
+/// example's [`Weighted`], one unit per operation). `try_acquire` and `capacity` are left at
+/// their defaults, `None`.
 #[derive(Clone)]
 struct Slow {
-    places: Arc<Semaphore>,
+    units: Weighted,
     delay: Duration,
 }
 
+impl Slow {
+    fn new(units: usize, delay_ms: u64) -> Self {
+        Self {
+            units: Weighted::new(units),
+            delay: Duration::from_millis(delay_ms),
+        }
+    }
+}
+
 impl Acquire for Slow {
-    type Permit = OwnedSemaphorePermit;
+    type Permit = <Weighted as Acquire>::Permit;
 
     fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
-        let places = Arc::clone(&self.places);
-        let delay = self.delay;
+        // The units' future asks for nothing until it is first polled, after the delay.
+        let (asking, delay) = (self.units.acquire(), self.delay);
         async move {
             tokio::time::sleep(delay).await;
-            places
-                .acquire_owned()
-                .await
-                .map_err(|_| AcquireError::closed())
+            asking.await
         }
     }
 }
@@ -319,18 +214,6 @@ fn assert_books(t: &Telemetry, operation: &str, ok: u64, error: u64) {
 
 fn limit_of(t: &Telemetry, operation: &str) -> i64 {
     t.live_value(LIMIT_INSTRUMENT, &[(OPERATION_ATTRIBUTE, operation)])
-}
-
-fn abandoned(t: &Telemetry, operation: &str) -> i64 {
-    t.live_value(ABANDONED_INSTRUMENT, &[(OPERATION_ATTRIBUTE, operation)])
-}
-
-/// `(queued, active)` over every series.
-fn live(t: &Telemetry) -> (i64, i64) {
-    (
-        t.live_value(QUEUED_INSTRUMENT, &[]),
-        t.live_value(ACTIVE_INSTRUMENT, &[]),
-    )
 }
 
 /// The inner service of a layer whose limit admits no one.
@@ -417,7 +300,7 @@ async fn a_weighted_limit_keeps_its_units_through_the_layer_and_the_rules_hold()
     assert_eq!(peak.get(), 4, "the units were all used, and never more");
     assert_books(&t, "tool", 24 - failed, failed);
     assert_eq!(failed, 4);
-    assert_eq!(units.units.available_permits(), 4, "no unit leaked");
+    assert_eq!(units.in_use(), 0, "no unit leaked");
 }
 
 #[tokio::test(start_paused = true)]
@@ -449,14 +332,14 @@ async fn a_weighted_limit_keeps_its_units_through_resources_operation_and_the_ru
     assert_eq!(peak.get(), 4);
     assert_books(&t, "judge", 24 - failed, failed);
     assert_eq!(limit_of(&t, "judge"), 4);
-    assert_eq!(units.units.available_permits(), 4, "no unit leaked");
+    assert_eq!(units.in_use(), 0, "no unit leaked");
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_weighted_operation_waits_until_its_whole_weight_is_free() {
     let t = Telemetry::new();
     let units = Weighted::new(4);
-    let held = units.units.clone().try_acquire_many_owned(2).unwrap();
+    let held = units.weighing(2).try_acquire().unwrap().unwrap();
     let big = ResourcesOperationLayer::new(units.weighing(3))
         .operation(Operation::Verify)
         .metrics(t.metrics.clone())
@@ -469,27 +352,27 @@ async fn a_weighted_operation_waits_until_its_whole_weight_is_free() {
     waiting.await.unwrap().unwrap();
     assert_eq!(t.sum(QUEUE_DURATION_INSTRUMENT, &[]), 40.0);
     assert_books(&t, "verify", 1, 0);
-    assert_eq!(units.units.available_permits(), 4);
+    assert_eq!(units.in_use(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
 // A pool of reusable resources
 // ---------------------------------------------------------------------------------------------
 
-/// Runs in sandbox [`Sandboxes::current`], which no other operation may hold meanwhile.
+/// Runs in sandbox [`HandsOver::current`], which no other operation may hold meanwhile.
 async fn use_sandbox(
-    in_use: &Mutex<BTreeSet<usize>>,
-    used: &Mutex<BTreeSet<usize>>,
+    in_use: &Mutex<BTreeSet<&'static str>>,
+    used: &Mutex<BTreeSet<&'static str>>,
     job: u64,
-) -> Result<usize, BoxError> {
-    let sandbox = Sandboxes::current().expect("the permit handed a sandbox to the work");
+) -> Result<&'static str, BoxError> {
+    let sandbox = HandsOver::current().expect("the permit handed a sandbox to the work");
     assert!(
         in_use.lock().unwrap().insert(sandbox),
         "sandbox {sandbox} handed to two operations at once"
     );
     used.lock().unwrap().insert(sandbox);
     tokio::time::sleep(Duration::from_millis(5 + job % 4)).await;
-    in_use.lock().unwrap().remove(&sandbox);
+    in_use.lock().unwrap().remove(sandbox);
     if job % 4 == 0 {
         Err(format!("job {job} failed in sandbox {sandbox}").into())
     } else {
@@ -500,10 +383,10 @@ async fn use_sandbox(
 #[tokio::test(start_paused = true)]
 async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_the_layer_and_gets_it_back() {
     let t = Telemetry::new();
-    let pool = Sandboxes::new(&[7, 8]);
+    let pool = Sandboxes::new(&["a", "b"]);
     let in_use = Arc::new(Mutex::new(BTreeSet::new()));
     let used = Arc::new(Mutex::new(BTreeSet::new()));
-    let service = ResourcesOperationLayer::new(pool.clone())
+    let service = ResourcesOperationLayer::new(HandsOver(pool.clone()))
         .operation(Operation::Tool)
         .executor(Executor::Subprocess)
         .metrics(t.metrics.clone())
@@ -520,18 +403,22 @@ async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_the_layer_and_
     let mut failed = 0;
     for task in tasks {
         match task.await.unwrap() {
-            Ok(sandbox) => assert!([7, 8].contains(&sandbox)),
+            Ok(sandbox) => assert!(["a", "b"].contains(&sandbox)),
             Err(_) => failed += 1,
         }
     }
     assert_eq!(failed, 3);
     assert_eq!(
         *used.lock().unwrap(),
-        BTreeSet::from([7, 8]),
+        BTreeSet::from(["a", "b"]),
         "both sandboxes served"
     );
-    assert_eq!(pool.free(), BTreeSet::from([7, 8]), "every sandbox is back");
-    assert_eq!(pool.pool.places.available_permits(), 2);
+    assert_eq!(
+        pool.free(),
+        BTreeSet::from(["a", "b"]),
+        "every sandbox is back"
+    );
+    assert_eq!(pool.places(), 2);
     assert_books(&t, "tool", 9, 3);
     assert_eq!(limit_of(&t, "tool"), 2);
 }
@@ -539,7 +426,7 @@ async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_the_layer_and_
 #[tokio::test(start_paused = true)]
 async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_resources_operation() {
     let t = Telemetry::new();
-    let pool = Sandboxes::new(&[1, 2]);
+    let pool = HandsOver(Sandboxes::new(&["a", "b"]));
     let in_use = Arc::new(Mutex::new(BTreeSet::new()));
     let used = Arc::new(Mutex::new(BTreeSet::new()));
     let tasks: Vec<_> = (1..=12u64)
@@ -557,9 +444,13 @@ async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_resources_oper
         })
         .collect();
     let failed = count_failed(tasks).await;
-    assert_eq!(*used.lock().unwrap(), BTreeSet::from([1, 2]));
-    assert_eq!(pool.free(), BTreeSet::from([1, 2]), "every sandbox is back");
-    assert_eq!(pool.pool.places.available_permits(), 2);
+    assert_eq!(*used.lock().unwrap(), BTreeSet::from(["a", "b"]));
+    assert_eq!(
+        pool.0.free(),
+        BTreeSet::from(["a", "b"]),
+        "every sandbox is back"
+    );
+    assert_eq!(pool.0.places(), 2);
     assert_books(&t, "verify", 12 - failed, failed);
     assert_eq!(failed, 3);
     assert_eq!(limit_of(&t, "verify"), 2);
@@ -570,7 +461,7 @@ async fn a_pool_hands_each_operation_a_sandbox_of_its_own_through_resources_oper
 #[tokio::test(start_paused = true)]
 async fn resources_operation_with_hands_the_checkout_to_the_work_and_takes_it_back_after() {
     let t = Telemetry::new();
-    let pool = Sandboxes::new(&[7]);
+    let pool = Sandboxes::new(&["a"]);
     let seen = t
         .metrics
         .resources_operation_with(
@@ -579,16 +470,16 @@ async fn resources_operation_with_hands_the_checkout_to_the_work_and_takes_it_ba
             Executor::Process,
             async |checkout| {
                 assert!(pool.free().is_empty(), "checked out while the work runs");
-                Ok::<_, BoxError>(checkout.sandbox)
+                Ok::<_, BoxError>(checkout.sandbox())
             },
         )
         .await
         .expect("never turned away")
         .unwrap();
-    assert_eq!(seen, 7);
+    assert_eq!(seen, "a");
     assert_eq!(
         pool.free(),
-        BTreeSet::from([7]),
+        BTreeSet::from(["a"]),
         "back once the work is done"
     );
 
@@ -598,18 +489,18 @@ async fn resources_operation_with_hands_the_checkout_to_the_work_and_takes_it_ba
         async move {
             metrics
                 .resources_operation_with(&pool, Operation::Tool, Executor::Process, async |c| {
-                    started_tx.send(c.sandbox).unwrap();
+                    started_tx.send(c.sandbox()).unwrap();
                     std::future::pending::<Result<(), BoxError>>().await
                 })
                 .await
         }
     });
-    assert_eq!(started.await.unwrap(), 7);
+    assert_eq!(started.await.unwrap(), "a");
     holder.abort();
     assert!(holder.await.unwrap_err().is_cancelled());
     assert_eq!(
         pool.free(),
-        BTreeSet::from([7]),
+        BTreeSet::from(["a"]),
         "back when the work is dropped"
     );
     let outcomes = t.outcomes(&[(OPERATION_ATTRIBUTE, "tool")]);
@@ -623,20 +514,16 @@ async fn resources_operation_with_hands_the_checkout_to_the_work_and_takes_it_ba
 #[tokio::test(start_paused = true)]
 async fn a_pool_gets_its_sandbox_back_from_a_cancelled_operation() {
     let t = Telemetry::new();
-    let pool = Sandboxes::new(&[3]);
+    let pool = Sandboxes::new(&["a"]);
     let service = ResourcesOperationLayer::new(pool.clone())
         .metrics(t.metrics.clone())
         .layer(service_fn(|()| async {
             std::future::pending::<()>().await;
             Ok::<_, BoxError>(())
         }));
-    let gave_up = tokio::time::timeout(
-        Duration::from_millis(30),
-        SANDBOX.scope(Cell::new(None), service.oneshot(())),
-    )
-    .await;
+    let gave_up = tokio::time::timeout(Duration::from_millis(30), service.oneshot(())).await;
     assert!(gave_up.is_err());
-    assert_eq!(pool.free(), BTreeSet::from([3]));
+    assert_eq!(pool.free(), BTreeSet::from(["a"]));
     assert_eq!(
         t.outcomes(&[]),
         BTreeMap::from([("cancelled".to_owned(), 1)])
@@ -760,11 +647,8 @@ async fn a_failing_limit_panics_the_caller_and_counts_it_abandoned(after: Durati
         .operation(Operation::Verify)
         .metrics(t.metrics.clone())
         .layer(service_fn(not_called));
-    let panicked = tokio::time::timeout(DEADLINE, tokio::spawn(service.oneshot(())))
-        .await
-        .expect("the caller ends, it does not hang")
-        .unwrap_err();
-    assert_names_limit_and_cause(&panic_message(&*panicked.into_panic()));
+    let panicked = panic_of("the caller", tokio::spawn(service.oneshot(()))).await;
+    assert_names_limit_and_cause(&panicked);
 
     let metrics = t.metrics.clone();
     let scoped = tokio::spawn(async move {
@@ -772,11 +656,7 @@ async fn a_failing_limit_panics_the_caller_and_counts_it_abandoned(after: Durati
             .resources_operation(limit, Operation::Judge, Executor::Inline, never_run())
             .await
     });
-    let panicked = tokio::time::timeout(DEADLINE, scoped)
-        .await
-        .expect("the caller ends, it does not hang")
-        .unwrap_err();
-    assert_names_limit_and_cause(&panic_message(&*panicked.into_panic()));
+    assert_names_limit_and_cause(&panic_of("the scoped caller", scoped).await);
 
     assert_eq!(abandoned(&t, "verify"), 1);
     assert_eq!(abandoned(&t, "judge"), 1);
@@ -809,10 +689,7 @@ async fn a_limit_that_fails_after_a_wait_panics_the_caller_naming_its_type_and_c
 #[tokio::test(start_paused = true)]
 async fn a_slow_limits_admission_time_is_queue_time_through_the_layer() {
     let t = Telemetry::new();
-    let slow = Slow {
-        places: Arc::new(Semaphore::new(1)),
-        delay: Duration::from_millis(200),
-    };
+    let slow = Slow::new(1, 200);
     let service = ResourcesOperationLayer::new(slow.clone())
         .operation(Operation::Verify)
         .metrics(t.metrics.clone())
@@ -840,16 +717,13 @@ async fn a_slow_limits_admission_time_is_queue_time_through_the_layer() {
         "run time starts at the permit"
     );
     assert_books(&t, "verify", 2, 0);
-    assert_eq!(slow.places.available_permits(), 1);
+    assert_eq!(slow.units.in_use(), 0);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_slow_limits_admission_time_is_queue_time_through_resources_operation() {
     let t = Telemetry::new();
-    let slow = Slow {
-        places: Arc::new(Semaphore::new(2)),
-        delay: Duration::from_millis(150),
-    };
+    let slow = Slow::new(2, 150);
     let output = t
         .metrics
         .resources_operation(&slow, Operation::Tool, Executor::Thread, async {
@@ -868,7 +742,7 @@ async fn a_slow_limits_admission_time_is_queue_time_through_resources_operation(
         0,
         "a limit that does not report a capacity has no limit series"
     );
-    assert_eq!(slow.places.available_permits(), 2);
+    assert_eq!(slow.units.in_use(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -939,7 +813,7 @@ async fn arc_semaphore_ref_semaphore_and_ref_limit_work_with_resources_operation
         .unwrap();
     assert_books(&t, "judge", 2, 0);
     assert_eq!(limit_of(&t, "judge"), 2, "one capacity, reached two ways");
-    assert_eq!(units.units.available_permits(), 2);
+    assert_eq!(units.in_use(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1007,7 +881,7 @@ async fn a_layers_service_waits_on_a_user_defined_limit_and_panics_naming_it_whe
     assert!(service.is_woken());
     assert_ready_ok!(service.poll_ready());
     drop(service.call(()));
-    assert_eq!(units.units.available_permits(), 3);
+    assert_eq!(units.in_use(), 0);
 
     let failing = Unreachable {
         after: Duration::ZERO,

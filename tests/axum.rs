@@ -10,10 +10,11 @@ use std::time::Duration;
 
 use axum::routing::{get, MethodRouter};
 use axum::Router;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::{Barrier, Semaphore};
 
-use support::{Load, Telemetry};
+use support::http::serve;
+use support::{Load, Telemetry, DEADLINE};
 use tower_resources_operation::{
     Executor, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
     EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
@@ -22,8 +23,6 @@ use tower_resources_operation::{
 
 /// How long each handler holds its permit.
 const WORK: Duration = Duration::from_millis(100);
-/// A safety net so a broken limit fails the test instead of hanging it; not a performance bound.
-const DEADLINE: Duration = Duration::from_secs(60);
 
 /// A GET route whose handler does one unit of `load`'s work.
 fn work_route(load: &Arc<Load>) -> MethodRouter {
@@ -35,14 +34,6 @@ fn work_route(load: &Arc<Load>) -> MethodRouter {
             "done"
         }
     })
-}
-
-/// Serves `router` on an ephemeral port of 127.0.0.1.
-async fn serve(router: Router) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    addr
 }
 
 /// Writes all of `bytes` to `stream`.
@@ -109,9 +100,19 @@ fn assert_all_ok(statuses: &[String]) {
     }
 }
 
-/// Eight clients at once on `/work` of `router`, which limits to 2 through `layer` reporting as
-/// verify/thread: asserts that two ran at once, all answered 200, and what the metrics say.
-async fn eight_clients_run_two_at_a_time(telemetry: &Telemetry, load: &Load, addr: SocketAddr) {
+/// Eight clients at once on `/work` of the router that `place` makes of the work route and a
+/// layer that limits to 2, reporting as verify/thread: asserts that two ran at once, all answered
+/// 200, and what the metrics say.
+async fn eight_clients_run_two_at_a_time(
+    place: impl FnOnce(MethodRouter, ResourcesOperationLayer) -> Router,
+) {
+    let telemetry = Telemetry::new();
+    let load = Arc::new(Load::default());
+    let layer = ResourcesOperationLayer::new(2)
+        .operation(Operation::Verify)
+        .executor(Executor::Thread)
+        .metrics(telemetry.metrics.clone());
+    let addr = serve(place(work_route(&load), layer)).await;
     let statuses = get_all(addr, &["/work"; 8]).await;
 
     assert_all_ok(&statuses);
@@ -148,48 +149,24 @@ async fn eight_clients_run_two_at_a_time(telemetry: &Telemetry, load: &Load, add
     assert_eq!(telemetry.live_value(ACTIVE_INSTRUMENT, &series), 0);
 }
 
-fn verify_thread_limit_of_two(telemetry: &Telemetry) -> ResourcesOperationLayer {
-    ResourcesOperationLayer::new(2)
-        .operation(Operation::Verify)
-        .executor(Executor::Thread)
-        .metrics(telemetry.metrics.clone())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn limit_on_router_layer_holds_across_connections() {
-    let telemetry = Telemetry::new();
-    let load = Arc::new(Load::default());
-    let router = Router::new()
-        .route("/work", work_route(&load))
-        .layer(verify_thread_limit_of_two(&telemetry));
-    let addr = serve(router).await;
-
-    eight_clients_run_two_at_a_time(&telemetry, &load, addr).await;
+    eight_clients_run_two_at_a_time(|work, limit| Router::new().route("/work", work).layer(limit))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn limit_on_route_layer_holds_across_connections() {
-    let telemetry = Telemetry::new();
-    let load = Arc::new(Load::default());
-    let router = Router::new()
-        .route("/work", work_route(&load))
-        .route_layer(verify_thread_limit_of_two(&telemetry));
-    let addr = serve(router).await;
-
-    eight_clients_run_two_at_a_time(&telemetry, &load, addr).await;
+    eight_clients_run_two_at_a_time(|work, limit| {
+        Router::new().route("/work", work).route_layer(limit)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn limit_on_method_router_layer_holds_across_connections() {
-    let telemetry = Telemetry::new();
-    let load = Arc::new(Load::default());
-    let router = Router::new().route(
-        "/work",
-        work_route(&load).layer(verify_thread_limit_of_two(&telemetry)),
-    );
-    let addr = serve(router).await;
-
-    eight_clients_run_two_at_a_time(&telemetry, &load, addr).await;
+    eight_clients_run_two_at_a_time(|work, limit| Router::new().route("/work", work.layer(limit)))
+        .await;
 }
 
 /// Documents the bug this crate exists for: tower's layer on `Router::layer` under

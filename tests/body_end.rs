@@ -29,21 +29,18 @@ use axum::routing::{get, MethodRouter};
 use axum::Router;
 use bytes::Bytes;
 use futures_util::Stream;
-use http::header::{HeaderName, HOST};
+use http::header::HeaderName;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
+use support::http::{serve, Client};
 use support::reliability::{quiet_expected_panics, EXPECTED_PANIC};
-use support::{panic_message, Telemetry};
+use support::{eventually, only, panic_message, Telemetry, DEADLINE};
 use tower_resources_operation::classify::{GrpcClassifier, HttpClassifier};
 use tower_resources_operation::layer::AtBodyEnd;
 use tower_resources_operation::protocol::{Grpc, Http};
@@ -53,8 +50,6 @@ use tower_resources_operation::{
     QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
-/// A safety net so a lost permit fails the test instead of hanging it; not a performance bound.
-const DEADLINE: Duration = Duration::from_secs(60);
 /// Chunks of a streamed body.
 const CHUNKS: usize = 5;
 /// Time between two chunks of a streamed body.
@@ -67,10 +62,6 @@ const VERIFY: [(&str, &str); 2] = [
     (OPERATION_ATTRIBUTE, "verify"),
     (EXECUTOR_ATTRIBUTE, "subprocess"),
 ];
-
-fn only(outcome: &str) -> BTreeMap<String, u64> {
-    BTreeMap::from([(outcome.to_owned(), 1)])
-}
 
 fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
@@ -191,51 +182,6 @@ fn streaming(feeds: &Arc<Feeds>) -> MethodRouter {
     })
 }
 
-/// Serves `router` on an ephemeral port of 127.0.0.1.
-async fn serve(router: Router) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    addr
-}
-
-/// One hyper HTTP/1.1 client connection.
-struct Client {
-    sender: SendRequest<Empty<Bytes>>,
-    /// Drives the connection and owns its socket.
-    driver: JoinHandle<hyper::Result<()>>,
-}
-
-impl Client {
-    async fn open(addr: SocketAddr) -> Self {
-        let stream = TcpStream::connect(addr).await.unwrap();
-        let (sender, connection) = http1::handshake(TokioIo::new(stream)).await.unwrap();
-        Self {
-            sender,
-            driver: tokio::spawn(connection),
-        }
-    }
-
-    /// GETs `path`; returns the response once its head has come.
-    async fn get(&mut self, path: &str) -> Response<Incoming> {
-        self.sender.ready().await.unwrap();
-        let request = Request::get(path)
-            .header(HOST, "127.0.0.1")
-            .body(Empty::new())
-            .unwrap();
-        tokio::time::timeout(DEADLINE, self.sender.send_request(request))
-            .await
-            .expect("no response head")
-            .unwrap()
-    }
-
-    /// Hangs up: the socket closes under whatever is in flight.
-    fn hang_up(self) {
-        drop(self.sender);
-        self.driver.abort();
-    }
-}
-
 /// The next frame of `body`, however long the server takes to send it (up to [`DEADLINE`]).
 async fn next_frame(body: &mut Incoming) -> Option<Result<Frame<Bytes>, hyper::Error>> {
     tokio::time::timeout(DEADLINE, body.frame())
@@ -251,16 +197,6 @@ async fn next_data(body: &mut Incoming) -> Bytes {
         .expect("the body failed")
         .into_data()
         .expect("a data frame")
-}
-
-/// Polls `condition` every 10 ms until it holds, for at most [`DEADLINE`]: the server notices
-/// what a client did asynchronously.
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !condition() {
-        assert!(start.elapsed() < DEADLINE, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 fn verify_layer(
@@ -297,8 +233,7 @@ impl StreamRoute {
     /// Serves the route with the body-end form of the layer, or (if `!until_body_end`) the
     /// default head-end form.
     async fn serve(until_body_end: bool) -> Self {
-        let telemetry = Telemetry::new();
-        let limit = Limit::new(1);
+        let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
         let feeds = Arc::new(Feeds::default());
         let layer = verify_layer(&telemetry, &limit);
         let route = if until_body_end {
@@ -320,7 +255,7 @@ impl StreamRoute {
         let feed = self.feeds.channel();
         feed.send(Ok(chunk(0))).unwrap();
         let mut client = Client::open(self.addr).await;
-        let response = client.get("/stream").await;
+        let response = client.response("/stream").await;
         assert_eq!(response.status(), StatusCode::OK, "the head said ok");
         let mut body = response.into_body();
         assert_eq!(next_data(&mut body).await, chunk(0));
@@ -486,12 +421,12 @@ async fn with_a_limit_of_one_a_second_request_waits_for_the_first_body_to_end() 
 
     first_feed.send(Ok(chunk(0))).unwrap();
     let mut first = Client::open(addr).await;
-    let mut first_body = first.get("/stream").await.into_body();
+    let mut first_body = first.response("/stream").await.into_body();
     assert_eq!(next_data(&mut first_body).await, chunk(0));
 
     let second = tokio::spawn(async move {
         let mut client = Client::open(addr).await;
-        let response = client.get("/stream").await;
+        let response = client.response("/stream").await;
         response.into_body().collect().await.unwrap().to_bytes()
     });
     eventually("the second request waits for the permit", || {
@@ -572,6 +507,12 @@ fn grpc_layer(telemetry: &Telemetry, limit: &Limit) -> GrpcBodyEnd {
         .until_body_end()
 }
 
+/// The one operation ended `outcome`, and its permit is back.
+fn assert_ended(telemetry: &Telemetry, limit: &Limit, outcome: &str) {
+    assert_eq!(limit.available(), 1, "the permit is back");
+    assert_eq!(telemetry.outcomes(&[]), only(outcome));
+}
+
 /// A service that answers its one request with `response`.
 fn answering<B: Send + 'static>(
     response: Response<B>,
@@ -583,8 +524,10 @@ fn answering<B: Send + 'static>(
     })
 }
 
-/// A body of the given frames. `is_end_stream` is true once it returned its end (`None`), or, if
-/// `eager`, once it has no frame left.
+/// A body of the given frames, then its end. `is_end_stream` is true once it returned its end
+/// (`None`), or, if `eager`, once it has no frame left. Past its frames it may instead never end
+/// ([`Frames::endless`]) or panic ([`Frames::then_panic`]), and it may choose its operation's
+/// outcome when first polled ([`Frames::choosing_timeout`]).
 ///
 /// The bodies of this file are `Default`, as an HTTP or gRPC layer needs of its service's body:
 /// the empty body it answers a rejection with.
@@ -593,16 +536,28 @@ struct Frames {
     frames: VecDeque<Frame<Bytes>>,
     hint: SizeHint,
     eager: bool,
+    after: AfterFrames,
+    /// Calls `set_outcome(Timeout)` in its first `poll_frame`.
+    choose_timeout: bool,
+    /// What that `set_outcome` returned: whether it saw the operation.
+    chose: Option<bool>,
     done: bool,
+}
+
+/// What a [`Frames`] body does once its frames are out.
+#[derive(Default)]
+enum AfterFrames {
+    #[default]
+    End,
+    Pend,
+    Panic,
 }
 
 impl Frames {
     fn new(frames: impl IntoIterator<Item = Frame<Bytes>>) -> Self {
         Self {
             frames: frames.into_iter().collect(),
-            hint: SizeHint::default(),
-            eager: false,
-            done: false,
+            ..Self::default()
         }
     }
 
@@ -618,6 +573,26 @@ impl Frames {
         self.frames.push_back(Frame::trailers(trailers));
         self
     }
+
+    /// A body that never sends anything and never ends.
+    fn endless() -> Self {
+        Self {
+            after: AfterFrames::Pend,
+            ..Self::default()
+        }
+    }
+
+    /// Past its frames, panics when polled.
+    fn then_panic(mut self) -> Self {
+        self.after = AfterFrames::Panic;
+        self
+    }
+
+    /// Calls `set_outcome(Timeout)` in its first `poll_frame`, then streams its frames.
+    fn choosing_timeout(mut self) -> Self {
+        self.choose_timeout = true;
+        self
+    }
 }
 
 impl HttpBody for Frames {
@@ -628,11 +603,20 @@ impl HttpBody for Frames {
         mut self: Pin<&mut Self>,
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        let frame = self.frames.pop_front();
-        if frame.is_none() {
-            self.done = true;
+        if self.choose_timeout && self.chose.is_none() {
+            self.chose = Some(set_outcome(Outcome::Timeout));
         }
-        Poll::Ready(frame.map(Ok))
+        if let Some(frame) = self.frames.pop_front() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        match self.after {
+            AfterFrames::End => {
+                self.done = true;
+                Poll::Ready(None)
+            }
+            AfterFrames::Pend => Poll::Pending,
+            AfterFrames::Panic => panic!("{EXPECTED_PANIC}: the body broke"),
+        }
     }
 
     fn is_end_stream(&self) -> bool {
@@ -641,22 +625,6 @@ impl HttpBody for Frames {
 
     fn size_hint(&self) -> SizeHint {
         self.hint
-    }
-}
-
-/// A body that never sends anything and never ends.
-#[derive(Default)]
-struct Endless;
-
-impl HttpBody for Endless {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Pending
     }
 }
 
@@ -689,8 +657,7 @@ fn grpc_response<B>(body: B) -> Response<B> {
 
 #[tokio::test]
 async fn a_body_empty_from_the_start_ends_its_operation_at_once() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let service =
         http_layer(&telemetry, &limit).layer(answering(Response::new(Empty::<Bytes>::new())));
 
@@ -706,8 +673,7 @@ async fn a_body_empty_from_the_start_ends_its_operation_at_once() {
 
 #[tokio::test]
 async fn a_body_whose_last_frame_is_trailers_ends_its_operation_when_that_frame_is_read() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let body = Frames::data(&["a", "b"]).with_trailers(trailers(&[("x-checksum", "ab")]));
     let service = http_layer(&telemetry, &limit).layer(answering(Response::new(body)));
 
@@ -747,8 +713,7 @@ async fn with_the_grpc_classifier_the_grpc_status_of_the_trailers_decides() {
         ("1", "cancelled"),
         ("13", "error"),
     ] {
-        let telemetry = Telemetry::new();
-        let limit = Limit::new(1);
+        let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
         let layer = grpc_layer(&telemetry, &limit);
         let body = Frames::data(&["message"]).with_trailers(trailers(&[("grpc-status", code)]));
         let service = layer.layer(answering(grpc_response(body)));
@@ -778,8 +743,7 @@ async fn with_the_grpc_classifier_the_grpc_status_of_the_trailers_decides() {
 #[tokio::test]
 async fn the_grpc_classifier_given_to_classifier_reads_the_trailers_too() {
     for (code, outcome) in [("0", "ok"), ("4", "timeout"), ("13", "error")] {
-        let telemetry = Telemetry::new();
-        let limit = Limit::new(1);
+        let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
         let layer = ResourcesOperationLayer::new(limit.clone())
             .classifier(GrpcClassifier)
             .metrics(telemetry.metrics.clone())
@@ -796,8 +760,7 @@ async fn the_grpc_classifier_given_to_classifier_reads_the_trailers_too() {
 
 #[tokio::test]
 async fn with_the_grpc_classifier_a_stream_that_ends_without_trailers_is_ok() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let layer = grpc_layer(&telemetry, &limit);
     let service = layer.layer(answering(grpc_response(Frames::data(&["one", "two"]))));
 
@@ -807,8 +770,7 @@ async fn with_the_grpc_classifier_a_stream_that_ends_without_trailers_is_ok() {
     assert_eq!(limit.available(), 0, "not ended before its end");
     assert!(body.frame().await.is_none());
 
-    assert_eq!(limit.available(), 1);
-    assert_eq!(telemetry.outcomes(&[]), only("ok"));
+    assert_ended(&telemetry, &limit, "ok");
 }
 
 #[tokio::test]
@@ -816,8 +778,7 @@ async fn with_the_grpc_classifier_a_trailers_only_response_decides_at_the_head()
     // A trailers-only response (tonic's answer to a handler's error): grpc-status in the head,
     // an empty body. It ends at once, with the head's status.
     for (code, outcome) in [("4", "timeout"), ("13", "error"), ("1", "cancelled")] {
-        let telemetry = Telemetry::new();
-        let limit = Limit::new(1);
+        let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
         let layer = grpc_layer(&telemetry, &limit);
         let mut response = grpc_response(Empty::<Bytes>::new());
         response
@@ -835,8 +796,7 @@ async fn with_the_grpc_classifier_a_trailers_only_response_decides_at_the_head()
 #[tokio::test]
 async fn with_the_grpc_classifier_an_error_in_the_head_stays_an_error_when_trailers_follow() {
     // The head decides even if trailers follow: an error in the head stays an error.
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let layer = grpc_layer(&telemetry, &limit);
     let body = Frames::data(&["late"]).with_trailers(trailers(&[("grpc-status", "0")]));
     let mut response = grpc_response(body);
@@ -847,15 +807,13 @@ async fn with_the_grpc_classifier_an_error_in_the_head_stays_an_error_when_trail
     let body = service.oneshot(Request::new(())).await.unwrap().into_body();
     assert_eq!(limit.available(), 0, "still held while the body streams");
     body.collect().await.unwrap();
-    assert_eq!(limit.available(), 1);
-    assert_eq!(telemetry.outcomes(&[]), only("error"));
+    assert_ended(&telemetry, &limit, "error");
 }
 
 #[tokio::test]
 async fn size_hint_is_end_stream_and_data_frames_pass_through_unchanged() {
     // A body with a size hint of its own, whose end shows as soon as its last frame is out.
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let mut inner = Frames::data(&["hello", " ", "world"]);
     inner.hint = SizeHint::new();
     inner.hint.set_lower(3);
@@ -882,12 +840,10 @@ async fn size_hint_is_end_stream_and_data_frames_pass_through_unchanged() {
     assert_eq!(read.concat(), b"hello world");
     assert!(body.is_end_stream() && body.get_ref().is_end_stream());
     // A frame after which the body says it ended ends the operation, without a poll for `None`.
-    assert_eq!(limit.available(), 1);
-    assert_eq!(telemetry.outcomes(&[]), only("ok"));
+    assert_ended(&telemetry, &limit, "ok");
 
     // A `Full` body: an exact hint, one frame.
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let full = Full::new(Bytes::from_static(b"exactly"));
     let service = http_layer(&telemetry, &limit).layer(answering(Response::new(full)));
     let mut body = service.oneshot(Request::new(())).await.unwrap().into_body();
@@ -899,41 +855,14 @@ async fn size_hint_is_end_stream_and_data_frames_pass_through_unchanged() {
     assert_eq!(data, Bytes::from_static(b"exactly"));
     assert!(body.is_end_stream());
     assert_eq!(body.size_hint().exact(), Some(0));
-    assert_eq!(limit.available(), 1);
-    assert_eq!(telemetry.outcomes(&[]), only("ok"));
-}
-
-/// A body that calls `set_outcome(Timeout)` in its first `poll_frame`, then streams `inner`.
-#[derive(Default)]
-struct ChoosesTimeout {
-    inner: Frames,
-    chose: Option<bool>,
-}
-
-impl HttpBody for ChoosesTimeout {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if self.chose.is_none() {
-            self.chose = Some(set_outcome(Outcome::Timeout));
-        }
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
+    assert_ended(&telemetry, &limit, "ok");
 }
 
 #[tokio::test]
 async fn set_outcome_called_while_the_body_is_polled_wins_over_the_classifier() {
     // The head (200) says ok to the HTTP classifier.
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
-    let body = ChoosesTimeout {
-        inner: Frames::data(&["partial"]),
-        chose: None,
-    };
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
+    let body = Frames::data(&["partial"]).choosing_timeout();
     let service = http_layer(&telemetry, &limit).layer(answering(Response::new(body)));
     let mut body = service.oneshot(Request::new(())).await.unwrap().into_body();
     assert_eq!(
@@ -946,53 +875,27 @@ async fn set_outcome_called_while_the_body_is_polled_wins_over_the_classifier() 
         "set_outcome saw the operation"
     );
     assert!(body.frame().await.is_none());
-    assert_eq!(limit.available(), 1);
-    assert_eq!(telemetry.outcomes(&[]), only("timeout"));
+    assert_ended(&telemetry, &limit, "timeout");
 
     // The trailers say OK to the gRPC classifier.
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let layer = grpc_layer(&telemetry, &limit);
-    let body = ChoosesTimeout {
-        inner: Frames::data(&["partial"]).with_trailers(trailers(&[("grpc-status", "0")])),
-        chose: None,
-    };
+    let body = Frames::data(&["partial"])
+        .with_trailers(trailers(&[("grpc-status", "0")]))
+        .choosing_timeout();
     let service = layer.layer(answering(grpc_response(body)));
     let body = service.oneshot(Request::new(())).await.unwrap().into_body();
     body.collect().await.unwrap();
-    assert_eq!(limit.available(), 1);
-    assert_eq!(telemetry.outcomes(&[]), only("timeout"));
-}
-
-/// A body that sends one frame, then panics when polled.
-#[derive(Default)]
-struct PanicsMidStream {
-    polled: usize,
-}
-
-impl HttpBody for PanicsMidStream {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.polled += 1;
-        if self.polled > 1 {
-            panic!("{EXPECTED_PANIC}: the body broke");
-        }
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"first")))))
-    }
+    assert_ended(&telemetry, &limit, "timeout");
 }
 
 #[tokio::test]
 async fn a_panic_while_the_body_is_polled_ends_the_operation_crashed_and_goes_on() {
     quiet_expected_panics();
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
-    let service = http_layer(&telemetry, &limit)
-        .layer(answering(Response::new(PanicsMidStream { polled: 0 })));
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
+    let service = http_layer(&telemetry, &limit).layer(answering(Response::new(
+        Frames::data(&["first"]).then_panic(),
+    )));
     let mut body = service.oneshot(Request::new(())).await.unwrap().into_body();
     assert_eq!(
         frame(&mut body).await.unwrap().into_data().unwrap(),
@@ -1023,10 +926,9 @@ async fn a_panic_while_the_body_is_polled_ends_the_operation_crashed_and_goes_on
 /// The HTTP body-end layer that reads deadlines from `x-request-timeout`, and a request with a
 /// deadline of 1 s.
 async fn dropped_after(elapsed: Duration) -> BTreeMap<String, u64> {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let layer = deadline_layer(&telemetry, &limit);
-    let service = layer.layer(answering(Response::new(Endless)));
+    let service = layer.layer(answering(Response::new(Frames::endless())));
     let request = Request::get("/slow")
         .header("x-request-timeout", "1000")
         .body(())
@@ -1060,16 +962,14 @@ async fn a_body_dropped_before_the_request_deadline_ends_the_operation_cancelled
 
 #[tokio::test(start_paused = true)]
 async fn a_body_dropped_without_a_deadline_header_ends_the_operation_cancelled() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let layer = deadline_layer(&telemetry, &limit);
-    let service = layer.layer(answering(Response::new(Endless)));
+    let service = layer.layer(answering(Response::new(Frames::endless())));
 
     let response = service.oneshot(Request::new(())).await.unwrap();
     tokio::time::advance(Duration::from_secs(3600)).await;
     drop(response);
-    assert_eq!(limit.available(), 1);
-    assert_eq!(telemetry.outcomes(&[]), only("cancelled"));
+    assert_ended(&telemetry, &limit, "cancelled");
 }
 
 #[tokio::test]
@@ -1107,8 +1007,7 @@ async fn with_metrics_disabled_the_body_end_form_still_holds_the_permit_until_th
 
 #[tokio::test(start_paused = true)]
 async fn a_body_that_ends_on_its_own_past_the_request_deadline_keeps_its_classifiers_outcome() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let layer = deadline_layer(&telemetry, &limit);
     let service = layer.layer(answering(Response::new(Frames::data(&["late"]))));
     let request = Request::get("/slow")
@@ -1120,14 +1019,12 @@ async fn a_body_that_ends_on_its_own_past_the_request_deadline_keeps_its_classif
     tokio::time::advance(Duration::from_millis(1500)).await;
     assert_eq!(frame(&mut body).await.unwrap().into_data().unwrap(), "late");
     assert!(body.frame().await.is_none());
-    assert_eq!(limit.available(), 1);
-    assert_eq!(telemetry.outcomes(&[]), only("ok"));
+    assert_ended(&telemetry, &limit, "ok");
 }
 
 #[tokio::test]
 async fn set_outcome_called_by_the_service_before_the_head_wins_at_the_end_of_the_body() {
-    let telemetry = Telemetry::new();
-    let limit = Limit::new(1);
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
     let service =
         http_layer(&telemetry, &limit).layer(tower::service_fn(|_request: Request<()>| async {
             assert!(set_outcome(Outcome::Timeout), "inside the operation");
@@ -1142,6 +1039,5 @@ async fn set_outcome_called_by_the_service_before_the_head_wins_at_the_end_of_th
         "fallback"
     );
     assert!(body.frame().await.is_none());
-    assert_eq!(limit.available(), 1);
-    assert_eq!(telemetry.outcomes(&[]), only("timeout"));
+    assert_ended(&telemetry, &limit, "timeout");
 }

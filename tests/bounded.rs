@@ -19,36 +19,23 @@ use std::time::Duration;
 
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
-use tokio::sync::Semaphore;
 use tokio_test::{assert_pending, assert_ready, assert_ready_ok, task};
 use tower::{service_fn, BoxError, Layer as _, Service, ServiceExt as _};
 use tower_test::mock;
 
-use support::{panic_message, settle, Telemetry};
+use support::{abandoned, live, panic_message, panic_of, rejection_of, settle, take, Telemetry};
 use tower_resources_operation::classify::DefaultClassifier;
-use tower_resources_operation::limit::LimitPermit;
-use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
-};
+use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
 use tower_resources_operation::per_request::Choice;
 use tower_resources_operation::protocol::{Http, RejectAsError};
 use tower_resources_operation::{
     Acquire, Executor, Limit, Operation, OperationMetrics, Rejected, Rejection,
-    ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    ResourcesOperationLayer, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT,
 };
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// Takes one place of `limit` outside any layer, as other work sharing it would.
-fn take(limit: &Limit) -> LimitPermit {
-    limit
-        .try_acquire()
-        .expect("a free place")
-        .expect("an open limit")
-}
 
 /// A layer on `limit` that records nothing, so no test depends on the global provider.
 fn quiet(limit: &Limit) -> ResourcesOperationLayer {
@@ -83,354 +70,6 @@ fn rejected(t: &Telemetry, operation: &str, reason: &str) -> i64 {
             (REJECTION_ATTRIBUTE, reason),
         ],
     )
-}
-
-/// Abandoned operations of `operation`.
-fn abandoned(t: &Telemetry, operation: &str) -> i64 {
-    t.live_value(ABANDONED_INSTRUMENT, &[(OPERATION_ATTRIBUTE, operation)])
-}
-
-/// `(queued, active)` over every series.
-fn live(t: &Telemetry) -> (i64, i64) {
-    (
-        t.live_value(QUEUED_INSTRUMENT, &[]),
-        t.live_value(ACTIVE_INSTRUMENT, &[]),
-    )
-}
-
-/// The rejection inside a generic layer's `BoxError`.
-fn rejection_of(error: &BoxError) -> Rejection {
-    error
-        .downcast_ref::<Rejected>()
-        .unwrap_or_else(|| panic!("not a rejection: {error}"))
-        .rejection()
-}
-
-// ---------------------------------------------------------------------------------------------
-// `Limit`: capacity, available, queued
-// ---------------------------------------------------------------------------------------------
-
-#[tokio::test(flavor = "current_thread")]
-async fn a_limit_reports_its_capacity_its_free_places_and_its_bound_and_clones_share_them() {
-    let limit = Limit::new(3);
-    assert_eq!(
-        (limit.capacity(), limit.available(), limit.queued()),
-        (3, 3, 0)
-    );
-    assert_eq!(limit.queue_bound(), None);
-
-    let (mut service, mut handle) = mock::spawn_layer::<&str, &str, _>(quiet(&limit));
-    assert_ready_ok!(service.poll_ready());
-    assert_eq!(
-        limit.available(),
-        2,
-        "a permit taken through a layer on a clone is gone from the limit"
-    );
-    let response = service.call("one");
-    let other = take(&limit);
-    assert_eq!((limit.capacity(), limit.available()), (3, 1));
-
-    handle.next_request().await.unwrap().1.send_response("done");
-    assert_eq!(response.await.unwrap(), "done");
-    drop(other);
-    assert_eq!((limit.capacity(), limit.available()), (3, 3));
-
-    // The bound is fixed when the limit is made.
-    let bounded = Limit::with_max_queued(3, 5);
-    assert_eq!(bounded.queue_bound(), Some(5));
-    assert_eq!(
-        bounded.clone().queue_bound(),
-        Some(5),
-        "the bound is the limit's, shared by every clone"
-    );
-    assert_eq!(
-        limit.queue_bound(),
-        None,
-        "a limit made without one has none"
-    );
-}
-
-#[tokio::test(flavor = "current_thread")]
-async fn queued_counts_the_waiters_of_layers_and_of_resources_operation() {
-    let limit = Limit::new(1);
-    let held = take(&limit);
-
-    let (mut waiter, _handle) = mock::spawn_layer::<(), (), _>(quiet(&limit));
-    assert_pending!(waiter.poll_ready());
-    assert_eq!(limit.queued(), 1, "a layer's pending poll_ready waits");
-
-    let metrics = OperationMetrics::disabled();
-    let mut scoped = task::spawn(metrics.resources_operation(
-        &limit,
-        Operation::Tool,
-        Executor::Inline,
-        async {},
-    ));
-    assert_pending!(scoped.poll());
-    assert_eq!(
-        limit.queued(),
-        2,
-        "a scoped operation waits in the same queue"
-    );
-
-    drop(waiter);
-    assert_eq!(limit.queued(), 1, "a dropped service leaves the queue");
-    drop(scoped);
-    assert_eq!(
-        limit.queued(),
-        0,
-        "a dropped scoped future leaves the queue"
-    );
-    assert_eq!(limit.available(), 0, "the held place is still held");
-    drop(held);
-    assert_eq!(limit.available(), 1);
-}
-
-// ---------------------------------------------------------------------------------------------
-// `Limit::set_capacity`
-// ---------------------------------------------------------------------------------------------
-
-#[tokio::test(flavor = "current_thread")]
-async fn raising_the_capacity_wakes_a_pending_poll_ready_which_becomes_ready_at_once() {
-    let limit = Limit::new(1);
-    let _held = take(&limit);
-    let (mut waiter, _handle) = mock::spawn_layer::<(), (), _>(quiet(&limit));
-    assert_pending!(waiter.poll_ready());
-    assert!(!waiter.is_woken());
-
-    limit.set_capacity(2).unwrap();
-    assert!(waiter.is_woken(), "the new place wakes the waiter");
-    assert_ready_ok!(waiter.poll_ready());
-    assert_eq!(
-        (limit.capacity(), limit.available(), limit.queued()),
-        (2, 0, 0)
-    );
-
-    limit.set_capacity(4).unwrap();
-    assert_eq!(
-        limit.available(),
-        2,
-        "with no one waiting, the new places are free"
-    );
-}
-
-/// Three operations run under a capacity of 3, which is lowered to `to`: none of them is
-/// revoked, and a new operation waits until `4 - to` of them have finished (so that fewer than
-/// `to` run); meanwhile `available()` stays 0, the places coming back paying the debt.
-async fn lowering_from_three_revokes_nothing_and_admits_a_new_one_after(to: usize) {
-    let limit = Limit::new(3);
-    let (mut service, mut handle) = mock::spawn_layer::<usize, usize, _>(quiet(&limit));
-    let mut responses = Vec::new();
-    for i in 0..3 {
-        assert_ready_ok!(service.poll_ready());
-        responses.push(service.call(i));
-    }
-    let mut running = Vec::new();
-    for _ in 0..3 {
-        running.push(handle.next_request().await.unwrap().1);
-    }
-    assert_eq!(limit.available(), 0);
-
-    limit.set_capacity(to).unwrap();
-    assert_eq!(limit.capacity(), to);
-    assert_eq!(limit.available(), 0);
-
-    let mut newcomer = service.clone();
-    assert_pending!(newcomer.poll_ready());
-    assert!(!newcomer.is_woken());
-
-    let admitted_after = 4 - to;
-    for (finished, (send, response)) in running.into_iter().zip(responses).enumerate() {
-        let finished = finished + 1;
-        send.send_response(finished);
-        assert_eq!(
-            response.await.unwrap(),
-            finished,
-            "running operation {finished} was not revoked: it answered"
-        );
-        if finished < admitted_after {
-            assert!(
-                !newcomer.is_woken(),
-                "after {finished} finished, {} still run at capacity {to}",
-                3 - finished
-            );
-            assert_pending!(newcomer.poll_ready());
-            assert_eq!(
-                limit.available(),
-                0,
-                "the place of operation {finished} paid the debt, it is not free"
-            );
-        } else if finished == admitted_after {
-            assert!(
-                newcomer.is_woken(),
-                "after {finished} finished, fewer than {to} run"
-            );
-            assert_ready_ok!(newcomer.poll_ready());
-        }
-    }
-
-    let last = newcomer.call(99);
-    handle.next_request().await.unwrap().1.send_response(99);
-    assert_eq!(last.await.unwrap(), 99);
-    assert_eq!(
-        (limit.capacity(), limit.available(), limit.queued()),
-        (to, to, 0),
-        "once the debt is paid, the limit has its new capacity, all free"
-    );
-}
-
-#[tokio::test(flavor = "current_thread")]
-async fn lowering_the_capacity_to_one_under_three_running_revokes_none_and_admits_after_all_three()
-{
-    lowering_from_three_revokes_nothing_and_admits_a_new_one_after(1).await;
-}
-
-#[tokio::test(flavor = "current_thread")]
-async fn lowering_the_capacity_to_two_under_three_running_revokes_none_and_admits_after_two() {
-    lowering_from_three_revokes_nothing_and_admits_a_new_one_after(2).await;
-}
-
-#[tokio::test(flavor = "current_thread")]
-async fn lowering_the_capacity_takes_free_places_at_once() {
-    let limit = Limit::new(3);
-    let held = take(&limit);
-    limit.set_capacity(1).unwrap();
-    assert_eq!(limit.available(), 0, "the two free places are gone at once");
-    limit.set_capacity(2).unwrap();
-    assert_eq!(limit.available(), 1);
-    drop(held);
-    assert_eq!((limit.capacity(), limit.available()), (2, 2));
-}
-
-#[tokio::test(flavor = "current_thread")]
-async fn raising_the_capacity_while_a_lowering_drains_cancels_the_debt_first() {
-    let limit = Limit::new(3);
-    let running: Vec<_> = (0..3).map(|_| take(&limit)).collect();
-    limit.set_capacity(1).unwrap(); // two places owed
-    limit.set_capacity(2).unwrap(); // one of them forgiven
-    assert_eq!(limit.available(), 0, "three run, above the capacity of 2");
-
-    let mut running = running.into_iter();
-    drop(running.next());
-    assert_eq!(limit.available(), 0, "the first place back pays the debt");
-    drop(running.next());
-    assert_eq!(limit.available(), 1, "one runs under a capacity of 2");
-    drop(running.next());
-    assert_eq!((limit.capacity(), limit.available()), (2, 2));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn resizing_while_operations_run_neither_leaks_nor_multiplies_places() {
-    use std::sync::atomic::AtomicUsize;
-
-    const OPERATIONS: usize = 400;
-    const LARGEST: usize = 5;
-    let limit = Limit::new(3);
-    let running = Arc::new(AtomicUsize::new(0));
-    let peak = Arc::new(AtomicUsize::new(0));
-    let work = {
-        let (running, peak) = (Arc::clone(&running), Arc::clone(&peak));
-        move || {
-            let (running, peak) = (Arc::clone(&running), Arc::clone(&peak));
-            async move {
-                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
-                peak.fetch_max(now, Ordering::SeqCst);
-                for _ in 0..3 {
-                    tokio::task::yield_now().await;
-                }
-                running.fetch_sub(1, Ordering::SeqCst);
-                Ok::<_, BoxError>(())
-            }
-        }
-    };
-    let service = quiet(&limit).layer(service_fn({
-        let work = work.clone();
-        move |()| work()
-    }));
-    let metrics = OperationMetrics::disabled();
-
-    let resizer = {
-        let limit = limit.clone();
-        tokio::spawn(async move {
-            for i in 0..300 {
-                limit.set_capacity(1 + (i * 7) % LARGEST).unwrap();
-                tokio::task::yield_now().await;
-            }
-        })
-    };
-    let callers: Vec<_> = (0..OPERATIONS)
-        .map(|i| {
-            let (service, limit, metrics, work) = (
-                service.clone(),
-                limit.clone(),
-                metrics.clone(),
-                work.clone(),
-            );
-            tokio::spawn(async move {
-                if i % 2 == 0 {
-                    service.oneshot(()).await
-                } else {
-                    metrics
-                        .resources_operation(&limit, Operation::Tool, Executor::Inline, work())
-                        .await
-                        .unwrap()
-                }
-            })
-        })
-        .collect();
-    resizer.await.unwrap();
-    limit.set_capacity(4).unwrap();
-    for caller in callers {
-        tokio::time::timeout(Duration::from_secs(60), caller)
-            .await
-            .expect("every operation is admitted in the end")
-            .unwrap()
-            .unwrap();
-    }
-    assert!(
-        peak.load(Ordering::SeqCst) <= LARGEST,
-        "{} ran at once; the capacity was never above {LARGEST}",
-        peak.load(Ordering::SeqCst)
-    );
-    assert_eq!(
-        (limit.capacity(), limit.available(), limit.queued()),
-        (4, 4, 0),
-        "after every resize, every place is back, and no more"
-    );
-}
-
-#[tokio::test(flavor = "current_thread")]
-async fn a_capacity_of_zero_pauses_admission_until_it_is_raised() {
-    let limit = Limit::new(1);
-    limit.set_capacity(0).unwrap();
-    assert_eq!((limit.capacity(), limit.available()), (0, 0));
-    let (mut waiter, _handle) = mock::spawn_layer::<(), (), _>(quiet(&limit));
-    assert_pending!(waiter.poll_ready());
-    limit.set_capacity(1).unwrap();
-    assert!(waiter.is_woken());
-    assert_ready_ok!(waiter.poll_ready());
-
-    let paused = Limit::with_max_queued(0, 0);
-    let (mut turned_away, _handle) =
-        mock::spawn_layer::<(), (), _>(quiet(&paused).protocol(RejectAsError));
-    assert_ready_ok!(turned_away.poll_ready());
-    let error = turned_away.call(()).await.unwrap_err();
-    assert_eq!(rejection_of(&error), Rejection::QueueFull);
-}
-
-#[test]
-fn set_capacity_above_tokios_max_permits_is_an_error_naming_it_and_changes_nothing() {
-    let limit = Limit::new(2);
-    let too_many = Semaphore::MAX_PERMITS + 1;
-    let error = limit.set_capacity(too_many).unwrap_err();
-    let message = error.to_string();
-    assert!(message.contains("MAX_PERMITS"), "{message}");
-    assert!(message.contains(&too_many.to_string()), "{message}");
-    assert_eq!((limit.capacity(), limit.available()), (2, 2));
-
-    assert!(Limit::try_new(too_many).is_err());
-    limit.set_capacity(Semaphore::MAX_PERMITS).unwrap();
-    assert_eq!(limit.available(), Semaphore::MAX_PERMITS);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -488,11 +127,7 @@ async fn closing_the_limit_wakes_a_waiting_scoped_operation_to_a_panic_naming_th
     assert_eq!(limit.queued(), 1);
 
     limit.close();
-    let panicked = tokio::time::timeout(Duration::from_secs(60), waiter)
-        .await
-        .expect("woken, not left hanging")
-        .unwrap_err();
-    let message = panic_message(&*panicked.into_panic());
+    let message = panic_of("the woken waiter", waiter).await;
     assert!(
         message.contains(std::any::type_name::<Limit>()),
         "{message}"
@@ -905,72 +540,25 @@ mod grpc_over_the_wire {
     //! rejection as a RESOURCE_EXHAUSTED status.
 
     use super::*;
-    use std::pin::Pin;
 
-    use tonic::codegen::tokio_stream::Stream;
-    use tonic::transport::server::TcpIncoming;
-    use tonic::transport::{Endpoint, Server};
-    use tonic::{Code, Status};
-    use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::health_client::HealthClient;
-    use tonic_health::pb::health_server::{Health, HealthServer};
-    use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
+    use tonic::Code;
 
-    struct Serving;
-
-    type WatchStream = Pin<Box<dyn Stream<Item = Result<HealthCheckResponse, Status>> + Send>>;
-
-    #[tonic::async_trait]
-    impl Health for Serving {
-        async fn check(
-            &self,
-            _request: tonic::Request<HealthCheckRequest>,
-        ) -> Result<tonic::Response<HealthCheckResponse>, Status> {
-            Ok(tonic::Response::new(HealthCheckResponse {
-                status: ServingStatus::Serving as i32,
-            }))
-        }
-
-        type WatchStream = WatchStream;
-
-        async fn watch(
-            &self,
-            _request: tonic::Request<HealthCheckRequest>,
-        ) -> Result<tonic::Response<WatchStream>, Status> {
-            Err(Status::unimplemented("no watch here"))
-        }
-    }
+    use support::grpc::{check, grpc_layer, serve};
 
     #[tokio::test]
     async fn a_tonic_client_reads_a_grpc_layers_rejection_as_resource_exhausted() {
         let t = Telemetry::new();
         let limit = Limit::with_max_queued(1, 0);
-        let limited = ResourcesOperationLayer::new_for_grpc(limit.clone())
-            .operation(Operation::Verify)
-            .metrics(t.metrics.clone())
-            .layer(HealthServer::new(Serving));
-        let incoming = TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-        let addr = incoming.local_addr().unwrap();
-        let router = Server::builder().add_service(limited);
-        tokio::spawn(async move { router.serve_with_incoming(incoming).await.unwrap() });
+        let layer = grpc_layer(&t, &limit).operation(Operation::Verify);
+        let channel = serve(layer).await.channel;
 
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut client = HealthClient::new(channel);
-        let check = || HealthCheckRequest {
-            service: String::new(),
-        };
-
-        client.check(check()).await.expect("a free place: served");
+        check(&channel, "ok").await.expect("a free place: served");
         let held = take(&limit);
-        let status = client.check(check()).await.unwrap_err();
+        let status = check(&channel, "ok").await.unwrap_err();
         assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
         assert!(status.message().contains("queue is full"), "{status:?}");
         drop(held);
-        client.check(check()).await.expect("served again");
+        check(&channel, "ok").await.expect("served again");
 
         assert_eq!(rejected(&t, "verify", "queue_full"), 1);
         assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 2);

@@ -19,14 +19,13 @@ use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider, Temporality};
 use tower::{service_fn, Layer as _, Service as _, ServiceExt as _};
 
 use support::reliability::Load;
+use support::DEADLINE;
 use tower_resources_operation::{Executor, Operation, OperationMetrics, ResourcesOperationLayer};
 
 /// The limit every test runs under.
 const LIMIT: usize = 3;
 /// Requests per run.
 const REQUESTS: usize = 400;
-/// A safety net so a hang fails the test instead of blocking it; not a performance bound.
-const DEADLINE: Duration = Duration::from_secs(60);
 
 /// Sends [`REQUESTS`] requests at once through `layer`, runs `fault` once half of them have
 /// answered (with the rest in flight or queued), and checks that each request got its own

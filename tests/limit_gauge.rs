@@ -16,10 +16,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
-use tokio::sync::{oneshot, Semaphore};
-use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
+use tokio::sync::Semaphore;
+use tower::{service_fn, Layer as _, ServiceExt as _};
 
-use support::{settle, Telemetry};
+use support::{held, settle, spawn_held, Telemetry};
 use tower_resources_operation::classify::DefaultClassifier;
 use tower_resources_operation::limit::AcquireError;
 use tower_resources_operation::metrics::{Capacity, LIMIT_INSTRUMENT};
@@ -67,16 +67,6 @@ fn only(series: &[(&str, &str, i64)]) -> BTreeMap<SeriesKey, i64> {
 /// A service that answers at once.
 fn instant() -> impl tower::Service<(), Response = (), Error = Infallible, Future: Send> + Clone {
     service_fn(|()| async { Ok::<_, Infallible>(()) })
-}
-
-/// A service that answers when the request's channel says so.
-fn held(
-) -> impl tower::Service<oneshot::Receiver<()>, Response = (), Error = BoxError, Future: Send> + Clone
-{
-    service_fn(|release: oneshot::Receiver<()>| async move {
-        let _ = release.await;
-        Ok::<_, BoxError>(())
-    })
 }
 
 /// A layer on `limit` tagged `operation`/`executor`, reporting to `t`.
@@ -315,13 +305,7 @@ async fn while_a_lowered_capacity_drains_active_above_the_limit_shows() {
     let t = Telemetry::new();
     let limit = Limit::new(3);
     let service = tagged(&t, limit.clone(), Operation::Verify, Executor::Inline).layer(held());
-    let mut releases = Vec::new();
-    let mut running = Vec::new();
-    for _ in 0..3 {
-        let (release, rx) = oneshot::channel();
-        releases.push(release);
-        running.push(tokio::spawn(service.clone().oneshot(rx)));
-    }
+    let (releases, running): (Vec<_>, Vec<_>) = (0..3).map(|_| spawn_held(&service)).unzip();
     settle().await;
     let active = || per_series(&t, ACTIVE_INSTRUMENT)[&key("verify", "inline")];
     assert_eq!((active(), limits(&t)[&key("verify", "inline")]), (3, 3));

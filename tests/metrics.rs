@@ -7,10 +7,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
-use support::{pipeline, settle, Data, Telemetry};
+use support::{
+    held, live, panic_of, panics_in_call, pipeline, settle, spawn_held, Data, Telemetry,
+};
 use tokio::sync::{oneshot, Semaphore};
 use tokio_test::{assert_pending, task};
 use tower::{service_fn, BoxError, Layer, Service, ServiceExt};
@@ -59,23 +61,6 @@ fn verify_and_judge_on_one_permit(
             .metrics(t.metrics.clone())
             .layer(sleeper())
     })
-}
-
-/// A service that runs until the request's sender fires (or is dropped).
-fn held(
-) -> impl Service<oneshot::Receiver<()>, Response = (), Error = BoxError, Future: Send> + Clone + Send
-{
-    service_fn(|release: oneshot::Receiver<()>| async move {
-        let _ = release.await;
-        Ok::<_, BoxError>(())
-    })
-}
-
-fn live(t: &Telemetry) -> (i64, i64) {
-    (
-        t.live_value(QUEUED_INSTRUMENT, &[]),
-        t.live_value(ACTIVE_INSTRUMENT, &[]),
-    )
 }
 
 /// Every live point is >= 0.
@@ -360,8 +345,7 @@ async fn waiter_dropped_before_its_permit_records_no_queue_sample_and_leaves_the
         .metrics(t.metrics.clone())
         .layer(held());
 
-    let (release, rx) = oneshot::channel();
-    let holder = tokio::spawn(svc.clone().oneshot(rx));
+    let (release, holder) = spawn_held(&svc);
     settle().await;
 
     // A waiter whose request future (and so its service) is dropped while it waits.
@@ -389,8 +373,7 @@ async fn waiter_timed_out_on_ready_then_dropped_records_no_queue_sample() {
     let layer = ResourcesOperationLayer::new(1).metrics(t.metrics.clone());
     let svc = layer.layer(held());
 
-    let (release, rx) = oneshot::channel();
-    let holder = tokio::spawn(svc.clone().oneshot(rx));
+    let (release, holder) = spawn_held(&svc);
     settle().await;
 
     let mut waiter = svc.clone();
@@ -494,13 +477,7 @@ async fn live_counts_show_the_operations_running_and_waiting_now() {
         );
     }
 
-    let mut releases = Vec::new();
-    let mut tasks = Vec::new();
-    for _ in 0..3 {
-        let (tx, rx) = oneshot::channel();
-        releases.push(tx);
-        tasks.push(tokio::spawn(svc.clone().oneshot(rx)));
-    }
+    let (mut releases, tasks): (Vec<_>, Vec<_>) = (0..3).map(|_| spawn_held(&svc)).unzip();
     settle().await;
     assert_eq!(live(&t), (1, 2), "two run, one waits");
     assert_never_negative(&t);
@@ -533,13 +510,8 @@ async fn live_counts_of_two_limits_with_the_same_series_add_up() {
     let one = layer(&t).layer(held());
     let two = layer(&t).layer(held());
 
-    let mut releases = Vec::new();
-    let mut tasks = Vec::new();
-    for svc in [&one, &two, &one, &two] {
-        let (tx, rx) = oneshot::channel();
-        releases.push(tx);
-        tasks.push(tokio::spawn(svc.clone().oneshot(rx)));
-    }
+    let (releases, tasks): (Vec<_>, Vec<_>) =
+        [&one, &two, &one, &two].into_iter().map(spawn_held).unzip();
     settle().await;
 
     let tool_thread = [
@@ -578,8 +550,7 @@ where
 async fn live_counts_return_to_zero_after_ok() {
     live_counts_return_to_zero_after(async |t, layer| {
         let svc = layer.layer(held());
-        let (tx, rx) = oneshot::channel();
-        let task = tokio::spawn(svc.clone().oneshot(rx));
+        let (tx, task) = spawn_held(&svc);
         settle().await;
         assert_eq!(live(t), (0, 1));
         tx.send(()).unwrap();
@@ -595,8 +566,7 @@ async fn live_counts_return_to_zero_after_an_error() {
             let _ = release.await;
             Err::<(), BoxError>("boom".into())
         }));
-        let (tx, rx) = oneshot::channel();
-        let task = tokio::spawn(svc.clone().oneshot(rx));
+        let (tx, task) = spawn_held(&svc);
         settle().await;
         assert_eq!(live(t), (0, 1));
         tx.send(()).unwrap();
@@ -651,28 +621,10 @@ async fn live_counts_return_to_zero_after_a_dropped_waiting_service() {
     .await;
 }
 
-/// A service whose `call` itself panics.
-#[derive(Clone)]
-struct PanicsInCall;
-
-impl Service<()> for PanicsInCall {
-    type Response = ();
-    type Error = Infallible;
-    type Future = std::future::Ready<Result<(), Infallible>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, (): ()) -> Self::Future {
-        panic!("call panicked")
-    }
-}
-
 #[tokio::test]
 async fn live_counts_return_to_zero_after_a_panic_in_call() {
     live_counts_return_to_zero_after(async |t, layer| {
-        let mut svc = layer.layer(PanicsInCall);
+        let mut svc = layer.layer(panics_in_call(None));
         svc.ready().await.unwrap();
         assert_eq!(live(t), (0, 1));
         let panicked = catch_unwind(AssertUnwindSafe(|| svc.call(())));
@@ -713,11 +665,7 @@ async fn live_counts_return_to_zero_after_the_semaphore_closes_under_a_waiter() 
     assert_eq!(live(&t), (1, 0));
 
     slots.close();
-    let error = tokio::time::timeout(Duration::from_secs(5), waiter)
-        .await
-        .expect("the waiter is woken, not left hanging")
-        .unwrap_err();
-    let message = support::panic_message(&*error.into_panic());
+    let message = panic_of("the woken waiter", waiter).await;
     assert!(message.contains("the limit is closed"), "{message}");
     assert_never_negative(&t);
     assert_eq!(live(&t), (0, 0));
@@ -740,12 +688,9 @@ async fn operation_metrics_on_different_providers_are_independent() {
     };
     let (svc_one, svc_two) = (on(&one), on(&two));
 
-    let (tx1, rx1) = oneshot::channel();
-    let (tx2, rx2) = oneshot::channel();
-    let (tx3, rx3) = oneshot::channel();
-    let a = tokio::spawn(svc_one.clone().oneshot(rx1));
-    let b = tokio::spawn(svc_one.clone().oneshot(rx2));
-    let c = tokio::spawn(svc_two.clone().oneshot(rx3));
+    let (tx1, a) = spawn_held(&svc_one);
+    let (tx2, b) = spawn_held(&svc_one);
+    let (tx3, c) = spawn_held(&svc_two);
     settle().await;
     assert_eq!(live(&one), (0, 2));
     assert_eq!(live(&two), (0, 1));

@@ -5,6 +5,7 @@
 #[path = "../examples/axum.rs"]
 #[allow(dead_code)]
 mod app;
+mod support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -17,10 +18,12 @@ use opentelemetry_proto::tonic::collector::metrics::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::{any_value, KeyValue};
 use opentelemetry_proto::tonic::metrics::v1::{metric, number_data_point, AggregationTemporality};
-use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
+
+use support::http::serve;
+use support::within;
 use tower_resources_operation::metrics::{
     ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, METER_NAME, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
@@ -28,9 +31,6 @@ use tower_resources_operation::{
     ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
     OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
-
-/// A safety net so a broken pipeline fails the test instead of hanging it.
-const DEADLINE: Duration = Duration::from_secs(30);
 
 /// Hands every export it receives to the test.
 struct Receiver(mpsc::UnboundedSender<ExportMetricsServiceRequest>);
@@ -77,32 +77,24 @@ async fn otlp_exporter_pushes_the_instruments_to_a_collector() {
         verify_deadline: Duration::from_millis(50),
         ..app::Config::default()
     };
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind app");
-    let addr = listener.local_addr().expect("app addr");
-    let router = app::app(&config, &telemetry);
-    tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
+    let addr = serve(app::app(&config, &telemetry)).await;
 
-    let paths: Vec<String> = [
+    let paths = [
         "/verify?ms=1",
         "/verify?ms=1",
         "/verify?ms=2000",
         "/tool?ms=1",
-    ]
-    .map(String::from)
-    .to_vec();
-    let statuses = tokio::time::timeout(DEADLINE, app::burst(addr, &paths))
-        .await
-        .expect("load hung");
+    ];
+    let statuses = within("the load", app::burst(addr, &paths)).await;
     assert_eq!(statuses, [200, 200, 200, 200]);
 
     // Push now rather than at the next interval; the reader blocks until the export returns.
     let provider = telemetry.provider.clone();
-    tokio::time::timeout(
-        DEADLINE,
+    within(
+        "the flush",
         tokio::task::spawn_blocking(move || provider.force_flush()),
     )
     .await
-    .expect("flush hung")
     .expect("flush task")
     .expect("flush to the OTLP receiver");
     // Exports are cumulative: the last one has everything.

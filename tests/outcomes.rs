@@ -5,12 +5,12 @@ mod support;
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use support::{panic_message, Telemetry};
+use support::{only, panic_message, panics_in_call, Telemetry};
 use tokio_test::{assert_pending, task};
 use tower::timeout::TimeoutLayer;
 use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
@@ -21,16 +21,13 @@ use tower_resources_operation::{
     ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE,
 };
 
-fn outcomes_where(t: &Telemetry, filter: &[(&str, &str)]) -> BTreeMap<String, u64> {
-    t.outcomes(filter)
+/// The outcomes of the operations tagged `operation`.
+fn outcomes_of(t: &Telemetry, operation: &str) -> BTreeMap<String, u64> {
+    t.outcomes(&[(OPERATION_ATTRIBUTE, operation)])
 }
 
 fn outcomes(t: &Telemetry) -> BTreeMap<String, u64> {
     t.outcomes(&[])
-}
-
-fn only(outcome: &str) -> BTreeMap<String, u64> {
-    BTreeMap::from([(outcome.to_owned(), 1)])
 }
 
 fn layer(t: &Telemetry) -> ResourcesOperationLayer {
@@ -341,41 +338,17 @@ async fn permit_taken_by_poll_ready_and_service_dropped_without_call_is_cancelle
 // Panics
 // ---------------------------------------------------------------------------------------------
 
-/// A service whose `call` panics with `call panicked: <request>`, after setting `outcome` if
-/// it has one.
-#[derive(Clone)]
-struct PanicsInCall {
-    outcome: Option<Outcome>,
-}
-
-impl Service<u32> for PanicsInCall {
-    type Response = ();
-    type Error = Infallible;
-    type Future = std::future::Ready<Result<(), Infallible>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: u32) -> Self::Future {
-        if let Some(outcome) = self.outcome {
-            assert!(set_outcome(outcome));
-        }
-        panic!("call panicked: {request}")
-    }
-}
-
 #[tokio::test]
 async fn panic_in_inner_call_is_crashed_and_propagates_unchanged() {
     assert_eq!(outcomes_of_a_panicking_call(None).await, only("crashed"));
 }
 
-/// Calls a [`PanicsInCall`] that sets `outcome` first, if given, behind a layer: the panic goes
+/// Calls a [`panics_in_call`] that sets `outcome` first, if given, behind a layer: the panic goes
 /// on unchanged and the permit comes back. The outcomes recorded.
 async fn outcomes_of_a_panicking_call(outcome: Option<Outcome>) -> BTreeMap<String, u64> {
     let t = Telemetry::new();
     let layer = layer(&t);
-    let mut svc = layer.layer(PanicsInCall { outcome });
+    let mut svc = layer.layer(panics_in_call(outcome));
 
     svc.ready().await.unwrap();
     let payload = catch_unwind(AssertUnwindSafe(|| svc.call(42))).unwrap_err();
@@ -404,55 +377,39 @@ async fn panic_while_polling_the_inner_future_is_crashed_and_propagates_unchange
     assert_released(&t, &layer);
 }
 
-/// An inner service whose `poll_ready` panics, after the limit has already given a permit.
+/// An inner service whose `poll_ready` panics, with `poll_ready panicked`, after the limit has
+/// already given a permit: every time, or only the first time (then it answers each request
+/// with the request).
 #[derive(Clone)]
-struct PanicsInPollReady;
+struct PanicsInPollReady {
+    again: bool,
+    panicked: Arc<AtomicBool>,
+}
+
+impl PanicsInPollReady {
+    fn every_time() -> Self {
+        Self {
+            again: true,
+            panicked: Arc::default(),
+        }
+    }
+
+    fn the_first_time() -> Self {
+        Self {
+            again: false,
+            panicked: Arc::default(),
+        }
+    }
+}
 
 impl Service<u32> for PanicsInPollReady {
-    type Response = ();
-    type Error = Infallible;
-    type Future = std::future::Ready<Result<(), Infallible>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        panic!("poll_ready panicked")
-    }
-
-    fn call(&mut self, _: u32) -> Self::Future {
-        unreachable!("never ready")
-    }
-}
-
-#[tokio::test]
-async fn panic_in_inner_poll_ready_after_the_permit_is_crashed_and_propagates_unchanged() {
-    let t = Telemetry::new();
-    let layer = layer(&t);
-    let svc = layer.layer(PanicsInPollReady);
-
-    let error = tokio::spawn(svc.oneshot(1)).await.unwrap_err();
-    assert!(error.is_panic());
-    assert_eq!(panic_message(&*error.into_panic()), "poll_ready panicked");
-
-    assert_eq!(outcomes(&t), only("crashed"));
-    assert_released(&t, &layer);
-}
-
-/// Panics in its first `poll_ready`, then behaves.
-#[derive(Clone)]
-struct PanicsInFirstPollReady {
-    panicked: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Service<u32> for PanicsInFirstPollReady {
     type Response = u32;
     type Error = Infallible;
     type Future = std::future::Ready<Result<u32, Infallible>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        if !self
-            .panicked
-            .swap(true, std::sync::atomic::Ordering::SeqCst)
-        {
-            panic!("first poll_ready panicked")
+        if !self.panicked.swap(true, SeqCst) || self.again {
+            panic!("poll_ready panicked")
         }
         Poll::Ready(Ok(()))
     }
@@ -462,6 +419,20 @@ impl Service<u32> for PanicsInFirstPollReady {
     }
 }
 
+#[tokio::test]
+async fn panic_in_inner_poll_ready_after_the_permit_is_crashed_and_propagates_unchanged() {
+    let t = Telemetry::new();
+    let layer = layer(&t);
+    let svc = layer.layer(PanicsInPollReady::every_time());
+
+    let error = tokio::spawn(svc.oneshot(1)).await.unwrap_err();
+    assert!(error.is_panic());
+    assert_eq!(panic_message(&*error.into_panic()), "poll_ready panicked");
+
+    assert_eq!(outcomes(&t), only("crashed"));
+    assert_released(&t, &layer);
+}
+
 /// The operation admitted before the panic ends once, as `crashed`, and gives its permit back:
 /// the same service, asked again, admits (and records) a new operation, rather than calling the
 /// inner service unrecorded on the crashed operation's permit.
@@ -469,9 +440,7 @@ impl Service<u32> for PanicsInFirstPollReady {
 async fn after_a_panic_in_inner_poll_ready_the_same_service_records_every_later_operation() {
     let t = Telemetry::new();
     let layer = layer(&t);
-    let mut svc = layer.layer(PanicsInFirstPollReady {
-        panicked: Default::default(),
-    });
+    let mut svc = layer.layer(PanicsInPollReady::the_first_time());
 
     let mut ready = task::spawn(());
     let panicked = catch_unwind(AssertUnwindSafe(|| {
@@ -559,29 +528,14 @@ async fn set_outcome_last_call_wins() {
     assert_eq!(outcomes(&t), only("cancelled"));
 }
 
-/// A service that sets an outcome in its synchronous `call` and then fails.
-#[derive(Clone)]
-struct SetsInCall;
-
-impl Service<u32> for SetsInCall {
-    type Response = ();
-    type Error = BoxError;
-    type Future = std::future::Ready<Result<(), BoxError>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: u32) -> Self::Future {
-        assert!(set_outcome(Outcome::Timeout));
-        std::future::ready(Err("boom".into()))
-    }
-}
-
 #[tokio::test]
 async fn set_outcome_in_the_inner_call_wins_over_the_classifier() {
     let t = Telemetry::new();
-    let svc = layer(&t).layer(SetsInCall);
+    // The outcome is set in the synchronous `call`, not in the future it returns.
+    let svc = layer(&t).layer(service_fn(|_: u32| {
+        assert!(set_outcome(Outcome::Timeout));
+        std::future::ready(Err::<(), BoxError>("boom".into()))
+    }));
     svc.oneshot(1).await.unwrap_err();
     assert_eq!(outcomes(&t), only("timeout"));
 }
@@ -654,18 +608,30 @@ async fn set_outcome_is_kept_when_the_work_moves_between_threads() {
     );
 }
 
-#[tokio::test(start_paused = true)]
-async fn nested_operations_each_keep_their_own_outcome() {
-    let t = Telemetry::new();
-    let inner = layer(&t).operation(Operation::Judge).layer(service_fn(
-        |set: Option<Outcome>| async move {
-            if let Some(outcome) = set {
+/// A service behind a layer of its own, tagged `operation`: each operation sets the outcome it
+/// is told to, if any, then works for 10 ms.
+fn sets_what_it_is_told(
+    t: &Telemetry,
+    operation: Operation,
+) -> impl Service<Option<Outcome>, Response = (), Error = Infallible, Future: Send>
+       + Clone
+       + Send
+       + 'static {
+    layer(t)
+        .operation(operation)
+        .layer(service_fn(|told: Option<Outcome>| async move {
+            if let Some(outcome) = told {
                 assert!(set_outcome(outcome));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
             Ok::<_, Infallible>(())
-        },
-    ));
+        }))
+}
+
+#[tokio::test(start_paused = true)]
+async fn nested_operations_each_keep_their_own_outcome() {
+    let t = Telemetry::new();
+    let inner = sets_what_it_is_told(&t, Operation::Judge);
     let outer = layer(&t)
         .operation(Operation::Verify)
         .layer(service_fn(move |()| {
@@ -684,12 +650,12 @@ async fn nested_operations_each_keep_their_own_outcome() {
     outer.oneshot(()).await.unwrap();
 
     assert_eq!(
-        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "verify")]),
+        outcomes_of(&t, "verify"),
         only("error"),
         "the outer operation keeps its own outcome"
     );
     assert_eq!(
-        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "judge")]),
+        outcomes_of(&t, "judge"),
         BTreeMap::from([("ok".to_owned(), 1), ("timeout".to_owned(), 1)]),
         "each inner operation has its own outcome"
     );
@@ -698,30 +664,21 @@ async fn nested_operations_each_keep_their_own_outcome() {
 #[tokio::test(start_paused = true)]
 async fn outer_operation_without_set_outcome_is_classified_after_an_inner_one_sets_its_own() {
     let t = Telemetry::new();
-    let inner = layer(&t)
-        .operation(Operation::Tool)
-        .layer(service_fn(|()| async {
-            assert!(set_outcome(Outcome::Crashed));
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            Ok::<_, Infallible>(())
-        }));
+    let inner = sets_what_it_is_told(&t, Operation::Tool);
     let outer = layer(&t)
         .operation(Operation::Verify)
         .layer(service_fn(move |()| {
             let inner = inner.clone();
             async move {
-                inner.oneshot(()).await.unwrap();
+                inner.oneshot(Some(Outcome::Crashed)).await.unwrap();
                 Err::<(), BoxError>("outer failed".into())
             }
         }));
 
     outer.oneshot(()).await.unwrap_err();
+    assert_eq!(outcomes_of(&t, "tool"), only("crashed"));
     assert_eq!(
-        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "tool")]),
-        only("crashed")
-    );
-    assert_eq!(
-        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "verify")]),
+        outcomes_of(&t, "verify"),
         only("error"),
         "the inner operation's set_outcome does not leak into the outer one"
     );
@@ -743,10 +700,7 @@ async fn a_disabled_limit_is_transparent_to_set_outcome_of_the_enabled_operation
 
     let set = outer.oneshot(()).await.unwrap();
     assert!(set, "the enclosing enabled operation takes the outcome");
-    assert_eq!(
-        outcomes_where(&t, &[(OPERATION_ATTRIBUTE, "verify")]),
-        only("timeout"),
-    );
+    assert_eq!(outcomes_of(&t, "verify"), only("timeout"),);
 }
 
 // ---------------------------------------------------------------------------------------------

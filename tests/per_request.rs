@@ -26,27 +26,23 @@ use axum::Router;
 use bytes::Bytes;
 use http::header::HOST;
 use http::{Method, Request};
-use http_body_util::{BodyExt, Empty};
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, TcpStream};
+use http_body_util::Empty;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 
-use support::{Load, Telemetry};
+use support::http::{serve, Client};
+use support::{eventually, Load, Telemetry, DEADLINE};
+use tower_resources_operation::classify::HttpClassifier;
 use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
 use tower_resources_operation::per_request::{
     ByGrpcMethod, ByMatchedPath, Choice, ChooseOperation,
 };
+use tower_resources_operation::protocol::Http;
 use tower_resources_operation::{
     Executor, Limit, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
     EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
     QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
-
-/// A safety net so a broken limit fails the test instead of hanging it; not a performance bound.
-const DEADLINE: Duration = Duration::from_secs(60);
 
 const VERIFY: Choice = Choice::limited(Operation::Verify, Executor::Subprocess);
 const JUDGE: Choice = Choice::limited(Operation::Judge, Executor::Inline);
@@ -90,14 +86,6 @@ fn pair(operation: &str, executor: &str) -> (String, String) {
     (operation.to_owned(), executor.to_owned())
 }
 
-/// Serves `router` on an ephemeral port of 127.0.0.1.
-async fn serve(router: Router) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    addr
-}
-
 /// Sends `method path` with `headers` on a connection of its own; returns status and body.
 async fn send(
     addr: SocketAddr,
@@ -105,9 +93,6 @@ async fn send(
     path: &str,
     headers: &[(&str, &str)],
 ) -> (u16, String) {
-    let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut sender, connection) = http1::handshake(TokioIo::new(stream)).await.unwrap();
-    let driver = tokio::spawn(connection);
     let mut request = Request::builder()
         .method(method)
         .uri(path)
@@ -115,19 +100,9 @@ async fn send(
     for (name, value) in headers {
         request = request.header(*name, *value);
     }
-    let request = request.body(Empty::<Bytes>::new()).unwrap();
-    sender.ready().await.unwrap();
-    let exchange = async {
-        let response = sender.send_request(request).await.unwrap();
-        let status = response.status().as_u16();
-        let body = response.into_body().collect().await.unwrap().to_bytes();
-        (status, String::from_utf8(body.to_vec()).unwrap())
-    };
-    let answer = tokio::time::timeout(DEADLINE, exchange)
-        .await
-        .unwrap_or_else(|_| panic!("no answer to {path}"));
-    drop(sender);
-    driver.await.unwrap().unwrap();
+    let mut client = Client::open(addr).await;
+    let answer = client.exchange(request.body(Empty::new()).unwrap()).await;
+    client.closed().await;
     answer
 }
 
@@ -145,15 +120,6 @@ async fn join(task: JoinHandle<(u16, String)>) -> (u16, String) {
         .await
         .expect("a client hung")
         .unwrap()
-}
-
-/// Polls `condition` every 10 ms until it holds, for at most [`DEADLINE`].
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !condition() {
-        assert!(start.elapsed() < DEADLINE, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// A gate that handlers wait on until the test opens it.
@@ -201,13 +167,8 @@ async fn matched_path_server(telemetry: &Telemetry, otherwise: Option<Choice>) -
             "/judge/{model}",
             get(|Path(model): Path<String>| async move { format!("judged by {model}") }),
         )
-        .route("/metrics", get(|| async { "# metrics" }))
-        .layer(
-            ResourcesOperationLayer::new_for_http(4)
-                .metrics(telemetry.metrics.clone())
-                .per_request(chooser),
-        );
-    serve(router).await
+        .route("/metrics", get(|| async { "# metrics" }));
+    serve_choosing(telemetry, &Limit::new(4), router, chooser).await
 }
 
 /// Two verifies, two judges on two models, two scrapes and a 404.
@@ -292,17 +253,11 @@ async fn gated_verify_server(
 ) -> SocketAddr {
     let router = Router::new()
         .route("/verify", gate.route("verified"))
-        .route(unlimited, get(move || async move { answer }))
-        .layer(
-            ResourcesOperationLayer::new_for_http(limit.clone())
-                .metrics(telemetry.metrics.clone())
-                .per_request(
-                    ByMatchedPath::new()
-                        .route("/verify", VERIFY)
-                        .route(unlimited, Choice::Unlimited),
-                ),
-        );
-    serve(router).await
+        .route(unlimited, get(move || async move { answer }));
+    let chooser = ByMatchedPath::new()
+        .route("/verify", VERIFY)
+        .route(unlimited, Choice::Unlimited);
+    serve_choosing(telemetry, limit, router, chooser).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -359,12 +314,9 @@ async fn the_limit_holds_across_connections_and_counts_waiters_in_queued_from_ca
             }
         })
     };
-    let router = Router::new().route("/verify", work).layer(
-        ResourcesOperationLayer::new_for_http(limit.clone())
-            .metrics(telemetry.metrics.clone())
-            .per_request(ByMatchedPath::new().route("/verify", VERIFY)),
-    );
-    let addr = serve(router).await;
+    let router = Router::new().route("/verify", work);
+    let chooser = ByMatchedPath::new().route("/verify", VERIFY);
+    let addr = serve_choosing(&telemetry, &limit, router, chooser).await;
 
     let clients: Vec<_> = (0..8).map(|_| spawn_get(addr, "/verify")).collect();
 
@@ -398,20 +350,35 @@ async fn the_limit_holds_across_connections_and_counts_waiters_in_queued_from_ca
     assert_eq!(limit.available(), 2);
 }
 
+/// The HTTP layer on `limit`, recording to `telemetry`.
+fn http_layer(
+    telemetry: &Telemetry,
+    limit: &Limit,
+) -> ResourcesOperationLayer<HttpClassifier, Limit, Http> {
+    ResourcesOperationLayer::new_for_http(limit.clone()).metrics(telemetry.metrics.clone())
+}
+
+/// `router` under one per-request HTTP layer on `limit` that chooses with `chooser`, served.
+async fn serve_choosing<F>(
+    telemetry: &Telemetry,
+    limit: &Limit,
+    router: Router,
+    chooser: F,
+) -> SocketAddr
+where
+    F: ChooseOperation<Request<Body>> + Clone + Send + Sync + 'static,
+{
+    serve(router.layer(http_layer(telemetry, limit).per_request(chooser))).await
+}
+
 /// `/work`, answering "done", under one per-request HTTP layer of limit 4 that chooses with
 /// `chooser`.
 async fn work_server<F>(telemetry: &Telemetry, chooser: F) -> SocketAddr
 where
     F: ChooseOperation<Request<Body>> + Clone + Send + Sync + 'static,
 {
-    let router = Router::new()
-        .route("/work", get(|| async { "done" }))
-        .layer(
-            ResourcesOperationLayer::new_for_http(4)
-                .metrics(telemetry.metrics.clone())
-                .per_request(chooser),
-        );
-    serve(router).await
+    let router = Router::new().route("/work", get(|| async { "done" }));
+    serve_choosing(telemetry, &Limit::new(4), router, chooser).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -540,16 +507,11 @@ fn points_attributes(exported: &support::Exported) -> Vec<(String, String)> {
         .collect()
 }
 
-/// A router that answers every POST, chosen by `chooser`.
+/// A router that answers every POST, under one per-request HTTP layer of limit 4 that chooses
+/// with `chooser`.
 async fn grpc_like_server(telemetry: &Telemetry, chooser: ByGrpcMethod) -> SocketAddr {
-    let router = Router::new()
-        .route("/{*rpc}", post(|| async { "answered" }))
-        .layer(
-            ResourcesOperationLayer::new_for_http(4)
-                .metrics(telemetry.metrics.clone())
-                .per_request(chooser),
-        );
-    serve(router).await
+    let router = Router::new().route("/{*rpc}", post(|| async { "answered" }));
+    serve_choosing(telemetry, &Limit::new(4), router, chooser).await
 }
 
 fn verifier_rules() -> ByGrpcMethod {
@@ -659,8 +621,7 @@ async fn per_request_in_the_body_end_form_holds_a_streamed_route_until_its_body_
         .route("/stream", stream)
         .route("/metrics", get(|| async { "# metrics" }))
         .layer(
-            ResourcesOperationLayer::new_for_http(limit.clone())
-                .metrics(telemetry.metrics.clone())
+            http_layer(&telemetry, &limit)
                 .per_request(
                     ByMatchedPath::new()
                         .route("/stream", JUDGE)

@@ -5,6 +5,7 @@
 #[path = "../examples/axum.rs"]
 #[allow(dead_code)]
 mod app;
+mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -12,7 +13,9 @@ use std::time::Duration;
 
 use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
-use tokio::net::TcpListener;
+
+use support::http::serve;
+use support::within;
 use tower_resources_operation::metrics::METER_NAME;
 use tower_resources_operation::{OperationMetrics, OPERATION_BOUNDARIES_MS};
 
@@ -29,9 +32,6 @@ const LIMIT: &str = "gym_resources_operation_limit";
 const REJECTED: &str = "gym_resources_operation_rejected_total";
 const ABANDONED: &str = "gym_resources_operation_abandoned_total";
 const REJECTION: &str = "nemo_gym_resources_operation_rejection";
-
-/// A safety net so a broken server fails the test instead of hanging it; not a performance bound.
-const DEADLINE: Duration = Duration::from_secs(30);
 
 /// One sample line of the text format.
 #[derive(Clone, Debug)]
@@ -155,19 +155,10 @@ fn parse_sample(line: &str) -> Sample {
     }
 }
 
-async fn serve(router: axum::Router) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("local addr");
-    tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
-    addr
-}
-
 async fn scrape(addr: SocketAddr) -> (String, Exposition) {
-    let (status, body) =
-        tokio::time::timeout(DEADLINE, app::http_get(addr, "/metrics", "HTTP/1.1"))
-            .await
-            .expect("GET /metrics hung")
-            .expect("GET /metrics");
+    let (status, body) = within("GET /metrics", app::http_get(addr, "/metrics", "HTTP/1.1"))
+        .await
+        .expect("GET /metrics");
     assert_eq!(status, 200, "{body}");
     let exposition = Exposition::parse(&body);
     (body, exposition)
@@ -269,7 +260,7 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
     // The load: three verifies that pass, one past the handler's deadline (answered 200 with a
     // fallback, outcome `timeout` through `set_outcome`), one that fails (500, `error`); a
     // judge call that passes and one that fails; two tool runs.
-    let paths: Vec<String> = [
+    let paths = [
         "/verify?ms=5",
         "/verify?ms=5",
         "/verify?ms=5",
@@ -279,12 +270,8 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
         "/judge?ms=5&fail=1",
         "/tool?ms=20",
         "/tool?ms=20",
-    ]
-    .map(String::from)
-    .to_vec();
-    let statuses = tokio::time::timeout(DEADLINE, app::burst(addr, &paths))
-        .await
-        .expect("load hung");
+    ];
+    let statuses = within("the load", app::burst(addr, &paths)).await;
     assert_eq!(
         statuses,
         [200, 200, 200, 200, 500, 200, 500, 200, 200],

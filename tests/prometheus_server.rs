@@ -17,8 +17,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
-use tokio::net::TcpListener;
 
+use support::http::serve;
 use support::prometheus::{require_binary, TempDir};
 
 /// How long to wait for Prometheus to start, or to have scraped what was done; a safety net so
@@ -138,6 +138,15 @@ impl Prometheus {
         }
     }
 
+    /// The 0.95 quantile of `histogram` over the last minute, by operation.
+    async fn p95_per_operation(&self, histogram: &str) -> BTreeMap<String, f64> {
+        let promql = format!(
+            "histogram_quantile(0.95, sum by (le, nemo_gym_resources_operation) \
+             (rate({histogram}_bucket[1m])))"
+        );
+        self.by_label(&promql, "nemo_gym_resources_operation").await
+    }
+
     /// The value of each element of a query's result, by the value of `label`.
     async fn by_label(&self, promql: &str, label: &str) -> BTreeMap<String, f64> {
         self.query(promql)
@@ -229,16 +238,11 @@ async fn a_real_prometheus_sees_the_limit_bind() {
         tool_limit: TOOL_LIMIT,
         verify_deadline: Duration::from_secs(10),
     };
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let target = listener.local_addr().expect("local addr");
-    let router = app::app(&config, &telemetry);
-    tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
+    let target = serve(app::app(&config, &telemetry)).await;
 
     // One request per route first, so that every histogram series exists in the first scrape:
     // `rate` counts increases from a series' first sample on.
-    let warm_up: Vec<String> = ["/verify?ms=1", "/judge?ms=1", "/tool?ms=1"]
-        .map(String::from)
-        .to_vec();
+    let warm_up = ["/verify?ms=1", "/judge?ms=1", "/tool?ms=1"];
     assert_eq!(app::burst(target, &warm_up).await, [200, 200, 200]);
 
     let prometheus = Prometheus::start(&binary, target).await;
@@ -305,18 +309,10 @@ async fn a_real_prometheus_sees_the_limit_bind() {
 
     // The limit binds: for verify, the queue p95 is above the run p95.
     let queue_p95 = prometheus
-        .by_label(
-            "histogram_quantile(0.95, sum by (le, nemo_gym_resources_operation) \
-             (rate(gym_resources_operation_queue_duration_ms_bucket[1m])))",
-            "nemo_gym_resources_operation",
-        )
+        .p95_per_operation("gym_resources_operation_queue_duration_ms")
         .await;
     let run_p95 = prometheus
-        .by_label(
-            "histogram_quantile(0.95, sum by (le, nemo_gym_resources_operation) \
-             (rate(gym_resources_operation_duration_ms_bucket[1m])))",
-            "nemo_gym_resources_operation",
-        )
+        .p95_per_operation("gym_resources_operation_duration_ms")
         .await;
     let verify = |p95: &BTreeMap<String, f64>| {
         p95.get("verify")

@@ -28,10 +28,10 @@ use tokio::time::Instant;
 
 use support::reliability::{
     assert_books, assert_live_counts_zero, quiet_expected_panics, run_stream, series_attributes,
-    within, AnyLimit, Books, Ending, Fate, LimitKind, Limited, Op, Pass, Ran, Series, StreamEnding,
+    AnyLimit, Books, Ending, Fate, LimitKind, Limited, Op, Pass, Ran, Series, StreamEnding,
     StreamOp, StreamRoute, Waits, LIMIT_KINDS,
 };
-use support::Telemetry;
+use support::{within, Telemetry};
 use tower_resources_operation::{
     Executor, Limit, Operation, OperationMetrics, Outcome, Rejection, DURATION_INSTRUMENT,
     OUTCOME_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT,

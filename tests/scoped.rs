@@ -5,18 +5,18 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::{panic_message, settle, Telemetry};
+use support::{live, only, panic_message, panic_of, settle, Telemetry};
 use tokio::sync::{oneshot, Semaphore};
 use tokio_test::{assert_pending, assert_ready, task};
 use tower::BoxError;
 use tower_resources_operation::{
     resources_operation, set_outcome, Executor, Operation, OperationMetrics, Outcome,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
+    ParseAttributeError, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT,
 };
 
 const TOLERANCE_MS: f64 = 3.0;
@@ -30,17 +30,6 @@ fn assert_close(actual: f64, expected: f64, what: &str) {
 
 fn outcomes(t: &Telemetry) -> BTreeMap<String, u64> {
     t.outcomes(&[])
-}
-
-fn only(outcome: &str) -> BTreeMap<String, u64> {
-    BTreeMap::from([(outcome.to_owned(), 1)])
-}
-
-fn live(t: &Telemetry) -> (i64, i64) {
-    (
-        t.live_value(QUEUED_INSTRUMENT, &[]),
-        t.live_value(ACTIVE_INSTRUMENT, &[]),
-    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -366,12 +355,7 @@ async fn a_semaphore_closed_while_waiting_wakes_the_waiter_to_a_panic_instead_of
     assert_eq!(live(&t), (1, 0));
 
     limit.close();
-    let error = tokio::time::timeout(Duration::from_secs(5), waiter)
-        .await
-        .expect("the waiter is woken, not left hanging")
-        .unwrap_err();
-    assert!(error.is_panic());
-    let message = panic_message(&*error.into_panic());
+    let message = panic_of("the woken waiter", waiter).await;
     assert!(message.contains("the limit is closed"), "{message}");
     assert_eq!(live(&t), (0, 0), "the waiter left the queue");
     assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
@@ -414,16 +398,30 @@ async fn free_function_returns_the_output_and_limits() {
 // Parsing attribute values
 // ---------------------------------------------------------------------------------------------
 
+/// The error of parsing `input` as a `T`, checked to be about `attribute` and to name every one
+/// of `valid` in its message.
+fn parse_error<T: FromStr<Err = ParseAttributeError>>(
+    input: &str,
+    attribute: &str,
+    valid: &[&str],
+) -> ParseAttributeError {
+    let Err(error) = input.parse::<T>() else {
+        panic!("{input:?} parsed as a {attribute}")
+    };
+    let message = error.to_string();
+    for value in valid {
+        assert!(message.contains(value), "{message} lacks {value}");
+    }
+    assert_eq!(error.attribute(), attribute);
+    error
+}
+
 #[test]
 fn operation_parse_error_names_every_valid_value() {
-    let error = "verfy".parse::<Operation>().unwrap_err();
-    let message = error.to_string();
-    assert!(message.contains("verfy"), "{message}");
-    for valid in ["verify", "tool", "judge", "other"] {
-        assert!(message.contains(valid), "{message} lacks {valid}");
-    }
-    assert_eq!(error.attribute(), "operation");
-    assert_eq!(error.valid_values(), ["verify", "tool", "judge", "other"]);
+    let valid = ["verify", "tool", "judge", "other"];
+    let error = parse_error::<Operation>("verfy", "operation", &valid);
+    assert!(error.to_string().contains("verfy"), "{error}");
+    assert_eq!(error.valid_values(), valid);
     assert_eq!("verify".parse::<Operation>(), Ok(Operation::Verify));
 }
 
@@ -436,13 +434,9 @@ fn operation_lossy_parse_maps_unknown_names_to_other() {
 
 #[test]
 fn executor_parse_error_names_every_valid_value() {
-    let error = "threads".parse::<Executor>().unwrap_err();
-    let message = error.to_string();
-    assert!(message.contains("threads"), "{message}");
-    for valid in ["inline", "thread", "process", "subprocess", "other"] {
-        assert!(message.contains(valid), "{message} lacks {valid}");
-    }
-    assert_eq!(error.attribute(), "executor");
+    let valid = ["inline", "thread", "process", "subprocess", "other"];
+    let error = parse_error::<Executor>("threads", "executor", &valid);
+    assert!(error.to_string().contains("threads"), "{error}");
     assert_eq!("subprocess".parse::<Executor>(), Ok(Executor::Subprocess));
 }
 
@@ -455,12 +449,8 @@ fn executor_lossy_parse_maps_unknown_names_to_other() {
 
 #[test]
 fn outcome_parse_error_lists_the_outcomes() {
-    let error = "timedout".parse::<Outcome>().unwrap_err();
-    let message = error.to_string();
-    for valid in ["ok", "error", "timeout", "cancelled", "crashed"] {
-        assert!(message.contains(valid), "{message} lacks {valid}");
-    }
-    assert_eq!(error.attribute(), "outcome");
+    let valid = ["ok", "error", "timeout", "cancelled", "crashed"];
+    parse_error::<Outcome>("timedout", "outcome", &valid);
     assert_eq!("crashed".parse::<Outcome>(), Ok(Outcome::Crashed));
 }
 

@@ -107,41 +107,35 @@ fn values_work_as_map_keys() {
     );
 }
 
+/// Checks that `error` names every one of `valid`, in backquotes.
+fn assert_lists(error: &str, valid: &[&str]) {
+    for name in valid {
+        assert!(
+            error.contains(&format!("`{name}`")),
+            "{name} missing: {error}"
+        );
+    }
+}
+
 #[test]
 fn an_unknown_name_is_an_error_that_lists_the_valid_values() {
-    let text = r#"{"operation":"verfy","executor":"subprocess","max":4}"#;
-    let error = serde_json::from_str::<LimitConfig>(text)
-        .unwrap_err()
-        .to_string();
+    let config_error = |text: &str| {
+        serde_json::from_str::<LimitConfig>(text)
+            .unwrap_err()
+            .to_string()
+    };
+    let error = config_error(r#"{"operation":"verfy","executor":"subprocess","max":4}"#);
     assert!(error.contains("verfy"), "{error}");
-    for name in OPERATIONS {
-        assert!(
-            error.contains(&format!("`{name}`")),
-            "{name} missing: {error}"
-        );
-    }
+    assert_lists(&error, OPERATIONS);
 
-    let text = r#"{"operation":"judge","executor":"gpu","max":4}"#;
-    let error = serde_json::from_str::<LimitConfig>(text)
-        .unwrap_err()
-        .to_string();
+    let error = config_error(r#"{"operation":"judge","executor":"gpu","max":4}"#);
     assert!(error.contains("gpu"), "{error}");
-    for name in EXECUTORS {
-        assert!(
-            error.contains(&format!("`{name}`")),
-            "{name} missing: {error}"
-        );
-    }
+    assert_lists(&error, EXECUTORS);
 
     let error = serde_json::from_value::<Outcome>(json!("failed"))
         .unwrap_err()
         .to_string();
-    for name in OUTCOMES {
-        assert!(
-            error.contains(&format!("`{name}`")),
-            "{name} missing: {error}"
-        );
-    }
+    assert_lists(&error, OUTCOMES);
 }
 
 #[test]

@@ -8,31 +8,24 @@ mod support;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use axum::http::header::HOST;
 use axum::http::{Request, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use http_body_util::{BodyExt, Empty};
-use hyper::body::Bytes;
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch, Semaphore};
-use tokio::task::JoinHandle;
 use tower::{Layer, Service};
 
+use support::http::{get_request, serve, Client};
 use support::reliability::{
-    assert_books, assert_live_counts_zero, eventually, live_count, quiet_expected_panics, within,
-    Books, Series, EXPECTED_PANIC,
+    assert_books, assert_live_counts_zero, live_count, quiet_expected_panics, Books, Series,
+    EXPECTED_PANIC,
 };
-use support::Telemetry;
+use support::{eventually, within, Telemetry};
 use tower_resources_operation::classify::HttpClassifier;
 use tower_resources_operation::protocol::Http;
 use tower_resources_operation::{
@@ -160,57 +153,6 @@ fn series_layer(
         .metrics(telemetry.metrics.clone())
 }
 
-/// A GET of `path`, as a hyper client sends it.
-fn get_request(path: &str) -> Request<Empty<Bytes>> {
-    Request::get(path)
-        .header(HOST, "127.0.0.1")
-        .body(Empty::new())
-        .unwrap()
-}
-
-/// One hyper HTTP/1.1 client connection to the server, kept alive across requests.
-struct Connection {
-    sender: SendRequest<Empty<Bytes>>,
-    /// Drives the connection; ends, dropping the socket, once the connection closes.
-    driver: JoinHandle<hyper::Result<()>>,
-}
-
-impl Connection {
-    async fn open(addr: SocketAddr) -> Self {
-        let stream = TcpStream::connect(addr).await.unwrap();
-        let (sender, connection) = http1::handshake(TokioIo::new(stream)).await.unwrap();
-        Self {
-            sender,
-            driver: tokio::spawn(connection),
-        }
-    }
-
-    /// Sends a GET of `path` once the connection is ready for it; the response is not awaited:
-    /// dropping it before it comes makes hyper close the connection.
-    async fn send(
-        &mut self,
-        path: &str,
-    ) -> impl Future<Output = hyper::Result<hyper::Response<hyper::body::Incoming>>> {
-        self.sender.ready().await.unwrap();
-        self.sender.send_request(get_request(path))
-    }
-
-    /// Sends a GET of `path` and reads the whole response; returns status and body.
-    async fn get(&mut self, path: &str) -> (u16, String) {
-        let response = self.send(path).await.await.unwrap();
-        let status = response.status().as_u16();
-        let body = response.into_body().collect().await.unwrap().to_bytes();
-        (status, String::from_utf8(body.to_vec()).unwrap())
-    }
-
-    /// Lets go of the connection and waits until it has closed cleanly.
-    async fn closed(self) {
-        drop(self.sender);
-        let closed = within("a client connection closing", self.driver).await;
-        closed.unwrap().unwrap();
-    }
-}
-
 fn cancelled(telemetry: &Telemetry) -> u64 {
     telemetry.count(DURATION_INSTRUMENT, &[(OUTCOME_ATTRIBUTE, "cancelled")])
 }
@@ -260,15 +202,13 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
             .layer(series_layer(&held_limit, HELD, &telemetry)),
         )
         .layer(CatchPanicLayer);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr: SocketAddr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let addr = serve(router).await;
 
     // Keep-alive clients: mostly /ok, one in twenty /panic, one in twenty /fail.
     let clients: Vec<_> = (0..CONNECTIONS)
         .map(|c| {
             tokio::spawn(async move {
-                let mut connection = Connection::open(addr).await;
+                let mut connection = Client::open(addr).await;
                 let mut statuses: HashMap<u16, u64> = HashMap::new();
                 for i in 0..REQUESTS_PER_CONNECTION {
                     let (path, expected) = match (i + c) % 20 {
@@ -300,8 +240,10 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
                         .lock()
                         .unwrap()
                         .insert(id, started_tx);
-                    let mut connection = Connection::open(addr).await;
-                    let response = connection.send(&format!("/abandon/{id}")).await;
+                    let mut connection = Client::open(addr).await;
+                    let response = connection
+                        .send(get_request(&format!("/abandon/{id}")))
+                        .await;
                     started_rx.await.unwrap();
                     drop(response);
                     connection.closed().await;
@@ -313,7 +255,7 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
     // Clients that drop their response while queued behind the holder of /held's only permit:
     // their wait is taken back, and each counts once as abandoned, with no queue or run sample.
     let holder = tokio::spawn(async move {
-        let mut connection = Connection::open(addr).await;
+        let mut connection = Client::open(addr).await;
         let answer = connection.get("/held").await;
         connection.closed().await;
         answer
@@ -323,8 +265,8 @@ async fn twenty_thousand_requests_with_panics_and_hang_ups_are_recorded_as_the_c
         .unwrap();
     let mut queued = Vec::new();
     for _ in 0..GIVEN_UP_IN_QUEUE {
-        let mut connection = Connection::open(addr).await;
-        let response = connection.send("/held").await;
+        let mut connection = Client::open(addr).await;
+        let response = connection.send(get_request("/held")).await;
         queued.push((connection, response));
     }
     eventually("every /held request queued", || {

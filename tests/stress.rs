@@ -27,15 +27,15 @@ use http::Request;
 use tokio::sync::{mpsc, oneshot, watch};
 use tower::ServiceExt as _;
 
-use support::panic_message;
 use support::reliability::{
-    admitted_at, assert_books, assert_live_counts_zero, drain, eventually, layer_on, layered,
-    live_count, quiet_closed_limit_panics, quiet_expected_panics, run_stream, until_body_end,
-    within, Admission, AnyLimit, Books, BoxError, Drained, Ending, Fate, LimitKind, Limited, Load,
-    Op, Pass, Rng, Route, Script, Series, StreamEnding, StreamOp, StreamRoute, Then, Waits, Work,
-    FOREVER, LIMIT_CLOSED_PANIC,
+    admitted_at, assert_books, assert_live_counts_zero, drain, layer_on, layered, live_count,
+    quiet_closed_limit_panics, quiet_expected_panics, run_stream, until_body_end, Admission,
+    AnyLimit, Books, BoxError, Drained, Ending, Fate, LimitKind, Limited, Load, Op, Pass, Rng,
+    Route, Script, Series, StreamEnding, StreamOp, StreamRoute, Then, Waits, Work, FOREVER,
+    LIMIT_CLOSED_PANIC,
 };
 use support::Telemetry;
+use support::{eventually, panic_message, within};
 use tower_resources_operation::metrics::LIMIT_INSTRUMENT;
 use tower_resources_operation::{
     Executor, Limit, Operation, OperationMetrics, Outcome, Rejection, ResourcesOperationLayer,

@@ -4,154 +4,36 @@
 //! server (`Server::builder().layer(...)`). Outcomes come from the `grpc-status` of tonic's
 //! trailers-only error responses; the limit holds across connections; live counts go back to 0.
 //!
-//! The gRPC service is tonic-health's generated `HealthServer` around a `Health` of our own, so
-//! no `protoc` is needed: the requested service name picks what the handler does.
+//! The gRPC service is the tests' `Backend` (in `support::grpc`): the requested service name
+//! picks what its handler does.
 
 mod support;
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt as _;
-use tokio::sync::{Barrier, Notify};
+use tokio::sync::Barrier;
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
-use tonic::codegen::tokio_stream::Stream;
 use tonic::server::NamedService;
-use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Channel, Endpoint, Server};
-use tonic::{Code, Request, Response, Status};
+use tonic::transport::{Channel, Server};
+use tonic::{Code, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::health_server::{Health, HealthServer};
-use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
-use tower::{ServiceBuilder, ServiceExt as _};
+use tonic_health::pb::health_server::HealthServer;
+use tower::ServiceExt as _;
 
-use support::{Load, Telemetry};
+use support::grpc::{
+    asking, check, check_past_a_client_deadline, connect, grpc_layer, serve, serve_timing_out,
+    serve_with, Backend, GrpcLayer, Served,
+};
+use support::{assert_idle, eventually, within, Telemetry, DEADLINE};
 use tower_resources_operation::classify::GrpcClassifier;
 use tower_resources_operation::protocol::{Grpc, Plain};
 use tower_resources_operation::{
-    Executor, Limit, Operation, ResourcesOperation, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    Executor, Limit, Operation, ResourcesOperation, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
+    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
-
-/// The gRPC layer of these tests: a [`Limit`], the gRPC classifier and protocol.
-type GrpcLayer = ResourcesOperationLayer<GrpcClassifier, Limit, Grpc>;
-
-/// How long a `slow` handler holds its permit.
-const WORK: Duration = Duration::from_millis(100);
-/// A safety net so a broken limit fails the test instead of hanging it; not a performance bound.
-const DEADLINE: Duration = Duration::from_secs(60);
-
-/// The handlers. `Check` does what the requested service name says:
-///
-/// - `ok`: answers SERVING at once; `slow`: after one unit of [`Load`] work;
-/// - `deadline`, `cancelled`, `internal`: fails with that status (a trailers-only response);
-/// - `hang`: signals `started`, then never answers (the client has to give up).
-///
-/// `Watch` sends SERVING, waits for `release`, then fails the stream with `internal`: a status
-/// that only the trailers carry.
-#[derive(Debug, Default)]
-struct Backend {
-    load: Arc<Load>,
-    started: Arc<Notify>,
-    release: Arc<Notify>,
-}
-
-type WatchStream = Pin<Box<dyn Stream<Item = Result<HealthCheckResponse, Status>> + Send>>;
-
-fn serving() -> HealthCheckResponse {
-    HealthCheckResponse {
-        status: ServingStatus::Serving as i32,
-    }
-}
-
-#[tonic::async_trait]
-impl Health for Backend {
-    async fn check(
-        &self,
-        request: Request<HealthCheckRequest>,
-    ) -> Result<Response<HealthCheckResponse>, Status> {
-        match request.into_inner().service.as_str() {
-            "ok" => {}
-            "slow" => self.load.work(WORK).await,
-            "deadline" => return Err(Status::deadline_exceeded("the probe ran out of time")),
-            "cancelled" => return Err(Status::cancelled("the probe was called off")),
-            "internal" => return Err(Status::internal("the probe broke")),
-            "hang" => {
-                self.started.notify_one();
-                std::future::pending::<()>().await;
-            }
-            other => return Err(Status::not_found(format!("no probe {other:?}"))),
-        }
-        Ok(Response::new(serving()))
-    }
-
-    type WatchStream = WatchStream;
-
-    async fn watch(
-        &self,
-        _request: Request<HealthCheckRequest>,
-    ) -> Result<Response<Self::WatchStream>, Status> {
-        let release = Arc::clone(&self.release);
-        let first = futures_util::stream::iter([Ok(serving())]);
-        let then_fail = futures_util::stream::once(async move {
-            release.notified().await;
-            Err(Status::internal("the watch broke after its first message"))
-        });
-        Ok(Response::new(Box::pin(first.chain(then_fail))))
-    }
-}
-
-/// A listener on an ephemeral port of 127.0.0.1, and its address.
-fn incoming() -> (TcpIncoming, SocketAddr) {
-    let incoming = TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = incoming.local_addr().unwrap();
-    (incoming, addr)
-}
-
-/// A server whose only service is `backend`, limited per service by `layer` through
-/// `add_service`.
-fn serve_per_service(backend: &Arc<Backend>, layer: GrpcLayer) -> SocketAddr {
-    let limited = ServiceBuilder::new()
-        .layer(layer)
-        .service(HealthServer::from_arc(Arc::clone(backend)));
-    let (incoming, addr) = incoming();
-    let router = Server::builder().add_service(limited);
-    tokio::spawn(async move { router.serve_with_incoming(incoming).await.unwrap() });
-    addr
-}
-
-/// A server with `layer` on `Server::builder()`: one limit for everything it serves.
-fn serve_whole_server(backend: &Arc<Backend>, layer: GrpcLayer) -> SocketAddr {
-    let (incoming, addr) = incoming();
-    let router = Server::builder()
-        .layer(layer)
-        .add_service(HealthServer::from_arc(Arc::clone(backend)));
-    tokio::spawn(async move { router.serve_with_incoming(incoming).await.unwrap() });
-    addr
-}
-
-/// A new HTTP/2 connection to `addr`.
-async fn connect(addr: SocketAddr) -> Channel {
-    Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap()
-}
-
-/// One `Check` of `service` on `channel`.
-async fn check(channel: &Channel, service: &str) -> Result<i32, Status> {
-    let request = HealthCheckRequest {
-        service: service.to_owned(),
-    };
-    let response = HealthClient::new(channel.clone()).check(request).await?;
-    Ok(response.into_inner().status)
-}
 
 /// One `Check` of `service` per entry, each on its own connection, all connected first and then
 /// sent at once; returns each result, in order.
@@ -168,11 +50,8 @@ async fn check_all(addr: SocketAddr, services: &[&'static str]) -> Vec<Result<i3
     }
     let mut results = Vec::with_capacity(clients.len());
     for client in clients {
-        let result = tokio::time::timeout(DEADLINE, client)
-            .await
-            .expect("client hung")
-            .expect("client task failed");
-        results.push(result);
+        let result = within("a client", client).await;
+        results.push(result.expect("client task failed"));
     }
     results
 }
@@ -192,53 +71,31 @@ async fn call_unknown_service(channel: &Channel) -> Option<String> {
         .map(|v| v.to_str().unwrap().to_owned())
 }
 
-/// Waits until `condition` holds; fails the test after [`DEADLINE`].
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let give_up = Instant::now() + DEADLINE;
-    while !condition() {
-        assert!(Instant::now() < give_up, "still not true: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 /// Starts a `Check` of `service` on a task of its own.
 fn spawn_check(channel: &Channel, service: &'static str) -> JoinHandle<Result<i32, Status>> {
     let channel = channel.clone();
     tokio::spawn(async move { check(&channel, service).await })
 }
 
+/// The series of [`verify_subprocess`].
 const VERIFY_SUBPROCESS: [(&str, &str); 2] = [
     (OPERATION_ATTRIBUTE, "verify"),
     (EXECUTOR_ATTRIBUTE, "subprocess"),
 ];
 
-fn verify_subprocess(telemetry: &Telemetry, max: usize) -> GrpcLayer {
-    ResourcesOperationLayer::new_for_grpc(max)
+/// The gRPC layer on `limit`, tagged verify/subprocess.
+fn verify_subprocess(telemetry: &Telemetry, limit: &Limit) -> GrpcLayer {
+    grpc_layer(telemetry, limit)
         .operation(Operation::Verify)
         .executor(Executor::Subprocess)
-        .metrics(telemetry.metrics.clone())
 }
 
-/// Count of the duration histogram for `series` and `outcome`.
-fn ended(telemetry: &Telemetry, series: [(&str, &str); 2], outcome: &str) -> u64 {
-    let [operation, executor] = series;
-    telemetry.count(
-        DURATION_INSTRUMENT,
-        &[operation, executor, (OUTCOME_ATTRIBUTE, outcome)],
-    )
-}
-
-fn assert_idle(telemetry: &Telemetry, series: [(&str, &str); 2]) {
-    assert_eq!(
-        telemetry.live_value(QUEUED_INSTRUMENT, &series),
-        0,
-        "queued"
-    );
-    assert_eq!(
-        telemetry.live_value(ACTIVE_INSTRUMENT, &series),
-        0,
-        "active"
-    );
+/// A backend served per service under [`verify_subprocess`] on a limit of `max`, with the
+/// layer's telemetry and limit.
+async fn serve_verify_subprocess(max: usize) -> (Telemetry, Limit, Served) {
+    let (telemetry, slots) = (Telemetry::new(), Limit::new(max));
+    let served = serve(verify_subprocess(&telemetry, &slots)).await;
+    (telemetry, slots, served)
 }
 
 #[test]
@@ -249,10 +106,8 @@ fn the_layered_service_keeps_the_grpc_service_name() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn per_service_outcomes_come_from_the_grpc_status() {
-    let telemetry = Telemetry::new();
-    let backend = Arc::new(Backend::default());
-    let addr = serve_per_service(&backend, verify_subprocess(&telemetry, 2));
-    let channel = connect(addr).await;
+    let (telemetry, slots, served) = serve_verify_subprocess(2).await;
+    let channel = served.channel;
 
     assert_eq!(
         check(&channel, "ok").await.unwrap(),
@@ -269,18 +124,18 @@ async fn per_service_outcomes_come_from_the_grpc_status() {
     }
 
     let series = VERIFY_SUBPROCESS;
-    assert_eq!(ended(&telemetry, series, "ok"), 1);
-    assert_eq!(ended(&telemetry, series, "timeout"), 1);
-    assert_eq!(ended(&telemetry, series, "cancelled"), 1);
+    assert_eq!(telemetry.ended(&series, "ok"), 1);
+    assert_eq!(telemetry.ended(&series, "timeout"), 1);
+    assert_eq!(telemetry.ended(&series, "cancelled"), 1);
     assert_eq!(
-        ended(&telemetry, series, "error"),
+        telemetry.ended(&series, "error"),
         2,
         "internal and not found"
     );
-    assert_eq!(ended(&telemetry, series, "crashed"), 0);
+    assert_eq!(telemetry.ended(&series, "crashed"), 0);
     assert_eq!(telemetry.count(DURATION_INSTRUMENT, &[]), 5);
     assert_eq!(telemetry.count(QUEUE_DURATION_INSTRUMENT, &series), 5);
-    assert_idle(&telemetry, series);
+    assert_idle(&telemetry, &slots);
 }
 
 /// Every call was served, never more than 2 ran at once, and both permits are back.
@@ -301,18 +156,14 @@ fn assert_all_served_two_at_a_time<E: std::fmt::Debug>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn per_service_limit_holds_across_connections() {
-    let telemetry = Telemetry::new();
-    let backend = Arc::new(Backend::default());
-    let layer = verify_subprocess(&telemetry, 2);
-    let slots = layer.limit().clone();
-    let addr = serve_per_service(&backend, layer);
+    let (telemetry, slots, served) = serve_verify_subprocess(2).await;
 
-    let results = check_all(addr, &["slow"; 8]).await;
+    let results = check_all(served.addr, &["slow"; 8]).await;
 
-    assert_all_served_two_at_a_time(&results, &backend, &slots);
+    assert_all_served_two_at_a_time(&results, &served.backend, &slots);
 
     let series = VERIFY_SUBPROCESS;
-    assert_eq!(ended(&telemetry, series, "ok"), 8);
+    assert_eq!(telemetry.ended(&series, "ok"), 8);
     assert_eq!(telemetry.count(DURATION_INSTRUMENT, &series), 8);
     let queue = telemetry.points(QUEUE_DURATION_INSTRUMENT, &series);
     let [point] = queue.as_slice() else {
@@ -325,25 +176,28 @@ async fn per_service_limit_holds_across_connections() {
         waited >= 6,
         "waiters with a queue time above 1 ms: {point:?}"
     );
-    assert_idle(&telemetry, series);
+    assert_idle(&telemetry, &slots);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn whole_server_layer_limits_and_reports_every_call() {
-    let telemetry = Telemetry::new();
-    let backend = Arc::new(Backend::default());
-    let layer = ResourcesOperationLayer::new_for_grpc(2)
+    let (telemetry, slots) = (Telemetry::new(), Limit::new(2));
+    let layer = grpc_layer(&telemetry, &slots)
         .operation(Operation::Judge)
-        .executor(Executor::Inline)
-        .metrics(telemetry.metrics.clone());
-    let slots = layer.limit().clone();
-    let addr = serve_whole_server(&backend, layer);
+        .executor(Executor::Inline);
+    let served = serve_with(|health, incoming| {
+        Server::builder()
+            .layer(layer)
+            .add_service(health)
+            .serve_with_incoming(incoming)
+    })
+    .await;
 
-    let results = check_all(addr, &["slow"; 8]).await;
-    assert_all_served_two_at_a_time(&results, &backend, &slots);
+    let results = check_all(served.addr, &["slow"; 8]).await;
+    assert_all_served_two_at_a_time(&results, &served.backend, &slots);
 
     // Outcomes read the same at this placement: tonic's error answers are trailers-only.
-    let channel = connect(addr).await;
+    let channel = served.channel;
     let status = check(&channel, "deadline").await.unwrap_err();
     assert_eq!(status.code(), Code::DeadlineExceeded);
     let status = check(&channel, "internal").await.unwrap_err();
@@ -357,82 +211,73 @@ async fn whole_server_layer_limits_and_reports_every_call() {
         (OPERATION_ATTRIBUTE, "judge"),
         (EXECUTOR_ATTRIBUTE, "inline"),
     ];
-    assert_eq!(ended(&telemetry, series, "ok"), 8);
-    assert_eq!(ended(&telemetry, series, "timeout"), 1);
+    assert_eq!(telemetry.ended(&series, "ok"), 8);
+    assert_eq!(telemetry.ended(&series, "timeout"), 1);
     assert_eq!(
-        ended(&telemetry, series, "error"),
+        telemetry.ended(&series, "error"),
         2,
         "internal and unimplemented"
     );
     assert_eq!(telemetry.count(DURATION_INSTRUMENT, &[]), 11);
     assert_eq!(telemetry.count(QUEUE_DURATION_INSTRUMENT, &series), 11);
-    assert_idle(&telemetry, series);
+    assert_idle(&telemetry, &slots);
 }
 
 /// The per-service placement counts only its own service: a call the server routes elsewhere
 /// (here tonic's UNIMPLEMENTED fallback) records nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn per_service_limit_ignores_calls_to_other_services() {
-    let telemetry = Telemetry::new();
-    let backend = Arc::new(Backend::default());
-    let addr = serve_per_service(&backend, verify_subprocess(&telemetry, 2));
-    let channel = connect(addr).await;
+    let (telemetry, _, served) = serve_verify_subprocess(2).await;
+    let channel = served.channel;
 
     assert_eq!(call_unknown_service(&channel).await.as_deref(), Some("12"));
     assert_eq!(telemetry.count(DURATION_INSTRUMENT, &[]), 0);
     assert_eq!(telemetry.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
 
     check(&channel, "ok").await.unwrap();
-    assert_eq!(ended(&telemetry, VERIFY_SUBPROCESS, "ok"), 1);
+    assert_eq!(telemetry.ended(&VERIFY_SUBPROCESS, "ok"), 1);
+}
+
+/// Waits until `call`, dropped by its client, ended as `cancelled`, the first of its series to
+/// end, and checks that its permit is back and nothing waits or runs.
+async fn the_dropped_call_ended_cancelled(telemetry: &Telemetry, slots: &Limit, call: &str) {
+    eventually(&format!("{call} ended as cancelled"), || {
+        telemetry.ended(&VERIFY_SUBPROCESS, "cancelled") == 1
+    })
+    .await;
+    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &VERIFY_SUBPROCESS), 1);
+    assert_eq!(slots.available(), 1);
+    assert_idle(telemetry, slots);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn client_that_hangs_up_while_running_is_cancelled_and_frees_its_permit() {
-    let telemetry = Telemetry::new();
-    let backend = Arc::new(Backend::default());
-    let layer = verify_subprocess(&telemetry, 1);
-    let slots = layer.limit().clone();
-    let addr = serve_per_service(&backend, layer);
-    let channel = connect(addr).await;
+    let (telemetry, slots, served) = serve_verify_subprocess(1).await;
+    let channel = served.channel;
 
     let call = spawn_check(&channel, "hang");
-    tokio::time::timeout(DEADLINE, backend.started.notified())
-        .await
-        .expect("handler never started");
+    within("the handler's start", served.backend.hanging.notified()).await;
     assert_eq!(
         telemetry.live_value(ACTIVE_INSTRUMENT, &VERIFY_SUBPROCESS),
         1
     );
 
     call.abort(); // drops the call: the client resets the HTTP/2 stream
-    let series = VERIFY_SUBPROCESS;
-    eventually("the reset call ended as cancelled", || {
-        ended(&telemetry, series, "cancelled") == 1
-    })
-    .await;
-    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &series), 1);
-    assert_eq!(slots.available(), 1);
-    assert_idle(&telemetry, series);
+    the_dropped_call_ended_cancelled(&telemetry, &slots, "the reset call").await;
 
     // The one permit is free again: the next call runs.
     check(&channel, "ok").await.unwrap();
-    assert_eq!(ended(&telemetry, series, "ok"), 1);
+    assert_eq!(telemetry.ended(&VERIFY_SUBPROCESS, "ok"), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn client_that_gives_up_while_queued_records_no_sample_and_leaves_the_queue() {
-    let telemetry = Telemetry::new();
-    let backend = Arc::new(Backend::default());
-    let layer = verify_subprocess(&telemetry, 1);
-    let slots = layer.limit().clone();
-    let addr = serve_per_service(&backend, layer);
+    let (telemetry, slots, served) = serve_verify_subprocess(1).await;
     let series = VERIFY_SUBPROCESS;
 
-    let holder = spawn_check(&connect(addr).await, "hang");
-    tokio::time::timeout(DEADLINE, backend.started.notified())
-        .await
-        .expect("handler never started");
-    let waiter = spawn_check(&connect(addr).await, "ok");
+    let holder = spawn_check(&served.channel, "hang");
+    within("the handler's start", served.backend.hanging.notified()).await;
+    let waiter = spawn_check(&connect(served.addr).await, "ok");
     eventually("the second call waits for the permit", || {
         telemetry.live_value(QUEUED_INSTRUMENT, &series) == 1
     })
@@ -452,30 +297,7 @@ async fn client_that_gives_up_while_queued_records_no_sample_and_leaves_the_queu
     assert_eq!(telemetry.count(DURATION_INSTRUMENT, &series), 0);
 
     holder.abort();
-    eventually("the holder ended as cancelled", || {
-        ended(&telemetry, series, "cancelled") == 1
-    })
-    .await;
-    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &series), 1);
-    assert_eq!(slots.available(), 1);
-    assert_idle(&telemetry, series);
-}
-
-/// A `Check` of `hang` whose client deadline, 100 ms sent as `grpc-timeout`, passes: tonic gives
-/// up on the call, and the client sees DEADLINE_EXCEEDED or CANCELLED.
-async fn check_past_a_client_deadline(channel: Channel) {
-    let mut request = Request::new(HealthCheckRequest {
-        service: "hang".to_owned(),
-    });
-    request.set_timeout(Duration::from_millis(100));
-    let status = tokio::time::timeout(DEADLINE, HealthClient::new(channel).check(request))
-        .await
-        .expect("nobody enforced the client's deadline")
-        .unwrap_err();
-    assert!(
-        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
-        "{status:?}"
-    );
+    the_dropped_call_ended_cancelled(&telemetry, &slots, "the holder").await;
 }
 
 /// A deadline tonic enforces (`Server::timeout`, or the client's `grpc-timeout`) wraps the
@@ -485,18 +307,11 @@ async fn check_past_a_client_deadline(channel: Channel) {
 /// reads no deadline sees a plain drop, `cancelled`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn deadlines_enforced_by_tonic_end_the_operation_as_timeout() {
-    let telemetry = Telemetry::new();
-    let backend = Arc::new(Backend::default());
+    let (telemetry, slots) = (Telemetry::new(), Limit::new(1));
     let server_timeout = Duration::from_millis(300);
-    let limited = ServiceBuilder::new()
-        .layer(verify_subprocess(&telemetry, 1).server_timeout(server_timeout))
-        .service(HealthServer::from_arc(Arc::clone(&backend)));
-    let (incoming, addr) = incoming();
-    let router = Server::builder()
-        .timeout(server_timeout)
-        .add_service(limited);
-    tokio::spawn(async move { router.serve_with_incoming(incoming).await.unwrap() });
-    let channel = connect(addr).await;
+    let channel = serve_timing_out(server_timeout, verify_subprocess(&telemetry, &slots))
+        .await
+        .channel;
     let series = VERIFY_SUBPROCESS;
 
     // The server's own timeout.
@@ -511,38 +326,33 @@ async fn deadlines_enforced_by_tonic_end_the_operation_as_timeout() {
     .await;
 
     // The client's deadline, sent as `grpc-timeout`.
-    check_past_a_client_deadline(channel).await;
+    check_past_a_client_deadline(&channel).await;
     eventually("the second operation ended", || {
         telemetry.count(DURATION_INSTRUMENT, &series) == 2
     })
     .await;
 
-    assert_eq!(ended(&telemetry, series, "timeout"), 2);
-    assert_eq!(ended(&telemetry, series, "cancelled"), 0);
-    assert_idle(&telemetry, series);
+    assert_eq!(telemetry.ended(&series, "timeout"), 2);
+    assert_eq!(telemetry.ended(&series, "cancelled"), 0);
+    assert_idle(&telemetry, &slots);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_layer_that_reads_no_deadline_counts_tonics_deadline_as_cancelled() {
-    let telemetry = Telemetry::new();
-    let backend = Arc::new(Backend::default());
+    let (telemetry, slots) = (Telemetry::new(), Limit::new(1));
     // The gRPC classifier, with the `Plain` protocol: no `grpc-timeout` is read.
-    let limited = ServiceBuilder::new()
-        .layer(verify_subprocess(&telemetry, 1).protocol(Plain))
-        .service(HealthServer::from_arc(Arc::clone(&backend)));
-    let (incoming, addr) = incoming();
-    let router = Server::builder().add_service(limited);
-    tokio::spawn(async move { router.serve_with_incoming(incoming).await.unwrap() });
-    let channel = connect(addr).await;
+    let channel = serve(verify_subprocess(&telemetry, &slots).protocol(Plain))
+        .await
+        .channel;
     let series = VERIFY_SUBPROCESS;
 
-    check_past_a_client_deadline(channel).await;
+    check_past_a_client_deadline(&channel).await;
     eventually("the operation ended", || {
         telemetry.count(DURATION_INSTRUMENT, &series) == 1
     })
     .await;
-    assert_eq!(ended(&telemetry, series, "cancelled"), 1);
-    assert_idle(&telemetry, series);
+    assert_eq!(telemetry.ended(&series, "cancelled"), 1);
+    assert_idle(&telemetry, &slots);
 }
 
 /// The outcome is decided when the response head is ready. A streaming call's head goes out
@@ -550,39 +360,34 @@ async fn a_layer_that_reads_no_deadline_counts_tonics_deadline_as_cancelled() {
 /// still open, and a status that only the trailers carry is not seen (the call counts as `ok`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn streaming_call_ends_with_its_head_and_a_status_only_in_trailers_counts_as_ok() {
-    let telemetry = Telemetry::new();
-    let backend = Arc::new(Backend::default());
-    let layer = verify_subprocess(&telemetry, 1);
-    let slots = layer.limit().clone();
-    let addr = serve_per_service(&backend, layer);
-    let channel = connect(addr).await;
+    let (telemetry, slots, mut served) = serve_verify_subprocess(1).await;
+    let channel = served.channel.clone();
 
-    let request = HealthCheckRequest {
-        service: String::new(),
-    };
     let mut stream = HealthClient::new(channel.clone())
-        .watch(request)
+        .watch(asking(""))
         .await
         .unwrap()
         .into_inner();
+    let call = served.next_watch().await;
+    call.send();
     let first = stream.message().await.unwrap().expect("a first message");
     assert_eq!(first.status, ServingStatus::Serving as i32);
 
     // The stream is open, yet its operation is over and the one permit is free.
     let series = VERIFY_SUBPROCESS;
-    assert_eq!(ended(&telemetry, series, "ok"), 1);
+    assert_eq!(telemetry.ended(&series, "ok"), 1);
     assert_eq!(slots.available(), 1);
     tokio::time::timeout(DEADLINE, check(&channel, "ok"))
         .await
         .expect("the open stream still holds the permit")
         .unwrap();
 
-    backend.release.notify_one();
+    call.fail(Status::internal("the watch broke after its first message"));
     let status = stream.message().await.unwrap_err();
     assert_eq!(status.code(), Code::Internal, "{status:?}");
 
     // The INTERNAL in the trailers changed nothing: two calls, both `ok`.
-    assert_eq!(ended(&telemetry, series, "ok"), 2);
-    assert_eq!(ended(&telemetry, series, "error"), 0);
-    assert_idle(&telemetry, series);
+    assert_eq!(telemetry.ended(&series, "ok"), 2);
+    assert_eq!(telemetry.ended(&series, "error"), 0);
+    assert_idle(&telemetry, &slots);
 }

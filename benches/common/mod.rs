@@ -182,12 +182,15 @@ pub mod floor {
         fn active(&self) -> &AtomicI64;
     }
 
-    /// The SDK's histograms, recorded with pre-built attributes.
+    /// The SDK's histograms, recorded with pre-built attributes; bound to them in the
+    /// `experimental-bound-instruments` build, as the layer's are there.
     pub(crate) struct Shared {
         queue: Histogram<f64>,
         duration: Histogram<f64>,
         series: [KeyValue; 2],
         ok: [KeyValue; 3],
+        #[cfg(feature = "experimental-bound-instruments")]
+        bound: [opentelemetry::metrics::BoundHistogram<f64>; 2],
         queued: AtomicI64,
         active: AtomicI64,
     }
@@ -203,11 +206,17 @@ pub mod floor {
             };
             let op = KeyValue::new(OPERATION_ATTRIBUTE, "verify");
             let ex = KeyValue::new(EXECUTOR_ATTRIBUTE, "subprocess");
+            let queue = histogram(QUEUE_DURATION_INSTRUMENT);
+            let duration = histogram(DURATION_INSTRUMENT);
+            let series = [op.clone(), ex.clone()];
+            let ok = [op, ex, KeyValue::new(OUTCOME_ATTRIBUTE, "ok")];
             Arc::new(Self {
-                queue: histogram(QUEUE_DURATION_INSTRUMENT),
-                duration: histogram(DURATION_INSTRUMENT),
-                series: [op.clone(), ex.clone()],
-                ok: [op, ex, KeyValue::new(OUTCOME_ATTRIBUTE, "ok")],
+                #[cfg(feature = "experimental-bound-instruments")]
+                bound: [queue.bind(&series), duration.bind(&ok)],
+                queue,
+                duration,
+                series,
+                ok,
                 queued: AtomicI64::new(0),
                 active: AtomicI64::new(0),
             })
@@ -215,12 +224,24 @@ pub mod floor {
     }
 
     impl Record for Shared {
+        #[cfg(not(feature = "experimental-bound-instruments"))]
         fn queue(&self, ms: f64) {
             self.queue.record(ms, &self.series);
         }
 
+        #[cfg(not(feature = "experimental-bound-instruments"))]
         fn duration(&self, ms: f64) {
             self.duration.record(ms, &self.ok);
+        }
+
+        #[cfg(feature = "experimental-bound-instruments")]
+        fn queue(&self, ms: f64) {
+            self.bound[0].record(ms);
+        }
+
+        #[cfg(feature = "experimental-bound-instruments")]
+        fn duration(&self, ms: f64) {
+            self.bound[1].record(ms);
         }
 
         fn queued(&self) -> &AtomicI64 {

@@ -19,7 +19,6 @@ pub use service::ResourcesOperation;
 use crate::classify::{DefaultClassifier, GrpcClassifier, HttpClassifier};
 use crate::limit::{Acquire, IntoLimit, QueueTimeout};
 use crate::metrics::{Capacity, MetricsSource, Series};
-use crate::per_request::{PerRequest, PerRequestOperation};
 use crate::protocol::{Grpc, Http, Plain};
 use crate::{Executor, Limit, Operation, OperationMetrics};
 
@@ -70,9 +69,9 @@ pub struct ResourcesOperationLayer<
     E = AtHead,
     T = Fixed,
 > {
-    config: Arc<Config<C, L, P>>,
-    tags: T,
-    _end: PhantomData<fn() -> E>,
+    pub(crate) config: Arc<Config<C, L, P>>,
+    pub(crate) tags: T,
+    pub(crate) _end: PhantomData<fn() -> E>,
 }
 
 /// Every operation of a layer has the same [`Operation`] and [`Executor`], set with
@@ -115,7 +114,7 @@ impl<C, L: Acquire, P> Config<C, L, P> {
 
     /// Whether a service of this layer could be left with a rejection it cannot answer.
     #[track_caller]
-    fn check(&self) {
+    pub(crate) fn check(&self) {
         if !self.answers && self.limit.may_reject() {
             panic!(
                 "tower-resources-operation: this limit ({}) may turn operations away (a queue \
@@ -415,17 +414,6 @@ impl<C: Clone, L: Clone, P: Clone, E> ResourcesOperationLayer<C, L, P, E, Fixed>
     pub fn executor(self, executor: Executor) -> Self {
         self.configure(|config| config.executor = executor)
     }
-
-    /// Lets each request choose its operation and executor, or to go unlimited, with
-    /// `chooser`: for one layer over a whole axum `Router` or tonic `Server`. See
-    /// [`per_request`](crate::per_request).
-    pub fn per_request<F>(self, chooser: F) -> ResourcesOperationLayer<C, L, P, E, PerRequest<F>> {
-        ResourcesOperationLayer {
-            config: self.config,
-            tags: PerRequest::new(chooser),
-            _end: PhantomData,
-        }
-    }
 }
 
 impl<C: Clone, L: Clone, E, T> ResourcesOperationLayer<C, L, Http, E, T> {
@@ -459,22 +447,6 @@ where
             self.config.series();
         }
         ResourcesOperation::from_config(inner, Arc::clone(&self.config))
-    }
-}
-
-impl<S, C, L, P, E, F> Layer<S> for ResourcesOperationLayer<C, L, P, E, PerRequest<F>>
-where
-    C: Clone,
-    L: Acquire + Clone,
-    P: Clone,
-    F: Clone,
-{
-    type Service = PerRequestOperation<S, F, C, L, P, E>;
-
-    #[track_caller]
-    fn layer(&self, inner: S) -> Self::Service {
-        self.config.check();
-        PerRequestOperation::new(inner, &self.tags, &self.config)
     }
 }
 

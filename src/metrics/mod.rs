@@ -12,6 +12,7 @@ mod capacity;
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
+use std::time::Duration;
 
 #[cfg(feature = "experimental-bound-instruments")]
 use opentelemetry::metrics::BoundHistogram;
@@ -21,7 +22,6 @@ use tokio::time::Instant;
 
 pub use capacity::Capacity;
 
-use crate::operation::{guarded, UNKNOWN};
 use crate::{
     Executor, Operation, Outcome, Rejection, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
     EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE,
@@ -197,12 +197,11 @@ impl Series {
         (&cell.shared, &cell.shared.cells[cell.index], cell.index)
     }
 
-    /// The metrics' clock, now, in nanoseconds from its origin; [`UNKNOWN`] if it cannot be
-    /// read (tokio's paused clock panics once its runtime's thread-locals are gone).
+    /// Now, on tokio's clock (so that a paused clock is followed); `None` if it cannot be read
+    /// (tokio's paused clock panics once its runtime's thread-locals are gone).
     #[inline]
-    pub(crate) fn now(&self) -> i64 {
-        let clock = &self.0.shared.clock;
-        guarded(|| clock.nanos(Instant::now())).unwrap_or(UNKNOWN)
+    pub(crate) fn now(&self) -> Option<Instant> {
+        quietly(Instant::now)
     }
 
     /// One more operation of the series waits.
@@ -210,15 +209,15 @@ impl Series {
         self.parts().1.queued.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// An operation got its permit, after waiting `queued_ns` if it `waited` (counted in
+    /// An operation got its permit, after waiting `queued` if it `waited` (counted in
     /// `queued` until now).
-    pub(crate) fn admit(&self, waited: bool, queued_ns: i64) {
+    pub(crate) fn admit(&self, waited: bool, queued: Duration) {
         let (shared, cell, index) = self.parts();
         if waited {
             cell.queued.fetch_sub(1, Ordering::Relaxed);
         }
         cell.active.fetch_add(1, Ordering::Relaxed);
-        guarded(|| shared.record_queue(index, millis(queued_ns)));
+        quietly(|| shared.record_queue(index, millis(queued)));
     }
 
     /// An operation was turned away, after waiting or not.
@@ -239,11 +238,11 @@ impl Series {
         cell.abandoned.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// An admitted operation that ran `ran_ns` ended with `outcome`.
-    pub(crate) fn end(&self, outcome: Outcome, ran_ns: i64) {
+    /// An admitted operation that ran for `ran` ended with `outcome`.
+    pub(crate) fn end(&self, outcome: Outcome, ran: Duration) {
         let (shared, cell, index) = self.parts();
         cell.active.fetch_sub(1, Ordering::Relaxed);
-        guarded(|| shared.record_duration(index, outcome, millis(ran_ns)));
+        quietly(|| shared.record_duration(index, outcome, millis(ran)));
     }
 }
 
@@ -260,7 +259,6 @@ struct Cell {
 }
 
 struct Shared {
-    clock: Clock,
     queue_duration: Histogram<f64>,
     duration: Histogram<f64>,
     cells: [Cell; SERIES],
@@ -327,7 +325,6 @@ impl Shared {
         }
 
         Self {
-            clock: Clock::new(),
             queue_duration,
             duration,
             cells: Default::default(),
@@ -475,50 +472,13 @@ fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
         .build();
 }
 
-/// Turns instants into signed nanoseconds from an origin: an instant before the origin (a
-/// paused tokio clock behind the one the metrics were made under) is negative, not lost.
-#[derive(Debug)]
-struct Clock {
-    origin: Instant,
+/// Reads the clock or records into the SDK: a panic there costs that number, never the request.
+#[inline]
+fn quietly<T>(read_or_record: impl FnOnce() -> T) -> Option<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(read_or_record)).ok()
 }
 
-impl Clock {
-    fn new() -> Self {
-        Self {
-            origin: Instant::now(),
-        }
-    }
-
-    fn nanos(&self, instant: Instant) -> i64 {
-        let signed = |nanos: u128| i64::try_from(nanos).unwrap_or(i64::MAX);
-        match instant.checked_duration_since(self.origin) {
-            Some(after) => signed(after.as_nanos()),
-            None => -signed(self.origin.duration_since(instant).as_nanos()),
-        }
-    }
-}
-
-/// Nanoseconds as the milliseconds the histograms take.
-fn millis(nanos: i64) -> f64 {
-    nanos as f64 / 1e6
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_clock_counts_instants_before_its_origin_as_negative() {
-        let before = Instant::now();
-        let clock = Clock::new();
-        let later = before + std::time::Duration::from_millis(5);
-        assert!(clock.nanos(before) <= 0);
-        assert_eq!(clock.nanos(later) - clock.nanos(before), 5_000_000);
-        if let Some(long_before) = clock
-            .origin
-            .checked_sub(std::time::Duration::from_secs(3600))
-        {
-            assert_eq!(clock.nanos(long_before), -3_600_000_000_000);
-        }
-    }
+/// A duration in the milliseconds the histograms take.
+fn millis(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1e3
 }

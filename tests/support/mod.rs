@@ -1,11 +1,19 @@
-//! A real OpenTelemetry SDK pipeline for tests: an in-memory exporter behind a periodic reader
-//! that never fires on its own, read back with `force_flush`.
+//! What the tests share. Here: a real OpenTelemetry SDK pipeline (an in-memory exporter behind a
+//! periodic reader that never fires on its own, read back with `force_flush`), waits with a
+//! safety net, and the small services and checks many tests use. In the modules: axum servers
+//! and hyper clients (`http`), a tonic server and clients (`grpc`), a real Prometheus
+//! (`prometheus`), and the drivers of the reliability tests (`reliability`).
 #![allow(dead_code, unreachable_pub)]
 
+#[cfg(feature = "tonic")]
+pub mod grpc;
+pub mod http;
 pub mod prometheus;
 pub mod reliability;
 
 use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::future::Future;
 use std::time::Duration;
 
 use opentelemetry::metrics::MeterProvider as _;
@@ -13,7 +21,14 @@ use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use opentelemetry_sdk::metrics::{
     InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
 };
-use tower_resources_operation::OperationMetrics;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tower::{service_fn, BoxError, Service, ServiceExt as _};
+use tower_resources_operation::metrics::ABANDONED_INSTRUMENT;
+use tower_resources_operation::{
+    set_outcome, Limit, OperationMetrics, Outcome, ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE,
+    QUEUED_INSTRUMENT,
+};
 
 /// Attributes of one data point, as `key -> value` strings.
 pub type Attributes = BTreeMap<String, String>;
@@ -35,6 +50,15 @@ pub struct HistogramPoint {
 pub struct SumPoint {
     pub attributes: Attributes,
     pub value: i64,
+}
+
+impl SumPoint {
+    fn new<'a>(attributes: impl Iterator<Item = &'a opentelemetry::KeyValue>, value: i64) -> Self {
+        Self {
+            attributes: self::attributes(attributes),
+            value,
+        }
+    }
 }
 
 /// What an instrument exported, owned.
@@ -75,11 +99,7 @@ impl Default for Telemetry {
 
 impl Telemetry {
     pub fn new() -> Self {
-        let exporter = InMemoryMetricExporterBuilder::new().build();
-        let reader = PeriodicReader::builder(exporter.clone())
-            .with_interval(Duration::from_secs(3600))
-            .build();
-        let provider = SdkMeterProvider::builder().with_reader(reader).build();
+        let (provider, exporter) = pipeline();
         let metrics = OperationMetrics::new(&provider.meter("tests"));
         Self {
             provider,
@@ -123,28 +143,22 @@ impl Telemetry {
                         monotonic: s.is_monotonic(),
                         points: s
                             .data_points()
-                            .map(|p| SumPoint {
-                                attributes: attributes(p.attributes()),
-                                value: p.value(),
-                            })
+                            .map(|p| SumPoint::new(p.attributes(), p.value()))
                             .collect(),
                     },
                     AggregatedMetrics::U64(MetricData::Sum(s)) => Data::Sum {
                         monotonic: s.is_monotonic(),
                         points: s
                             .data_points()
-                            .map(|p| SumPoint {
-                                attributes: attributes(p.attributes()),
-                                value: i64::try_from(p.value()).expect("a count that fits"),
+                            .map(|p| {
+                                let value = i64::try_from(p.value()).expect("a count that fits");
+                                SumPoint::new(p.attributes(), value)
                             })
                             .collect(),
                     },
                     AggregatedMetrics::I64(MetricData::Gauge(g)) => Data::Gauge(
                         g.data_points()
-                            .map(|p| SumPoint {
-                                attributes: attributes(p.attributes()),
-                                value: p.value(),
-                            })
+                            .map(|p| SumPoint::new(p.attributes(), p.value()))
                             .collect(),
                     ),
                     other => Data::Other(format!("{other:?}")),
@@ -153,12 +167,20 @@ impl Telemetry {
             .collect()
     }
 
-    /// The data points of histogram `name` (empty if it exported nothing).
-    pub fn histogram(&self, name: &str) -> Vec<HistogramPoint> {
+    /// What the instrument `name` exported (nothing, if it exported nothing).
+    fn data_of(&self, name: &str) -> Vec<Data> {
         self.collect()
             .into_iter()
             .filter(|m| m.name == name)
-            .flat_map(|m| match m.data {
+            .map(|m| m.data)
+            .collect()
+    }
+
+    /// The data points of histogram `name` (empty if it exported nothing).
+    pub fn histogram(&self, name: &str) -> Vec<HistogramPoint> {
+        self.data_of(name)
+            .into_iter()
+            .flat_map(|data| match data {
                 Data::Histogram(points) => points,
                 other => panic!("{name} is not an f64 histogram: {other:?}"),
             })
@@ -168,10 +190,9 @@ impl Telemetry {
     /// The data points of the observable instrument `name`: a live count, a counter or the
     /// limit gauge.
     pub fn live(&self, name: &str) -> Vec<SumPoint> {
-        self.collect()
+        self.data_of(name)
             .into_iter()
-            .filter(|m| m.name == name)
-            .flat_map(|m| match m.data {
+            .flat_map(|data| match data {
                 Data::Sum { points, .. } | Data::Gauge(points) => points,
                 other => panic!("{name} is not a sum or a gauge: {other:?}"),
             })
@@ -180,11 +201,7 @@ impl Telemetry {
 
     /// Sum of the histogram's counts over points whose attributes include every pair in `filter`.
     pub fn count(&self, name: &str, filter: &[(&str, &str)]) -> u64 {
-        self.histogram(name)
-            .iter()
-            .filter(|p| matches(&p.attributes, filter))
-            .map(|p| p.count)
-            .sum()
+        self.points(name, filter).iter().map(|p| p.count).sum()
     }
 
     /// Sum of the observable instrument `name` over points whose attributes include every pair
@@ -241,6 +258,11 @@ impl Telemetry {
             .collect()
     }
 
+    /// How many operations of the series matching `filter` ended with `outcome`.
+    pub fn ended(&self, filter: &[(&str, &str)], outcome: &str) -> u64 {
+        self.outcomes(filter).get(outcome).copied().unwrap_or(0)
+    }
+
     /// Sum of the recorded values of histogram `name` over points matching `filter`.
     pub fn sum(&self, name: &str, filter: &[(&str, &str)]) -> f64 {
         self.points(name, filter).iter().map(|p| p.sum).sum()
@@ -255,12 +277,118 @@ impl Telemetry {
     }
 }
 
+/// A safety net so a lost permit fails a test instead of hanging it; not a performance bound.
+/// On paused time, where the clock jumps to the next timer once every task waits, it comes at
+/// once when nothing else can happen.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Awaits `future`, failing the test if it takes longer than [`DEADLINE`].
+pub async fn within<F: Future>(what: &str, future: F) -> F::Output {
+    tokio::time::timeout(DEADLINE, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} hung"))
+}
+
+/// Waits until `condition` holds, failing the test after [`DEADLINE`]: polls it after 1 ms,
+/// then less and less often, up to every 10 ms (a condition may read the metrics).
+pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    within(what, async {
+        let mut interval = Duration::from_millis(1);
+        while !condition() {
+            tokio::time::sleep(interval).await;
+            interval = (interval * 2).min(Duration::from_millis(10));
+        }
+    })
+    .await;
+}
+
+/// What [`Telemetry::outcomes`] reads after one operation that ended `outcome`.
+pub fn only(outcome: &str) -> BTreeMap<String, u64> {
+    BTreeMap::from([(outcome.to_owned(), 1)])
+}
+
+/// `(queued, active)` over every series.
+pub fn live(t: &Telemetry) -> (i64, i64) {
+    (
+        t.live_value(QUEUED_INSTRUMENT, &[]),
+        t.live_value(ACTIVE_INSTRUMENT, &[]),
+    )
+}
+
+/// How many waits of `operation` were given up.
+pub fn abandoned(t: &Telemetry, operation: &str) -> i64 {
+    t.live_value(ABANDONED_INSTRUMENT, &[(OPERATION_ATTRIBUTE, operation)])
+}
+
+/// Nothing waits or runs, in any series, and every permit of `limit` is back.
+pub fn assert_idle(t: &Telemetry, limit: &Limit) {
+    assert_eq!(live(t), (0, 0), "(queued, active)");
+    assert_eq!(limit.available(), limit.capacity(), "permits back");
+    assert_eq!(limit.queued(), 0, "waiters on the limit");
+}
+
+/// An inner service that answers once the request's sender fires (or is dropped).
+pub fn held(
+) -> impl Service<oneshot::Receiver<()>, Response = (), Error = BoxError, Future: Send> + Clone + Send
+{
+    service_fn(|release: oneshot::Receiver<()>| async move {
+        let _ = release.await;
+        Ok::<_, BoxError>(())
+    })
+}
+
+/// The task of an operation started by [`spawn_held`]: what the service answered.
+pub type HeldTask<S> = JoinHandle<
+    Result<
+        <S as Service<oneshot::Receiver<()>>>::Response,
+        <S as Service<oneshot::Receiver<()>>>::Error,
+    >,
+>;
+
+/// Starts an operation of `service`, on a task of its own, that runs until the sender returned
+/// fires (or is dropped).
+pub fn spawn_held<S>(service: &S) -> (oneshot::Sender<()>, HeldTask<S>)
+where
+    S: Service<oneshot::Receiver<()>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send + 'static,
+    S::Error: Send + 'static,
+{
+    let (release, rx) = oneshot::channel();
+    (release, tokio::spawn(service.clone().oneshot(rx)))
+}
+
+/// An inner service whose `call` itself (not the future it returns) panics, with
+/// `call panicked: <request>`, after setting `outcome` if it has one.
+pub fn panics_in_call<R: std::fmt::Debug>(
+    outcome: Option<Outcome>,
+) -> impl Service<R, Response = (), Error = Infallible> + Clone {
+    service_fn(
+        move |request: R| -> std::future::Ready<Result<(), Infallible>> {
+            if let Some(outcome) = outcome {
+                assert!(set_outcome(outcome), "inside the operation");
+            }
+            panic!("call panicked: {request:?}")
+        },
+    )
+}
+
 /// Lets every task of a current-thread runtime run until it waits on something; under paused
 /// time no timer fires meanwhile, so the clock does not move.
 pub async fn settle() {
     for _ in 0..32 {
         tokio::task::yield_now().await;
     }
+}
+
+/// The message of the panic that ends `task`, which must panic, not end otherwise or hang (up to
+/// [`DEADLINE`]).
+pub async fn panic_of<T>(what: &str, task: JoinHandle<T>) -> String {
+    let Err(error) = within(what, task).await else {
+        panic!("{what} ended without a panic")
+    };
+    assert!(error.is_panic(), "{what}: {error}");
+    panic_message(&*error.into_panic())
 }
 
 /// The message of a panic payload (`&str` or `String`).
@@ -295,4 +423,21 @@ impl Load {
     pub fn max(&self) -> usize {
         self.max.load(std::sync::atomic::Ordering::SeqCst)
     }
+}
+
+/// Takes one place of `limit` outside any layer, as other work sharing it would.
+pub fn take(limit: &Limit) -> tower_resources_operation::limit::LimitPermit {
+    use tower_resources_operation::Acquire as _;
+    limit
+        .try_acquire()
+        .expect("a free place")
+        .expect("an open limit")
+}
+
+/// The rejection inside a generic layer's `BoxError`.
+pub fn rejection_of(error: &tower::BoxError) -> tower_resources_operation::Rejection {
+    error
+        .downcast_ref::<tower_resources_operation::protocol::Rejected>()
+        .unwrap_or_else(|| panic!("not a rejection: {error}"))
+        .rejection()
 }

@@ -501,33 +501,8 @@ pub fn live_count(telemetry: &Telemetry, instrument: &str, series: Series) -> i6
 }
 
 // ---------------------------------------------------------------------------------------------
-// Waiting, with a safety net
+// Waiting
 // ---------------------------------------------------------------------------------------------
-
-/// A safety net so a lost permit fails a test instead of hanging it; not a performance bound.
-/// On paused time, where the clock jumps to the next timer once every task waits, it comes at
-/// once when nothing else can happen.
-pub const DEADLINE: Duration = Duration::from_secs(60);
-
-/// Awaits `future`, failing the test if it takes longer than [`DEADLINE`].
-pub async fn within<F: Future>(what: &str, future: F) -> F::Output {
-    tokio::time::timeout(DEADLINE, future)
-        .await
-        .unwrap_or_else(|_| panic!("{what} hung"))
-}
-
-/// Waits until `condition` holds, failing the test after [`DEADLINE`]: polls it after 1 ms,
-/// then less and less often, up to every 10 ms (a condition may read the metrics).
-pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    within(what, async {
-        let mut interval = Duration::from_millis(1);
-        while !condition() {
-            tokio::time::sleep(interval).await;
-            interval = (interval * 2).min(Duration::from_millis(10));
-        }
-    })
-    .await;
-}
 
 /// Runs for `duration` on the clock; a yield to the scheduler if it is 0.
 pub async fn pause(duration: Duration) {
