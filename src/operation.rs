@@ -62,22 +62,26 @@ pub struct Lifecycle<P, K = ()> {
 /// what the drop means.
 struct Record {
     series: Series,
-    /// Where the operation stands: one of the `WAITING`, `ADMITTED` and `ENDED` below.
+    /// Where the operation stands: one of the `WAITING`, `ADMITTED`, `CALLED` and `ENDED` below.
     stage: u8,
     /// The outcome [`set_outcome`] chose, if it did (see [`Chosen`]).
     chosen: Chosen,
-    /// How long it waited before it was admitted, in microseconds.
-    queued_us: u32,
+    /// Admitted: how long it waited, in microseconds. Called: how long it may run before a drop
+    /// is past its caller's deadline, in milliseconds ([`NO_DEADLINE`] for none). One field for
+    /// both keeps a record, and so every service and response future, a word smaller.
+    timing: u32,
     /// When it started to wait (while waiting), or was admitted (once admitted); `None` if the
     /// clock could not be read (a duration from it is then 0).
     at: Option<Instant>,
-    /// How long its caller waits for it, from when it asked, in whole milliseconds; 0 for none.
-    deadline_ms: u32,
 }
 
 const WAITING: u8 = 0;
 const ADMITTED: u8 = 1;
-const ENDED: u8 = 2;
+const CALLED: u8 = 2;
+const ENDED: u8 = 3;
+
+/// A called operation's `timing` when its caller set no deadline.
+const NO_DEADLINE: u32 = u32::MAX;
 
 /// An outcome that [`set_outcome`] may have chosen, kept in a plain byte: a record's only
 /// niche is then its series pointer, so that "nothing to record" is one null word.
@@ -363,7 +367,7 @@ impl<P> Lifecycle<P> {
         let (decides, deadline) = carried();
         let mut record = self.record.take();
         if let Some(record) = &mut record {
-            record.deadline_ms = deadline.map_or(0, deadline_ms);
+            record.called(deadline);
         }
         Lifecycle {
             record,
@@ -397,9 +401,8 @@ impl Record {
             series,
             stage: WAITING,
             chosen: Chosen::NONE,
-            queued_us: 0,
+            timing: 0,
             at,
-            deadline_ms: 0,
         }
     }
 
@@ -415,7 +418,26 @@ impl Record {
         self.series.admit(waited, queued);
         self.stage = ADMITTED;
         self.at = now;
-        self.queued_us = u32::try_from(queued.as_micros()).unwrap_or(u32::MAX);
+        self.timing = u32::try_from(queued.as_micros()).unwrap_or(u32::MAX);
+    }
+
+    /// Called, with its caller's `deadline` counted from when it asked: keeps how long it may
+    /// run before a drop is past that deadline (less a slack: the caller started its clock a
+    /// little before the operation asked).
+    fn called(&mut self, deadline: Option<Duration>) {
+        if self.stage != ADMITTED {
+            return;
+        }
+        let queued = Duration::from_micros(u64::from(self.timing));
+        self.timing = deadline.map_or(NO_DEADLINE, |deadline| {
+            let slack = DEADLINE_SLACK.min(deadline / 10);
+            let may_run = deadline.saturating_sub(queued + slack);
+            let ms = may_run.as_nanos().div_ceil(1_000_000);
+            u32::try_from(ms)
+                .unwrap_or(NO_DEADLINE - 1)
+                .min(NO_DEADLINE - 1)
+        });
+        self.stage = CALLED;
     }
 }
 
@@ -423,11 +445,12 @@ impl Record {
     /// Records the end of the admitted operation, once; `classify` says what a returned work's
     /// outcome is, if it can (`None` when nothing was made to decide it).
     fn end(&mut self, end: Ending, classify: impl FnOnce() -> Option<Outcome>) {
-        if std::mem::replace(&mut self.stage, ENDED) != ADMITTED {
+        if self.stage != ADMITTED && self.stage != CALLED {
             return;
         }
         let now = self.series.now();
         let outcome = decide(self, end, classify, now);
+        self.stage = ENDED;
         self.series.end(outcome, elapsed(self.at, now));
     }
 }
@@ -441,7 +464,7 @@ impl Drop for Record {
                 self.stage = ENDED;
                 self.series.abandon(true);
             }
-            ADMITTED => self.end(Ending::Dropped, || None),
+            ADMITTED | CALLED => self.end(Ending::Dropped, || None),
             _ => {}
         }
     }
@@ -471,14 +494,14 @@ fn decide(
 
 /// Whether the caller's deadline has passed at `now`, counted from when the operation asked.
 fn past_deadline(record: &Record, now: Option<Instant>) -> bool {
-    if record.deadline_ms == 0 || record.at.is_none() || now.is_none() {
+    // Only a called operation has its caller's deadline (admitted, `timing` is its queue time).
+    if record.stage != CALLED || record.timing == NO_DEADLINE {
         return false;
     }
-    let deadline = Duration::from_millis(u64::from(record.deadline_ms));
-    let slack = DEADLINE_SLACK.min(deadline / 10);
-    let waited = Duration::from_micros(u64::from(record.queued_us));
-    let ran = elapsed(record.at, now);
-    waited + ran + slack >= deadline
+    if record.at.is_none() || now.is_none() {
+        return false;
+    }
+    elapsed(record.at, now) >= Duration::from_millis(u64::from(record.timing))
 }
 
 /// The time from `from` to `to`: 0 if the clock could not read either, or `to` is earlier.
@@ -487,12 +510,6 @@ fn elapsed(from: Option<Instant>, to: Option<Instant>) -> Duration {
         (Some(from), Some(to)) => to.saturating_duration_since(from),
         _ => Duration::ZERO,
     }
-}
-
-fn deadline_ms(deadline: Duration) -> u32 {
-    u32::try_from(deadline.as_millis())
-        .unwrap_or(u32::MAX)
-        .max(1)
 }
 
 /// Dropped only while the work unwinds: leaves the scope and ends the operation as crashed.
@@ -575,4 +592,74 @@ pub fn set_outcome(outcome: Outcome) -> bool {
             }
         })
         .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Executor, Operation, OperationMetrics};
+
+    /// A record admitted at `at` after waiting `queued`, on a meter that exports nothing.
+    fn admitted(at: Instant, queued: Duration) -> Record {
+        let metrics = OperationMetrics::new(&opentelemetry::global::meter("operation-tests"));
+        let series = metrics.series(Operation::Other, Executor::Other, None);
+        let mut record = Record::new(series.expect("enabled metrics").clone(), Some(at));
+        record.stage = ADMITTED;
+        record.timing = u32::try_from(queued.as_micros()).unwrap();
+        record
+    }
+
+    fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn the_queue_time_counts_toward_the_callers_deadline() {
+        let at = Instant::now();
+        // 100 ms from when it asked, 80 of them spent waiting, less a slack of 10 ms.
+        let mut record = admitted(at, ms(80));
+        record.called(Some(ms(100)));
+        assert!(!past_deadline(&record, Some(at + ms(9))));
+        assert!(past_deadline(&record, Some(at + ms(10))));
+        record.stage = ENDED;
+    }
+
+    #[test]
+    fn a_wait_longer_than_the_deadline_makes_any_drop_past_it() {
+        let at = Instant::now();
+        let mut record = admitted(at, ms(150));
+        record.called(Some(ms(100)));
+        assert!(past_deadline(&record, Some(at)));
+        record.stage = ENDED;
+    }
+
+    #[test]
+    fn without_a_deadline_or_a_call_no_drop_is_past_one() {
+        let at = Instant::now();
+        let mut no_deadline = admitted(at, ms(0));
+        no_deadline.called(None);
+        assert!(!past_deadline(&no_deadline, Some(at + ms(3_600_000))));
+        no_deadline.stage = ENDED;
+
+        // Admitted, never called: its queue time (5 ms, kept as 5000 us) is not a deadline.
+        let mut never_called = admitted(at, ms(5));
+        let outcome = decide(
+            &never_called,
+            Ending::Dropped,
+            || None,
+            Some(at + ms(6_000)),
+        );
+        assert_eq!(outcome, Outcome::Cancelled);
+        never_called.stage = ENDED;
+    }
+
+    #[test]
+    fn a_deadline_beyond_what_the_record_holds_is_kept_as_the_longest_it_can() {
+        let at = Instant::now();
+        let mut record = admitted(at, ms(0));
+        record.called(Some(Duration::from_secs(60 * 60 * 24 * 365)));
+        assert_eq!(record.timing, NO_DEADLINE - 1);
+        assert!(!past_deadline(&record, Some(at + ms(1_000))));
+        record.stage = ENDED;
+    }
 }
