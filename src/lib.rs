@@ -74,6 +74,9 @@
 //! | [`LIMIT_INSTRUMENT`](metrics::LIMIT_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | operation, executor | at each collection: the sum of the capacities of the distinct limits the series draws from |
 //! | [`REJECTED_INSTRUMENT`](metrics::REJECTED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor, rejection | once per operation turned away without a permit |
 //! | [`ABANDONED_INSTRUMENT`](metrics::ABANDONED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor | once per operation whose caller went away while it waited |
+//! | [`LIMIT_CAPACITY_INSTRUMENT`](metrics::LIMIT_CAPACITY_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | limit | at each collection: how many operations a named limit admits at once |
+//! | [`LIMIT_ACTIVE_INSTRUMENT`](metrics::LIMIT_ACTIVE_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations holding a place of a named limit now, whatever their series |
+//! | [`LIMIT_QUEUED_INSTRUMENT`](metrics::LIMIT_QUEUED_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations waiting for a named limit now |
 //!
 //! - Attribute keys: [`OPERATION_ATTRIBUTE`] ([`OPERATIONS`]), [`EXECUTOR_ATTRIBUTE`]
 //!   ([`EXECUTORS`]), [`OUTCOME_ATTRIBUTE`] ([`OUTCOMES`]), and this crate's
@@ -89,10 +92,23 @@
 //!   is at most `limit`, except while a lowered capacity drains. A [`Limit`] knows its capacity;
 //!   an `Arc<Semaphore>` does not, unless the layer is given one
 //!   ([`capacity`](ResourcesOperationLayer::capacity)).
+//! - **A limit shared by several series** (`/verify` and `/judge` on one [`Limit`]) shows, on
+//!   each series, its whole capacity as `limit` and only that series' share as `active`: neither
+//!   looks full while together they are. [Name the limit](limit::LimitBuilder::name) and it
+//!   reports `gym.resources.limit.{capacity,active,queued}` with
+//!   [`LIMIT_ATTRIBUTE`](metrics::LIMIT_ATTRIBUTE) (`nemo.gym.resources.limit`) = its name,
+//!   whichever series use it: read saturation there. A name is written in code, so the attribute
+//!   stays bounded; limits that share a name add up. NeMo Gym's series stay as they are.
 //! - Live counts add up over every limit that reports through one [`OperationMetrics`] (clones
 //!   share them). A series given explicit metrics reports 0 from the moment a layer makes a
 //!   service for it; with the global metrics, from the first request a service of the layer
-//!   serves.
+//!   serves. A [per-request](per_request) layer whose chooser knows its rules reports every
+//!   series they name from its first request on.
+//! - Mistakes that would record nothing, or the wrong thing, are reported once each as a
+//!   `tracing` warning: no meter provider installed (then [`OperationMetrics::global`] is
+//!   disabled: `global().is_enabled()` is the check to call), a second [`OperationMetrics`]
+//!   alive (two from one meter hide each other's live counts), a per-request choice naming a
+//!   limit its layer was not given.
 //! - [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit.
 //!
 //! # Outcomes
@@ -207,6 +223,7 @@
 //!   matched route.
 //! - `serde`: [`Operation`], [`Executor`], [`Outcome`] and [`Rejection`] (de)serialize as their
 //!   attribute strings.
+//! - `tracing` (default): the warnings above, through `tracing`.
 //! - `experimental-bound-instruments`: records through OpenTelemetry's bound instruments
 //!   (`Histogram::bind`), several times cheaper per record. Turn on `opentelemetry_sdk`'s
 //!   `experimental_metrics_bound_instruments` feature too: without it the SDK silently drops
@@ -222,6 +239,7 @@
 
 mod attributes;
 pub mod classify;
+mod diagnostics;
 pub mod layer;
 pub mod limit;
 pub mod metrics;

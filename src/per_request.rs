@@ -26,6 +26,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::classify::ClassifyOutcome;
+use crate::diagnostics::{self, Mistake};
 use crate::layer::{Config, End, ResourcesOperation, ResourcesOperationLayer};
 use crate::limit::Acquire;
 use crate::operation::guarded;
@@ -34,7 +35,9 @@ use crate::{Executor, Operation};
 
 const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
 
-/// What a request is, to a layer over many routes: an operation of some series, or not limited.
+/// What a request is, to a layer over many routes: an operation of some series, under the
+/// layer's limit or one of its [named limits](crate::ResourcesOperationLayer::limits), or not
+/// limited.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Choice {
     /// Limited, and recorded as `operation` on `executor`.
@@ -43,17 +46,47 @@ pub enum Choice {
         operation: Operation,
         /// Where it runs.
         executor: Executor,
+        /// The name of the limit it takes its permit from, among the layer's
+        /// [`limits`](crate::ResourcesOperationLayer::limits); `None` for the layer's own.
+        limit: Option<&'static str>,
     },
     /// Not limited and not recorded: a health check, `/metrics`.
     Unlimited,
 }
 
 impl Choice {
-    /// [`Choice::Limited`] with `operation` and `executor`.
+    /// [`Choice::Limited`] with `operation` and `executor`, under the layer's own limit.
     pub const fn limited(operation: Operation, executor: Executor) -> Self {
         Choice::Limited {
             operation,
             executor,
+            limit: None,
+        }
+    }
+
+    /// This choice, under the layer's limit named `limit` (see
+    /// [`limits`](crate::ResourcesOperationLayer::limits)) rather than its own. An unlimited
+    /// choice stays unlimited.
+    ///
+    /// ```
+    /// use tower_resources_operation::per_request::Choice;
+    /// use tower_resources_operation::{Executor, Operation};
+    ///
+    /// let verify = Choice::limited(Operation::Verify, Executor::Subprocess).on("verifiers");
+    /// assert!(matches!(verify, Choice::Limited { limit: Some("verifiers"), .. }));
+    /// ```
+    pub const fn on(self, limit: &'static str) -> Self {
+        match self {
+            Choice::Limited {
+                operation,
+                executor,
+                ..
+            } => Choice::Limited {
+                operation,
+                executor,
+                limit: Some(limit),
+            },
+            Choice::Unlimited => Choice::Unlimited,
         }
     }
 
@@ -69,6 +102,13 @@ impl Choice {
 pub trait ChooseOperation<Req> {
     /// What `request` is.
     fn choose(&self, request: &Req) -> Choice;
+
+    /// Every choice this chooser can make, if it knows them (rules do; a closure does not):
+    /// a layer reports their series from the start, 0 included, and checks, when it makes its
+    /// service, that each limit they name is one it has. Defaults to none.
+    fn choices(&self) -> Vec<Choice> {
+        Vec::new()
+    }
 }
 
 impl<F, Req> ChooseOperation<Req> for F
@@ -116,6 +156,20 @@ struct Table {
     exact: HashMap<Box<str>, Choice>,
     prefix: HashMap<Box<str>, Choice>,
     otherwise: Choice,
+}
+
+impl Table {
+    /// Every choice of the rules, and the choice for a request that no rule names.
+    fn choices(&self) -> Vec<Choice> {
+        let mut choices: Vec<Choice> = Vec::new();
+        let rules = self.exact.values().chain(self.prefix.values());
+        for choice in rules.chain([&self.otherwise]) {
+            if !choices.contains(choice) {
+                choices.push(*choice);
+            }
+        }
+        choices
+    }
 }
 
 impl Default for Table {
@@ -170,6 +224,10 @@ impl<B> ChooseOperation<http::Request<B>> for ByGrpcMethod {
             .get(service)
             .copied()
             .unwrap_or(table.otherwise)
+    }
+
+    fn choices(&self) -> Vec<Choice> {
+        self.table.choices()
     }
 }
 
@@ -236,19 +294,19 @@ impl<B> ChooseOperation<http::Request<B>> for ByMatchedPath {
             .copied()
             .unwrap_or(table.otherwise)
     }
-}
 
-/// The tags of a layer whose requests each choose their operation with `F`: see
-/// [`per_request`](crate::ResourcesOperationLayer::per_request).
-#[derive(Clone, Debug)]
-pub struct PerRequest<F> {
-    chooser: F,
-}
-
-impl<F> PerRequest<F> {
-    pub(crate) fn new(chooser: F) -> Self {
-        Self { chooser }
+    fn choices(&self) -> Vec<Choice> {
+        self.table.choices()
     }
+}
+
+/// The tags of a layer whose requests each choose their operation with `F`, and the named
+/// limits `L` they may choose: see [`per_request`](crate::ResourcesOperationLayer::per_request).
+#[derive(Clone, Debug)]
+pub struct PerRequest<F, L> {
+    chooser: F,
+    /// The limits a choice can name, each with its name.
+    limits: Arc<[(&'static str, L)]>,
 }
 
 /// A service whose requests each choose their operation, made by a layer built
@@ -266,19 +324,36 @@ pub struct PerRequestOperation<S, F, C, L, P, E> {
 /// What the services of one per-request layer share.
 struct Choosing<F, C, L, P> {
     chooser: F,
-    base: Arc<Config<C, L, P>>,
-    /// The configuration of each (operation, executor), made when a request first chooses it.
-    by_series: [OnceLock<Arc<Config<C, L, P>>>; SERIES],
+    /// The layer's own configuration, then one per named limit (its limit in place of the
+    /// layer's).
+    bases: Vec<Arc<Config<C, L, P>>>,
+    /// The names of the named limits, in the order of `bases[1..]`.
+    names: Vec<&'static str>,
+    /// The configuration of each (limit, operation, executor), made when a request first
+    /// chooses it: `SERIES` per entry of `bases`.
+    by_series: Box<[OnceLock<Arc<Config<C, L, P>>>]>,
+    /// Whether the chooser's series were announced to the metrics.
+    announced: OnceLock<()>,
 }
 
-impl<S, F: Clone, C, L, P, E> PerRequestOperation<S, F, C, L, P, E> {
-    pub(crate) fn new(inner: S, tags: &PerRequest<F>, base: &Arc<Config<C, L, P>>) -> Self {
+impl<S, F: Clone, C: Clone, L: Clone, P: Clone, E> PerRequestOperation<S, F, C, L, P, E> {
+    fn new(inner: S, tags: &PerRequest<F, L>, base: &Arc<Config<C, L, P>>) -> Self {
+        let mut bases = vec![Arc::clone(base)];
+        for (_, limit) in tags.limits.iter() {
+            let mut config = (**base).clone();
+            config.limit = limit.clone();
+            // The layer's capacity describes its own limit, not this one.
+            config.capacity = None;
+            bases.push(Arc::new(config));
+        }
         Self {
             inner,
             choosing: Arc::new(Choosing {
                 chooser: tags.chooser.clone(),
-                base: Arc::clone(base),
-                by_series: std::array::from_fn(|_| OnceLock::new()),
+                names: tags.limits.iter().map(|(name, _)| *name).collect(),
+                by_series: (0..bases.len() * SERIES).map(|_| OnceLock::new()).collect(),
+                bases,
+                announced: OnceLock::new(),
             }),
             _end: PhantomData,
         }
@@ -302,16 +377,52 @@ impl<S, F, C, L, P, E> PerRequestOperation<S, F, C, L, P, E> {
     }
 }
 
-impl<F, C: Clone, L: Clone, P: Clone> Choosing<F, C, L, P> {
-    /// The configuration of the operations of (`operation`, `executor`).
-    fn config(&self, operation: Operation, executor: Executor) -> &Arc<Config<C, L, P>> {
-        let index = operation.index() * Executor::ALL.len() + executor.index();
+impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
+    /// Where the limit named `limit` sits in `bases` (0, the layer's own, for `None`); a name
+    /// the layer was not given is reported once and takes the layer's own limit.
+    fn slot(&self, limit: Option<&'static str>) -> usize {
+        let Some(name) = limit else { return 0 };
+        match self.names.iter().position(|known| *known == name) {
+            Some(index) => index + 1,
+            None => {
+                diagnostics::report(Mistake::UnknownLimit, &format!(": {name:?}"));
+                0
+            }
+        }
+    }
+
+    /// The configuration of the operations of (`operation`, `executor`) under the limit in
+    /// `slot`.
+    fn config(&self, slot: usize, operation: Operation, executor: Executor) -> &Arc<Config<C, L, P>> {
+        let index = slot * SERIES + operation.index() * Executor::ALL.len() + executor.index();
         self.by_series[index].get_or_init(|| {
-            let mut config = (*self.base).clone();
+            let mut config = (*self.bases[slot]).clone();
             config.operation = operation;
             config.executor = executor;
             Arc::new(config)
         })
+    }
+
+    /// Reports the series of every choice the chooser knows it can make, from now on, and
+    /// reports once a choice that names a limit the layer was not given.
+    fn announce<Req>(&self)
+    where
+        F: ChooseOperation<Req>,
+    {
+        self.announced.get_or_init(|| {
+            let choices = guarded(|| self.chooser.choices()).unwrap_or_default();
+            for choice in choices {
+                if let Choice::Limited {
+                    operation,
+                    executor,
+                    limit,
+                } = choice
+                {
+                    let slot = self.slot(limit);
+                    self.config(slot, operation, executor).series();
+                }
+            }
+        });
     }
 }
 
@@ -336,6 +447,11 @@ where
     >;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        let choosing = &*self.choosing;
+        if choosing.announced.get().is_none() {
+            // The first request: the series of every known choice report from now on.
+            choosing.announce::<Request>();
+        }
         Poll::Ready(Ok(()))
     }
 
@@ -346,8 +462,10 @@ where
             Choice::Limited {
                 operation,
                 executor,
+                limit,
             } => {
-                let config = Arc::clone(choosing.config(operation, executor));
+                let slot = choosing.slot(limit);
+                let config = Arc::clone(choosing.config(slot, operation, executor));
                 let service = ResourcesOperation::from_config(self.inner.clone(), config);
                 PerRequestFuture::limited(service.oneshot(request))
             }
@@ -450,16 +568,72 @@ impl<C: Clone, L: Clone, P: Clone, E> ResourcesOperationLayer<C, L, P, E> {
     /// Lets each request choose its operation and executor, or to go unlimited, with
     /// `chooser`: for one layer over a whole axum `Router` or tonic `Server`. See
     /// [`per_request`](crate::per_request).
-    pub fn per_request<F>(self, chooser: F) -> ResourcesOperationLayer<C, L, P, E, PerRequest<F>> {
+    pub fn per_request<F>(
+        self,
+        chooser: F,
+    ) -> ResourcesOperationLayer<C, L, P, E, PerRequest<F, L>> {
         ResourcesOperationLayer {
             config: self.config,
-            tags: PerRequest::new(chooser),
+            tags: PerRequest {
+                chooser,
+                limits: Arc::new([]),
+            },
             _end: PhantomData,
         }
     }
 }
 
-impl<S, C, L, P, E, F> Layer<S> for ResourcesOperationLayer<C, L, P, E, PerRequest<F>>
+impl<C, L: Acquire, P, E, F> ResourcesOperationLayer<C, L, P, E, PerRequest<F, L>> {
+    /// Named limits that a request's [`Choice`] can take its permit from, by name
+    /// ([`Choice::on`]), instead of the layer's own: one layer over a whole `Router` can cap
+    /// `/verify` at 4 and `/judge` at 8.
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use tower_resources_operation::per_request::{ByMatchedPath, Choice};
+    /// use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
+    ///
+    /// let verifiers = Limit::builder(4).name("verifiers").build();
+    /// let judges = Limit::builder(8).name("judges").build();
+    /// let chooser = ByMatchedPath::new()
+    ///     .route("/verify", Choice::limited(Operation::Verify, Executor::Subprocess).on("verifiers"))
+    ///     .route("/judge", Choice::limited(Operation::Judge, Executor::Inline).on("judges"))
+    ///     .otherwise(Choice::Unlimited);
+    /// let app: Router = Router::new()
+    ///     .route("/verify", post(|| async { "verified" }))
+    ///     .route("/judge", post(|| async { "judged" }))
+    ///     .layer(
+    ///         ResourcesOperationLayer::new_for_http(16)
+    ///             .per_request(chooser)
+    ///             .limits([verifiers, judges]),
+    ///     );
+    /// # drop(app);
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If a limit has no [name](crate::limit::LimitBuilder::name), or two share one.
+    #[track_caller]
+    pub fn limits(mut self, limits: impl IntoIterator<Item = L>) -> Self {
+        let mut named: Vec<(&'static str, L)> = Vec::new();
+        for limit in limits {
+            let Some(name) = limit.capacity().and_then(|capacity| capacity.name()) else {
+                panic!(
+                    "tower-resources-operation: a per-request layer's limits are chosen by name: \
+                     name each one (Limit::builder(n).name(\"..\").build())"
+                );
+            };
+            if named.iter().any(|(known, _)| *known == name) {
+                panic!("tower-resources-operation: two of a per-request layer's limits are named {name:?}");
+            }
+            named.push((name, limit));
+        }
+        self.tags.limits = named.into();
+        self
+    }
+}
+
+impl<S, C, L, P, E, F> Layer<S> for ResourcesOperationLayer<C, L, P, E, PerRequest<F, L>>
 where
     C: Clone,
     L: Acquire + Clone,
@@ -471,6 +645,14 @@ where
     #[track_caller]
     fn layer(&self, inner: S) -> Self::Service {
         self.config.check();
+        for (_, limit) in self.tags.limits.iter() {
+            if !self.config.answers && limit.may_reject() {
+                // The layer's own check, for each named limit.
+                let mut config = (*self.config).clone();
+                config.limit = limit.clone();
+                config.check();
+            }
+        }
         PerRequestOperation::new(inner, &self.tags, &self.config)
     }
 }

@@ -53,6 +53,7 @@ fn series(choice: Choice) -> [(&'static str, &'static str); 2] {
     let Choice::Limited {
         operation,
         executor,
+        ..
     } = choice
     else {
         panic!("an unlimited choice has no series")

@@ -89,9 +89,9 @@ pub(crate) struct Config<C, L, P> {
     pub(crate) answers: bool,
     pub(crate) operation: Operation,
     pub(crate) executor: Executor,
-    metrics: MetricsSource,
+    pub(crate) metrics: MetricsSource,
     /// The capacity given with [`ResourcesOperationLayer::capacity`].
-    capacity: Option<Capacity>,
+    pub(crate) capacity: Option<Capacity>,
     /// The series its operations record through, once decided.
     series: OnceLock<Option<Series>>,
 }

@@ -8,7 +8,7 @@ use tokio::sync::{Semaphore, TryAcquireError};
 
 use super::resize::Resizable;
 use super::{Acquire, AcquireError};
-use crate::metrics::Capacity;
+use crate::metrics::{Capacity, Reading};
 use crate::Rejection;
 
 /// A limit of operations at once, shared by every clone, that knows its capacity, can bound its
@@ -17,12 +17,17 @@ use crate::Rejection;
 /// It is a tokio [`Semaphore`] that also counts its waiters and reports its capacity as
 /// `gym.resources.operation.limit`. Waiters are served first come, first served.
 ///
+/// A limit [named](LimitBuilder::name) in code also reports instruments of its own, under its
+/// name: how many operations it admits at once, holds and keeps waiting, whichever routes and
+/// operations share it (see [the metrics](crate#metrics)).
+///
 /// ```
 /// use tower_resources_operation::Limit;
 ///
 /// // Two verifiers at once; at most eight callers wait, the ninth is turned away at once.
-/// let limit = Limit::with_max_queued(2, 8);
+/// let limit = Limit::builder(2).max_queued(8).name("verifiers").build();
 /// assert_eq!((limit.capacity(), limit.available(), limit.queued()), (2, 2, 0));
+/// assert_eq!(limit.name(), Some("verifiers"));
 ///
 /// // More verifiers came up: the waiters get the new places at once.
 /// limit.set_capacity(4).unwrap();
@@ -40,6 +45,7 @@ struct State {
     /// Waiters beyond this are turned away; `usize::MAX` for no bound. Set when the limit is
     /// made, so that no layer sees a limit start to reject after it was checked.
     max_queued: usize,
+    /// What the metrics read, and the limit's identity there.
     gauge: Capacity,
 }
 
@@ -59,7 +65,7 @@ impl Limit {
     /// [`Semaphore::MAX_PERMITS`].
     pub fn try_new(max: usize) -> Result<Self, LimitTooLarge> {
         check(max)?;
-        Ok(Self::make(max, usize::MAX))
+        Ok(Self::make(max, usize::MAX, None))
     }
 
     /// A limit of `max` operations at once, of which at most `max_queued` wait, across every
@@ -74,25 +80,35 @@ impl Limit {
     /// If `max` is above tokio's [`Semaphore::MAX_PERMITS`].
     #[track_caller]
     pub fn with_max_queued(max: usize, max_queued: usize) -> Self {
-        match check(max) {
-            Ok(()) => Self::make(max, max_queued),
-            Err(error) => panic!("{error}"),
+        Self::builder(max).max_queued(max_queued).build()
+    }
+
+    /// A limit of `max` operations at once, with a bound on its queue or a name: see
+    /// [`LimitBuilder`].
+    pub fn builder(max: usize) -> LimitBuilder {
+        LimitBuilder {
+            max,
+            max_queued: usize::MAX,
+            name: None,
         }
     }
 
-    fn make(max: usize, max_queued: usize) -> Self {
+    fn make(max: usize, max_queued: usize, name: Option<&'static str>) -> Self {
         let state = Arc::new_cyclic(|state: &Weak<State>| {
             let state = state.clone();
             State {
                 places: Resizable::new(Semaphore::new(max), max),
                 queued: AtomicUsize::new(0),
                 max_queued,
-                gauge: Capacity::while_alive(move || {
-                    state.upgrade().map(|state| state.places.capacity())
-                }),
+                gauge: Capacity::of_limit(name, move || state.upgrade().map(|state| state.read())),
             }
         });
         Self { state }
+    }
+
+    /// Its name, if it was given one.
+    pub fn name(&self) -> Option<&'static str> {
+        self.state.gauge.name()
     }
 
     /// How many operations this limit admits at once.
@@ -134,6 +150,99 @@ impl Limit {
     /// closed; running operations finish normally.
     pub fn close(&self) {
         self.state.places.places().close();
+    }
+}
+
+impl State {
+    /// What the metrics report of the limit now.
+    fn read(&self) -> Reading {
+        let free = self.places.places().available_permits();
+        Reading {
+            capacity: self.places.capacity(),
+            active: self.places.held(free),
+            queued: self.queued.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Makes a [`Limit`] with a bound on its queue, or a name, or both: the two things that are
+/// fixed once the limit is shared.
+///
+/// ```
+/// use tower_resources_operation::Limit;
+///
+/// let judges = Limit::builder(8).name("judges").build();
+/// let verifiers = Limit::builder(2).max_queued(16).name("verifiers").build();
+/// assert_eq!((judges.queue_bound(), verifiers.queue_bound()), (None, Some(16)));
+/// ```
+#[derive(Clone, Debug)]
+#[must_use = "a builder makes nothing until `build`"]
+pub struct LimitBuilder {
+    max: usize,
+    max_queued: usize,
+    name: Option<&'static str>,
+}
+
+impl LimitBuilder {
+    /// At most `max_queued` operations wait, across every layer and call that shares the limit:
+    /// one more is turned away at once, with [`Rejection::QueueFull`] (see
+    /// [`Limit::with_max_queued`]).
+    pub fn max_queued(mut self, max_queued: usize) -> Self {
+        self.max_queued = max_queued;
+        self
+    }
+
+    /// Names the limit: it then reports `gym.resources.limit.capacity`, `.active` and `.queued`
+    /// with `nemo.gym.resources.limit` = `name`, so that one dashboard row or alert covers every
+    /// route and operation that shares it. Limits that share a name add up.
+    ///
+    /// A name is written in code (`&'static str`), so the attribute stays bounded: 1 to 64
+    /// characters among `A-Z a-z 0-9 _ . : / -`, starting with a letter.
+    ///
+    /// # Panics
+    ///
+    /// If `name` is not such a name.
+    #[track_caller]
+    pub fn name(mut self, name: &'static str) -> Self {
+        if let Err(error) = check_name(name) {
+            panic!("{error}");
+        }
+        self.name = Some(name);
+        self
+    }
+
+    /// The limit.
+    ///
+    /// # Panics
+    ///
+    /// If its capacity is above tokio's [`Semaphore::MAX_PERMITS`]; [`try_build`](Self::try_build)
+    /// returns that as an error instead.
+    #[track_caller]
+    pub fn build(self) -> Limit {
+        match self.try_build() {
+            Ok(limit) => limit,
+            Err(error) => panic!("{error}"),
+        }
+    }
+
+    /// The limit, or an error if its capacity is above tokio's [`Semaphore::MAX_PERMITS`].
+    pub fn try_build(self) -> Result<Limit, LimitTooLarge> {
+        check(self.max)?;
+        Ok(Limit::make(self.max, self.max_queued, self.name))
+    }
+}
+
+/// Whether `name` can name a limit in the metrics.
+fn check_name(name: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '/' | '-');
+    let starts_with_letter = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic());
+    if (1..=64).contains(&name.len()) && starts_with_letter && name.chars().all(allowed) {
+        Ok(())
+    } else {
+        Err(format!(
+            "tower-resources-operation: a limit's name becomes a metric attribute, so it must be \
+             1 to 64 characters among A-Z a-z 0-9 _ . : / -, starting with a letter; got {name:?}"
+        ))
     }
 }
 
@@ -263,6 +372,7 @@ impl fmt::Debug for Limit {
             .field("available", &self.available())
             .field("queued", &self.queued())
             .field("queue_bound", &self.queue_bound())
+            .field("name", &self.name())
             .finish()
     }
 }

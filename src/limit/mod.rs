@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit, TryAcquireError};
 
-pub use local::{Limit, LimitPermit, LimitTooLarge};
+pub use local::{Limit, LimitBuilder, LimitPermit, LimitTooLarge};
 pub(crate) use poll::{in_place, Asking, Waiting};
 
 use crate::metrics::Capacity;

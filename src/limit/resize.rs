@@ -76,6 +76,12 @@ impl<S: Places> Resizable<S> {
         self.capacity.load(SeqCst)
     }
 
+    /// Places held now, given `free` of them are free: `capacity + debt - free` (a snapshot,
+    /// for the metrics; above the capacity for a while after it was lowered).
+    pub(super) fn held(&self, free: usize) -> usize {
+        (self.capacity.load(SeqCst) + self.debt.load(SeqCst)).saturating_sub(free)
+    }
+
     /// A held place comes back: it pays a unit of debt, or is freed.
     #[inline]
     pub(super) fn release(&self) {

@@ -1,5 +1,6 @@
-//! [`Capacity`], and the registry behind `gym.resources.operation.limit`: which limits each series
-//! draws from, and how many operations each admits at once.
+//! [`Capacity`], and the registry behind `gym.resources.operation.limit` and the per-limit
+//! instruments: which limits each series draws from, how many operations each admits at once,
+//! and, for a named [`Limit`](crate::Limit), how many it holds and how many wait.
 
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -30,33 +31,62 @@ const KNOWN: usize = 4;
 pub struct Capacity {
     /// Unique to the limit, never reused.
     id: u64,
-    read: Arc<dyn Fn() -> Option<usize> + Send + Sync>,
+    /// The limit's name, for a limit that reports instruments of its own.
+    name: Option<&'static str>,
+    read: Arc<dyn Fn() -> Option<Reading> + Send + Sync>,
+}
+
+/// What a limit reports at a collection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Reading {
+    /// Operations it admits at once.
+    pub(crate) capacity: usize,
+    /// Operations holding one of its places now (above `capacity` for a while after it was
+    /// lowered).
+    pub(crate) active: usize,
+    /// Operations waiting for it now.
+    pub(crate) queued: usize,
 }
 
 impl Capacity {
     /// A limit of `capacity` operations at once, for good.
     pub fn fixed(capacity: usize) -> Self {
-        Self::while_alive(move || Some(capacity))
+        Self::from_fn(move || capacity)
     }
 
     /// A limit whose capacity `read` returns at each collection (for a pool that grows, say).
     pub fn from_fn(read: impl Fn() -> usize + Send + Sync + 'static) -> Self {
-        Self::while_alive(move || Some(read()))
+        Self::of_limit(None, move || {
+            Some(Reading {
+                capacity: read(),
+                ..Reading::default()
+            })
+        })
     }
 
-    /// A limit whose capacity `read` returns while the limit exists, and `None` once it is gone:
-    /// a gone limit stops counting in the metrics.
-    pub(crate) fn while_alive(read: impl Fn() -> Option<usize> + Send + Sync + 'static) -> Self {
+    /// A limit named `name` (if it is), whose state `read` returns while the limit exists, and
+    /// `None` once it is gone: a gone limit stops counting in the metrics.
+    pub(crate) fn of_limit(
+        name: Option<&'static str>,
+        read: impl Fn() -> Option<Reading> + Send + Sync + 'static,
+    ) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Self {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            name,
             read: Arc::new(read),
         }
     }
 
     /// The capacity now, or `None` if the limit it describes is gone.
     pub fn get(&self) -> Option<usize> {
-        (self.read)()
+        (self.read)().map(|reading| reading.capacity)
+    }
+
+    /// The name of the limit, if it has one: a named [`Limit`](crate::Limit) reports
+    /// `gym.resources.limit.*` under it.
+    pub fn name(&self) -> Option<&'static str> {
+        self.name
     }
 
     /// Whether `self` and `other` describe the same limit (one is a clone of the other).
@@ -72,7 +102,10 @@ impl Capacity {
 
 impl fmt::Debug for Capacity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Capacity").field(&self.get()).finish()
+        f.debug_struct("Capacity")
+            .field("name", &self.name)
+            .field("capacity", &self.get())
+            .finish()
     }
 }
 
@@ -124,17 +157,49 @@ impl<const SERIES: usize> Registry<SERIES> {
     /// that collection.
     pub(super) fn totals(&self) -> [Option<usize>; SERIES] {
         let mut totals = [None::<usize>; SERIES];
+        self.read(|index, _, reading| {
+            let total = totals[index].get_or_insert(0);
+            *total = total.saturating_add(reading.capacity);
+        });
+        totals
+    }
+
+    /// Each named limit's reading, once per limit however many series draw from it; limits
+    /// that share a name add up. In the order the names were first registered.
+    pub(super) fn named(&self) -> Vec<(&'static str, Reading)> {
+        let mut seen: Vec<u64> = Vec::new();
+        let mut named: Vec<(&'static str, Reading)> = Vec::new();
+        self.read(|_, capacity, reading| {
+            let Some(name) = capacity.name else { return };
+            if seen.contains(&capacity.id) {
+                return;
+            }
+            seen.push(capacity.id);
+            match named.iter_mut().find(|(known, _)| *known == name) {
+                Some((_, sum)) => {
+                    sum.capacity = sum.capacity.saturating_add(reading.capacity);
+                    sum.active = sum.active.saturating_add(reading.active);
+                    sum.queued = sum.queued.saturating_add(reading.queued);
+                }
+                None => named.push((name, reading)),
+            }
+        });
+        named
+    }
+
+    /// Reads every registered limit for `each` (with its series), and forgets the limits that
+    /// are gone. A limit that panics when read is left out of that collection.
+    fn read(&self, mut each: impl FnMut(usize, &Capacity, Reading)) {
         let mut limits = self.limits.lock().unwrap_or_else(|p| p.into_inner());
         limits.retain(|(index, capacity)| {
             let read = if capacity.is_last() {
                 Ok(None)
             } else {
-                catch_unwind(AssertUnwindSafe(|| capacity.get()))
+                catch_unwind(AssertUnwindSafe(|| (capacity.read)()))
             };
             match read {
-                Ok(Some(value)) => {
-                    let total = totals[*index].get_or_insert(0);
-                    *total = total.saturating_add(value);
+                Ok(Some(reading)) => {
+                    each(*index, capacity, reading);
                     true
                 }
                 // Read again at the next collection.
@@ -152,6 +217,5 @@ impl<const SERIES: usize> Registry<SERIES> {
                 }
             }
         });
-        totals
     }
 }

@@ -10,7 +10,7 @@
 
 mod capacity;
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
@@ -21,7 +21,9 @@ use opentelemetry::KeyValue;
 use tokio::time::Instant;
 
 pub use capacity::Capacity;
+pub(crate) use capacity::Reading;
 
+use crate::diagnostics::{self, Mistake};
 use crate::{
     Executor, Operation, Outcome, Rejection, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
     EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE,
@@ -45,6 +47,18 @@ pub const ABANDONED_INSTRUMENT: &str = "gym.resources.operation.abandoned";
 pub const REJECTION_ATTRIBUTE: &str = "nemo.gym.resources.operation.rejection";
 /// The values of [`REJECTION_ATTRIBUTE`], one per [`Rejection`].
 pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout"];
+
+/// Observable gauge, `{operation}`: how many operations a [named](crate::limit::LimitBuilder::name)
+/// limit admits at once, by [`LIMIT_ATTRIBUTE`]. An addition of this crate.
+pub const LIMIT_CAPACITY_INSTRUMENT: &str = "gym.resources.limit.capacity";
+/// Observable up-down counter, `{operation}`: operations holding a place of a named limit right
+/// now, whichever series they belong to, by [`LIMIT_ATTRIBUTE`]. An addition of this crate.
+pub const LIMIT_ACTIVE_INSTRUMENT: &str = "gym.resources.limit.active";
+/// Observable up-down counter, `{operation}`: operations waiting for a named limit right now, by
+/// [`LIMIT_ATTRIBUTE`]. An addition of this crate.
+pub const LIMIT_QUEUED_INSTRUMENT: &str = "gym.resources.limit.queued";
+/// Attribute key of a limit's name, on the `gym.resources.limit.*` instruments only.
+pub const LIMIT_ATTRIBUTE: &str = "nemo.gym.resources.limit";
 
 const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
 const OUTCOMES: usize = Outcome::ALL.len();
@@ -72,11 +86,25 @@ struct Metrics {
     series: Box<[Series]>,
 }
 
+/// `Metrics` alive now: more than one is worth a word (see [`Mistake::SeveralMetrics`]).
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+impl Drop for Metrics {
+    fn drop(&mut self) {
+        LIVE.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl OperationMetrics {
     /// Creates the instruments on `meter` and registers the callbacks of the observable ones.
     ///
-    /// Call it once per meter and clone the result; see the type's docs.
+    /// Call it once per meter and clone the result; see the type's docs. A second one made while
+    /// another is alive is reported once, as a `tracing` warning: if both came from one meter,
+    /// their live counts hide each other.
     pub fn new(meter: &Meter) -> Self {
+        if LIVE.fetch_add(1, Ordering::Relaxed) > 0 {
+            diagnostics::report(Mistake::SeveralMetrics, "");
+        }
         let shared = Arc::new(Shared::new(meter));
         register_callbacks(meter, &shared);
         let series = (0..SERIES)
@@ -102,6 +130,18 @@ impl OperationMetrics {
     /// layer when one of its services first serves a request, the free function on every call.
     /// When the standard `OTEL_SDK_DISABLED` variable is `true` this is
     /// [`OperationMetrics::disabled`].
+    ///
+    /// Until a provider is installed, the global one is OpenTelemetry's no-op provider: then this
+    /// is [`OperationMetrics::disabled`] too, and says so once, as a `tracing` warning, so that a
+    /// server without metrics is not mistaken for an idle one. `global().is_enabled()` is the
+    /// check to call at startup:
+    ///
+    /// ```
+    /// use tower_resources_operation::OperationMetrics;
+    ///
+    /// // No provider installed yet: nothing would be recorded.
+    /// assert!(!OperationMetrics::global().is_enabled());
+    /// ```
     pub fn global() -> Self {
         static SDK_DISABLED: OnceLock<bool> = OnceLock::new();
         let disabled = *SDK_DISABLED.get_or_init(|| {
@@ -113,6 +153,12 @@ impl OperationMetrics {
         type Provider = Arc<dyn MeterProvider + Send + Sync>;
         static BY_PROVIDER: RwLock<Vec<(Provider, OperationMetrics)>> = RwLock::new(Vec::new());
         let provider = opentelemetry::global::meter_provider();
+        // OpenTelemetry's no-op provider, in place until one is installed, is the only provider
+        // of size zero: one that records keeps its pipeline somewhere.
+        if std::mem::size_of_val(&*provider) == 0 {
+            diagnostics::report(Mistake::NoGlobalProvider, "");
+            return Self::disabled();
+        }
         let find = |known: &[(Provider, OperationMetrics)]| {
             known
                 .iter()
@@ -447,6 +493,48 @@ fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
             limits.observe_limits(|value, attributes| observer.observe(value, attributes))
         })
         .build();
+
+    let named = |name: &'static str, description: &'static str, value: fn(&Reading) -> usize| {
+        let shared = Arc::clone(shared);
+        let callback = move |observer: &dyn opentelemetry::metrics::AsyncInstrument<i64>| {
+            for (limit, reading) in shared.limits.named() {
+                let value = i64::try_from(value(&reading)).unwrap_or(i64::MAX);
+                observer.observe(value, &[KeyValue::new(LIMIT_ATTRIBUTE, limit)]);
+            }
+        };
+        (name, description, callback)
+    };
+    let (name, description, callback) = named(
+        LIMIT_CAPACITY_INSTRUMENT,
+        "Operations a named limit admits at once.",
+        |reading| reading.capacity,
+    );
+    meter
+        .i64_observable_gauge(name)
+        .with_unit("{operation}")
+        .with_description(description)
+        .with_callback(callback)
+        .build();
+    for (name, description, value) in [
+        (
+            LIMIT_ACTIVE_INSTRUMENT,
+            "Operations holding a place of a named limit right now.",
+            (|reading| reading.active) as fn(&Reading) -> usize,
+        ),
+        (
+            LIMIT_QUEUED_INSTRUMENT,
+            "Operations waiting for a named limit right now.",
+            |reading| reading.queued,
+        ),
+    ] {
+        let (name, description, callback) = named(name, description, value);
+        meter
+            .i64_observable_up_down_counter(name)
+            .with_unit("{operation}")
+            .with_description(description)
+            .with_callback(callback)
+            .build();
+    }
 
     let rejected = Arc::clone(shared);
     meter

@@ -1,0 +1,58 @@
+//! Mistakes that would otherwise record nothing, or the wrong thing, without a word: each is
+//! reported once per process, as a `tracing` warning (with the `tracing` feature, on by default).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A mistake worth one warning.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Mistake {
+    /// The global meter provider is OpenTelemetry's no-op one.
+    NoGlobalProvider,
+    /// More than one `OperationMetrics` is alive: if two share a meter, each hides the other's
+    /// live counts.
+    SeveralMetrics,
+    /// A per-request choice named a limit that its layer was not given.
+    UnknownLimit,
+}
+
+impl Mistake {
+    const ALL: usize = 3;
+
+    fn message(self) -> &'static str {
+        match self {
+            Mistake::NoGlobalProvider => {
+                "no OpenTelemetry meter provider is installed (the global one is OpenTelemetry's \
+                 no-op provider), so operations are limited but not recorded. Install yours with \
+                 opentelemetry::global::set_meter_provider before the first request, or give the \
+                 layer its metrics with .metrics(OperationMetrics::new(&meter))"
+            }
+            Mistake::SeveralMetrics => {
+                "a second OperationMetrics was made while another is alive. Two made from one \
+                 meter each report the live counts (queued, active, limit) of the same series, \
+                 and OpenTelemetry keeps only one of them: make one OperationMetrics per meter \
+                 and clone it. (Metrics on different meter providers are fine.)"
+            }
+            Mistake::UnknownLimit => {
+                "a per-request choice named a limit that its layer was not given (see \
+                 PerRequest limits): such requests take the layer's own limit"
+            }
+        }
+    }
+}
+
+/// Reports `mistake`, the first time only; `detail` is added to the message.
+pub(crate) fn report(mistake: Mistake, detail: &str) {
+    static REPORTED: [AtomicBool; Mistake::ALL] = [const { AtomicBool::new(false) }; Mistake::ALL];
+    if REPORTED[mistake as usize].swap(true, Ordering::Relaxed) {
+        return;
+    }
+    #[cfg(feature = "tracing")]
+    tracing::warn!(
+        target: "tower_resources_operation",
+        "tower-resources-operation: {}{}",
+        mistake.message(),
+        detail
+    );
+    #[cfg(not(feature = "tracing"))]
+    let _ = detail;
+}
