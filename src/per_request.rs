@@ -11,6 +11,7 @@
 //! whatever the request; a chooser that panics costs the request its choice (it is limited as
 //! [`Choice::OTHER`]), never its answer.
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
@@ -29,6 +30,7 @@ use crate::classify::ClassifyOutcome;
 use crate::diagnostics::{self, Mistake};
 use crate::layer::{Config, End, ResourcesOperation, ResourcesOperationLayer};
 use crate::limit::Acquire;
+use crate::metrics::MetricsSource;
 use crate::operation::guarded;
 use crate::protocol::Protocol;
 use crate::{Executor, Operation};
@@ -393,7 +395,12 @@ impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
 
     /// The configuration of the operations of (`operation`, `executor`) under the limit in
     /// `slot`.
-    fn config(&self, slot: usize, operation: Operation, executor: Executor) -> &Arc<Config<C, L, P>> {
+    fn config(
+        &self,
+        slot: usize,
+        operation: Operation,
+        executor: Executor,
+    ) -> &Arc<Config<C, L, P>> {
         let index = slot * SERIES + operation.index() * Executor::ALL.len() + executor.index();
         self.by_series[index].get_or_init(|| {
             let mut config = (*self.bases[slot]).clone();
@@ -409,9 +416,13 @@ impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
     where
         F: ChooseOperation<Req>,
     {
+        self.announce_choices(|| guarded(|| self.chooser.choices()).unwrap_or_default());
+    }
+
+    /// [`announce`](Self::announce), with the choices that `choices` lists.
+    fn announce_choices(&self, choices: impl FnOnce() -> Vec<Choice>) {
         self.announced.get_or_init(|| {
-            let choices = guarded(|| self.chooser.choices()).unwrap_or_default();
-            for choice in choices {
+            for choice in choices() {
                 if let Choice::Limited {
                     operation,
                     executor,
@@ -424,6 +435,17 @@ impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
             }
         });
     }
+}
+
+/// The choices of `chooser` if it is one of the crate's rule tables, which know them without
+/// being asked about a request.
+fn rules_of(chooser: &dyn Any) -> Option<Vec<Choice>> {
+    if let Some(rules) = chooser.downcast_ref::<ByMatchedPath>() {
+        return Some(rules.table.choices());
+    }
+    chooser
+        .downcast_ref::<ByGrpcMethod>()
+        .map(|rules| rules.table.choices())
 }
 
 impl<S, F, C, L, P, E, Request> Service<Request> for PerRequestOperation<S, F, C, L, P, E>
@@ -638,7 +660,7 @@ where
     C: Clone,
     L: Acquire + Clone,
     P: Clone,
-    F: Clone,
+    F: Clone + 'static,
 {
     type Service = PerRequestOperation<S, F, C, L, P, E>;
 
@@ -653,6 +675,14 @@ where
                 config.check();
             }
         }
-        PerRequestOperation::new(inner, &self.tags, &self.config)
+        let service = PerRequestOperation::new(inner, &self.tags, &self.config);
+        if let MetricsSource::Given(_) = self.config.metrics {
+            // Given metrics report the series that rules name from now on, as a layer of one
+            // operation does; the global ones are decided at the first request.
+            if let Some(choices) = rules_of(&self.tags.chooser) {
+                service.choosing.announce_choices(|| choices);
+            }
+        }
+        service
     }
 }

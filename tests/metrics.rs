@@ -837,3 +837,49 @@ async fn a_shut_down_meter_provider_changes_neither_responses_nor_the_limit() {
     assert_eq!(second.call(4).await.unwrap(), "got 4");
     assert_eq!(layer.limit().available(), 1);
 }
+
+/// The README's recipe: a View replaces NeMo Gym's buckets for the run time, and only there.
+#[tokio::test(start_paused = true)]
+async fn an_opentelemetry_view_replaces_the_run_time_buckets_and_nothing_else() {
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::{
+        Aggregation, InMemoryMetricExporterBuilder, Instrument, PeriodicReader, SdkMeterProvider,
+        Stream,
+    };
+    const FINER: [f64; 9] = [
+        50.0, 100.0, 150.0, 200.0, 225.0, 250.0, 300.0, 500.0, 1000.0,
+    ];
+    let exporter = InMemoryMetricExporterBuilder::new().build();
+    let provider = SdkMeterProvider::builder()
+        .with_reader(PeriodicReader::builder(exporter.clone()).build())
+        .with_view(|instrument: &Instrument| {
+            (instrument.name() == DURATION_INSTRUMENT).then(|| {
+                Stream::builder()
+                    .with_aggregation(Aggregation::ExplicitBucketHistogram {
+                        boundaries: FINER.to_vec(),
+                        record_min_max: true,
+                    })
+                    .build()
+                    .unwrap()
+            })
+        })
+        .build();
+    let telemetry = Telemetry {
+        metrics: OperationMetrics::new(&provider.meter("view")),
+        provider,
+        exporter,
+    };
+    let service = ResourcesOperationLayer::new(1)
+        .operation(Operation::Verify)
+        .metrics(telemetry.metrics.clone())
+        .layer(sleeper());
+    service.oneshot(205).await.unwrap();
+
+    let run = telemetry.histogram(DURATION_INSTRUMENT);
+    assert_eq!(run.len(), 1);
+    assert_eq!(run[0].bounds, FINER);
+    // 205 ms falls in (200, 225], the fifth bucket, where NeMo Gym's say (100, 500]
+    assert_eq!(run[0].bucket_counts[4], 1, "{:?}", run[0].bucket_counts);
+    let queue = telemetry.histogram(QUEUE_DURATION_INSTRUMENT);
+    assert_eq!(queue[0].bounds, OPERATION_BOUNDARIES_MS);
+}

@@ -412,11 +412,27 @@ pub struct Load {
 impl Load {
     /// Counts as running for `how_long`.
     pub async fn work(&self, how_long: Duration) {
+        self.enter();
+        tokio::time::sleep(how_long).await;
+        self.leave();
+    }
+
+    /// Counts as running, until [`leave`](Self::leave).
+    pub fn enter(&self) {
         use std::sync::atomic::Ordering::SeqCst;
         let now = self.running.fetch_add(1, SeqCst) + 1;
         self.max.fetch_max(now, SeqCst);
-        tokio::time::sleep(how_long).await;
-        self.running.fetch_sub(1, SeqCst);
+    }
+
+    /// Stops counting as running.
+    pub fn leave(&self) {
+        self.running
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How many run now.
+    pub fn now(&self) -> usize {
+        self.running.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The most that ever ran at once.
