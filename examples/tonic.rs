@@ -1,12 +1,14 @@
 //! gRPC with tonic: a limit on one service (through `add_service`) and one over the whole server
 //! (`Server::builder().layer(...)`, each call choosing its operation by method), with every
 //! operation measured until its response stream ends and its outcome read from its
-//! `grpc-status`, in the headers or in the trailers.
+//! `grpc-status`, in the headers or in the trailers. `/metrics`, in the Prometheus text format,
+//! is served next to gRPC, on a port of its own.
 //!
 //! ```text
-//! cargo run --example tonic --features tonic                  # bursts, then serve on 127.0.0.1:50051
-//! cargo run --example tonic --features tonic -- --addr 127.0.0.1:6000
-//! cargo run --example tonic --features tonic -- --once        # bursts, print, exit (CI)
+//! cargo run --example tonic --features tonic                  # bursts, then serve gRPC on 127.0.0.1:50051
+//!                                                             # and /metrics on 127.0.0.1:9464
+//! cargo run --example tonic --features tonic -- --addr 127.0.0.1:6000 --metrics-addr 127.0.0.1:6001
+//! cargo run --example tonic --features tonic -- --once        # bursts, print, scrape /metrics once, exit (CI)
 //! cargo run --example tonic --features tonic -- --check 127.0.0.1:50051 db   # one call, as a client
 //! ```
 //!
@@ -14,19 +16,22 @@
 //! with a `Health` of our own: a deep health check that probes the backend it is asked about
 //! (`Check`, unary), and a watch that streams five probe results 30 ms apart (`Watch`,
 //! server-streaming). Probes are expensive, so a limit bounds them. Client and server talk over
-//! 127.0.0.1; the metrics go to an in-memory exporter and are printed after each burst.
+//! 127.0.0.1; the metrics go to an in-memory exporter, printed after each burst, and to the
+//! Prometheus exporter behind `/metrics`.
 //!
 //! Failures injected on purpose, so that every outcome shows:
 //! - the `judge` probe takes 400 ms, longer than the handler's 150 ms deadline: the handler
 //!   answers DEADLINE_EXCEEDED (trailers-only), which the metrics count as `timeout`;
 //! - the `cache` backend is down: its check answers UNAVAILABLE (`error`), and its watch fails
 //!   after two messages with UNAVAILABLE in the trailers, which only the body-end form sees;
-//! - one watch of `db` is called with a 60 ms client deadline, sent as `grpc-timeout`: the
-//!   client gives up after 60 ms, and tonic drops the call. Behind the burst's checks it has
-//!   usually not got its permit by then, so the metrics count an abandoned wait
-//!   (`gym.resources.operation.abandoned`, no outcome); had it started, it ends `cancelled`, or
-//!   `timeout` if the drop comes at the deadline as the layer, which reads `grpc-timeout`,
-//!   reckons it from its own start.
+//! - one watch of `verifier` is hung up by its client after its first message, with no deadline:
+//!   the server sees the stream reset and drops it mid-stream, which the metrics count as
+//!   `cancelled` (as any call whose client leaves while it runs, before its deadline);
+//! - one watch of `db` is called with a 60 ms client deadline, sent as `grpc-timeout`, and its
+//!   client gives up at that deadline. Behind the burst's checks it has usually not got its permit
+//!   by then: the metrics count an abandoned wait (`gym.resources.operation.abandoned`, no
+//!   outcome, no queue or run time). When it has started, the drop comes at the deadline that the
+//!   layer read from `grpc-timeout`, so it ends `timeout`, not `cancelled`.
 
 mod common;
 
@@ -35,8 +40,13 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
+use axum::http::header::CONTENT_TYPE;
 use common::Telemetry;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+use prometheus::{Registry, TextEncoder, TEXT_FORMAT};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
@@ -145,22 +155,37 @@ impl Health for Prober {
     }
 }
 
-/// `--addr HOST:PORT`, `--once`, `--check ADDR BACKEND`.
+/// `--addr HOST:PORT`, `--metrics-addr HOST:PORT`, `--once`, `--check ADDR BACKEND`.
 enum Mode {
-    Serve { addr: SocketAddr, once: bool },
-    Check { addr: SocketAddr, backend: String },
+    Serve {
+        addr: SocketAddr,
+        metrics_addr: SocketAddr,
+        once: bool,
+    },
+    Check {
+        addr: SocketAddr,
+        backend: String,
+    },
 }
 
 const USAGE: &str =
-    "usage: tonic [--addr 127.0.0.1:50051] [--once] | --check ADDR BACKEND (db, verifier, judge, cache)";
+    "usage: tonic [--addr 127.0.0.1:50051] [--metrics-addr 127.0.0.1:9464] [--once] \
+     | --check ADDR BACKEND (db, verifier, judge, cache)";
 
 fn parse_args() -> Result<Mode, Error> {
     let mut args = std::env::args().skip(1);
     let mut addr: SocketAddr = "127.0.0.1:50051".parse()?;
+    let mut metrics_addr: SocketAddr = "127.0.0.1:9464".parse()?;
     let mut once = false;
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--addr" => addr = args.next().ok_or("--addr needs HOST:PORT")?.parse()?,
+            "--metrics-addr" => {
+                metrics_addr = args
+                    .next()
+                    .ok_or("--metrics-addr needs HOST:PORT")?
+                    .parse()?
+            }
             "--once" => once = true,
             "--check" => {
                 let addr = args.next().ok_or(USAGE)?.parse()?;
@@ -170,13 +195,21 @@ fn parse_args() -> Result<Mode, Error> {
             _ => return Err(format!("unknown argument {arg:?}; {USAGE}").into()),
         }
     }
-    Ok(Mode::Serve { addr, once })
+    Ok(Mode::Serve {
+        addr,
+        metrics_addr,
+        once,
+    })
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Error> {
-    let (addr, once) = match parse_args()? {
-        Mode::Serve { addr, once } => (addr, once),
+    let (addr, metrics_addr, once) = match parse_args()? {
+        Mode::Serve {
+            addr,
+            metrics_addr,
+            once,
+        } => (addr, metrics_addr, once),
         Mode::Check { addr, backend } => return check_once(addr, backend).await,
     };
     println!(
@@ -184,10 +217,28 @@ async fn main() -> Result<(), Error> {
     );
     println!(
         "injected failures: judge's probe runs past the handler's deadline (timeout), cache is \
-         down (error; its watch fails mid-stream), one watch's client gives up after 60 ms (usually \
-         while still queued: abandoned).\n"
+         down (error; its watch fails mid-stream), one watch's client hangs up after its first \
+         message (cancelled), one watch's client gives up at its 60 ms grpc-timeout (abandoned \
+         while still queued, timeout once running).\n"
     );
-    let telemetry = Telemetry::new("tonic-example");
+    // The metrics go to an in-memory exporter, printed below, and to a Prometheus registry,
+    // which `/metrics` encodes. `without_units`: the names already end in `_ms`.
+    let registry = Registry::new();
+    let prometheus = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_units()
+        .build()?;
+    let telemetry = Telemetry::with_provider(
+        "tonic-example",
+        SdkMeterProvider::builder().with_reader(prometheus),
+    );
+    let metrics_addr = if once {
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    } else {
+        metrics_addr
+    };
+    let (metrics_addr, metrics_server) = serve_metrics(metrics_addr, registry).await?;
+    println!("metrics: http://{metrics_addr}/metrics (Prometheus text)\n");
 
     // 1. One limit for one service. The layered service keeps the generated server's name,
     //    "grpc.health.v1.Health" (the crate's `tonic` feature forwards `NamedService`), which
@@ -246,10 +297,14 @@ async fn main() -> Result<(), Error> {
     print_metrics(&telemetry);
 
     if once {
+        scrape_once(metrics_addr).await?;
         server.abort();
+        metrics_server.abort();
         return Ok(());
     }
-    println!("\nserving on {local} until Ctrl-C; call it with");
+    println!(
+        "\nserving gRPC on {local}, /metrics on http://{metrics_addr}, until Ctrl-C; call it with"
+    );
     println!("  cargo run --example tonic --features tonic -- --check {local} db");
     println!(
         "  grpcurl -plaintext -proto health.proto -d '{{\"service\":\"judge\"}}' {local} \
@@ -258,9 +313,70 @@ async fn main() -> Result<(), Error> {
     println!(
         "    (health.proto: grpc/src/proto/grpc/health/v1/health.proto in the grpc repository)"
     );
+    println!("  curl -s http://{metrics_addr}/metrics | grep '^gym_'");
     tokio::signal::ctrl_c().await?;
     server.abort();
+    metrics_server.abort();
     print_metrics(&telemetry);
+    Ok(())
+}
+
+/// Serves `registry` in the Prometheus text format at `http://{addr}/metrics`, next to gRPC;
+/// the address it listens on, and the server's task.
+async fn serve_metrics(
+    addr: SocketAddr,
+    registry: Registry,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), Error> {
+    let listener = TcpListener::bind(addr).await?;
+    let addr = listener.local_addr()?;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let registry = registry.clone();
+            async move {
+                let body = TextEncoder::new()
+                    .encode_to_string(&registry.gather())
+                    .unwrap_or_else(|error| format!("# encoding failed: {error}\n"));
+                ([(CONTENT_TYPE, TEXT_FORMAT)], body)
+            }
+        }),
+    );
+    let server = tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            eprintln!("/metrics server: {error}");
+        }
+    });
+    Ok((addr, server))
+}
+
+/// `--once`: one scrape of `/metrics`, as Prometheus would make it; prints the duration
+/// histogram's counts by outcome.
+async fn scrape_once(addr: SocketAddr) -> Result<(), Error> {
+    let mut stream = TcpStream::connect(addr).await?;
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let (head, body) = response.split_once("\r\n\r\n").ok_or("no HTTP response")?;
+    let status = head.lines().next().unwrap_or_default();
+    let samples: Vec<&str> = body.lines().filter(|l| l.starts_with("gym_")).collect();
+    println!(
+        "== scraped http://{addr}/metrics: {status}, {} gym_ samples; the run time's counts:",
+        samples.len()
+    );
+    for sample in samples
+        .iter()
+        .filter(|l| l.starts_with("gym_resources_operation_duration_ms_count"))
+    {
+        println!("   {sample}");
+    }
+    if !status.contains(" 200 ") || samples.is_empty() {
+        return Err(format!(
+            "/metrics answered {status:?} with {} gym_ samples",
+            samples.len()
+        )
+        .into());
+    }
     Ok(())
 }
 
@@ -319,9 +435,16 @@ async fn burst(title: &str, addr: SocketAddr) -> Result<(), Error> {
                 // which the layer reads (and tonic enforces until the response head).
                 request.set_timeout(patience);
             }
+            // This one leaves after its first message, with no deadline: `cancelled`.
+            let hang_up = i == 1;
             let watched = async {
                 let mut stream = client.watch(request).await?.into_inner();
-                while stream.message().await?.is_some() {}
+                while stream.message().await?.is_some() {
+                    if hang_up {
+                        // Dropping the stream resets it: the server drops the call mid-stream.
+                        return Err(Status::cancelled("hung up after the first message"));
+                    }
+                }
                 Ok::<_, Status>(())
             };
             let answer = match patience {
@@ -349,7 +472,7 @@ async fn burst(title: &str, addr: SocketAddr) -> Result<(), Error> {
         started.elapsed().as_millis(),
         seen.join(", ")
     );
-    // Let the server notice the client that gave up, so its operation has ended.
+    // Let the server notice the clients that left, so their operations have ended.
     tokio::time::sleep(Duration::from_millis(100)).await;
     Ok(())
 }

@@ -48,6 +48,112 @@
 //! provider ([`OperationMetrics::global`]) installed when one of its services first serves a
 //! request, so "build the router, install the provider, serve" records.
 //!
+//! ## With axum
+//!
+//! The README's Getting started: two routes share a [named](limit::LimitBuilder::name) limit of
+//! 2 with at most 8 waiting, a Router-wide tower-http `TimeoutLayer` the layers are told of
+//! ([`server_timeout`](ResourcesOperationLayer::server_timeout)), and Prometheus on `/metrics`.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use axum::{http::StatusCode, routing::get, Router};
+//! use opentelemetry::metrics::MeterProvider as _;
+//! use opentelemetry_sdk::metrics::SdkMeterProvider;
+//! use tower_http::timeout::TimeoutLayer;
+//! use tower_resources_operation::metrics::METER_NAME;
+//! use tower_resources_operation::{
+//!     Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
+//! };
+//!
+//! async fn verify() -> &'static str {
+//!     "verified" // run the verifier here
+//! }
+//!
+//! async fn judge() -> &'static str {
+//!     "judged"
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     // `without_units()`: the names already end in `_ms`.
+//!     let registry = prometheus::Registry::new();
+//!     let exporter = opentelemetry_prometheus::exporter()
+//!         .with_registry(registry.clone())
+//!         .without_units()
+//!         .build()?;
+//!     let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+//!     let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
+//!
+//!     let workers = Limit::builder(2).max_queued(8).name("workers").build();
+//!     let server_timeout = Duration::from_secs(30);
+//!     let limit = |operation, executor| {
+//!         ResourcesOperationLayer::new_for_http(workers.clone())
+//!             .operation(operation)
+//!             .executor(executor)
+//!             .server_timeout(server_timeout)
+//!             .metrics(metrics.clone())
+//!     };
+//!     let app = Router::new()
+//!         .route("/verify", get(verify).layer(limit(Operation::Verify, Executor::Subprocess)))
+//!         .route("/judge", get(judge).layer(limit(Operation::Judge, Executor::Inline)))
+//!         .route(
+//!             "/metrics",
+//!             get(move || {
+//!                 let registry = registry.clone();
+//!                 async move {
+//!                     prometheus::TextEncoder::new()
+//!                         .encode_to_string(&registry.gather())
+//!                         .unwrap_or_default()
+//!                 }
+//!             }),
+//!         )
+//!         .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, server_timeout));
+//!
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//!     axum::serve(listener, app).await?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ## With tonic
+//!
+//! One limit for one gRPC service, which keeps its `NamedService` (the `tonic` feature), so
+//! `add_service` takes it.
+//!
+//! ```no_run
+//! use opentelemetry::metrics::MeterProvider as _;
+//! use opentelemetry_sdk::metrics::SdkMeterProvider;
+//! use tonic::transport::Server;
+//! use tower::ServiceBuilder;
+//! use tower_resources_operation::{Executor, Operation, OperationMetrics, ResourcesOperationLayer};
+//!
+//! # #[cfg(feature = "tonic")]
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let provider = SdkMeterProvider::builder().build(); // with your exporter's reader
+//!     let metrics = OperationMetrics::new(&provider.meter("my-grpc-server"));
+//!
+//!     // Wrap your generated server (here tonic-health's).
+//!     let (_reporter, health) = tonic_health::server::health_reporter();
+//!     let verifier = ServiceBuilder::new()
+//!         .layer(
+//!             ResourcesOperationLayer::new_for_grpc(2)
+//!                 .operation(Operation::Verify)
+//!                 .executor(Executor::Subprocess)
+//!                 .metrics(metrics),
+//!         )
+//!         .service(health);
+//!
+//!     Server::builder()
+//!         .add_service(verifier)
+//!         .serve("127.0.0.1:50051".parse()?)
+//!         .await?;
+//!     Ok(())
+//! }
+//! # #[cfg(not(feature = "tonic"))]
+//! # fn main() {}
+//! ```
+//!
 //! # The pieces
 //!
 //! | you want | use |
@@ -102,14 +208,41 @@
 //! - Live counts add up over every limit that reports through one [`OperationMetrics`] (clones
 //!   share them). A series given explicit metrics reports 0 from the moment a layer makes a
 //!   service for it; with the global metrics, from the first request a service of the layer
-//!   serves. A [per-request](per_request) layer whose chooser knows its rules reports every
-//!   series they name from its first request on.
+//!   serves. A [per-request](per_request) layer whose chooser knows its rules
+//!   ([`ByMatchedPath`](per_request::ByMatchedPath), [`ByGrpcMethod`](per_request::ByGrpcMethod),
+//!   or your own [`choices`](per_request::ChooseOperation::choices)) reports every series they
+//!   name the same way, before any request chooses it.
 //! - Mistakes that would record nothing, or the wrong thing, are reported once each as a
 //!   `tracing` warning: no meter provider installed (then [`OperationMetrics::global`] is
 //!   disabled: `global().is_enabled()` is the check to call), a second [`OperationMetrics`]
 //!   alive (two from one meter hide each other's live counts), a per-request choice naming a
 //!   limit its layer was not given.
 //! - [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit.
+//!
+//! The histograms' buckets are NeMo Gym's ([`OPERATION_BOUNDARIES_MS`]), given to
+//! OpenTelemetry as advice. Where they are too coarse for
+//! your work (a 205 ms verifier falls in (100, 500] and reads as a p50 of 300 ms), replace
+//! them with an OpenTelemetry View on your meter provider; the crate does not change:
+//!
+//! ```
+//! use opentelemetry_sdk::metrics::{Aggregation, Instrument, SdkMeterProvider, Stream};
+//! use tower_resources_operation::DURATION_INSTRUMENT;
+//!
+//! let finer_run_times = |instrument: &Instrument| {
+//!     (instrument.name() == DURATION_INSTRUMENT).then(|| {
+//!         let boundaries = vec![50.0, 100.0, 150.0, 200.0, 225.0, 250.0, 300.0, 500.0, 1000.0];
+//!         Stream::builder()
+//!             .with_aggregation(Aggregation::ExplicitBucketHistogram { boundaries, record_min_max: true })
+//!             .build()
+//!             .expect("valid boundaries")
+//!     })
+//! };
+//! let provider = SdkMeterProvider::builder()
+//!     // .with_reader(..) or .with_periodic_exporter(..), as usual
+//!     .with_view(finer_run_times)
+//!     .build();
+//! # drop(provider);
+//! ```
 //!
 //! # Outcomes
 //!
@@ -136,6 +269,26 @@
 //! An operation turned away (`rejected`) or given up while queued (`abandoned`) was never
 //! admitted: it has no queue or duration sample. Recording never fails a request: a meter, a
 //! classifier, a chooser or a deadline reader that panics costs a measurement, never an answer.
+//!
+//! # Where the other layers go
+//!
+//! What an operation records depends on whether the layer that ends it sits inside this one
+//! (between it and the handler) or outside. In axum the last `.layer(..)` is the outermost;
+//! in a `ServiceBuilder`, the first. Each row is pinned by a test in `tests/placement.rs`.
+//!
+//! | Layer | Inside this one | Outside this one |
+//! |---|---|---|
+//! | tower-http's `CatchPanicLayer` | the panic becomes a 500: `error` | this layer sees the panic: `crashed` (the client still gets the 500) |
+//! | tower-http's `TimeoutLayer` (408) | the 408 is `timeout` | the operation is dropped: `cancelled`, unless the layer is told [`.server_timeout(t)`](ResourcesOperationLayer::server_timeout), then `timeout` |
+//! | the same, Router-wide in front of a [per-request](per_request) layer | | `cancelled`, or `timeout` with `.server_timeout(t)` on the per-request layer |
+//! | tower's `GlobalConcurrencyLimitLayer` | its wait counts as run time, and `active` counts operations that wait for it | its wait is invisible: queue time 0, the queue in front of it unseen |
+//! | tower's `ConcurrencyLimitLayer`, under axum | as above, but per connection: axum makes a service (and tower a semaphore) per connection | |
+//!
+//! So: put `CatchPanicLayer` outside (a panic is then `crashed`, as NeMo Gym counts it), the
+//! server's timeout inside, or outside with `.server_timeout(t)` given the same figure, and
+//! replace tower's limit with this layer rather than stacking the two. A caller's own deadline,
+//! sent in a header, is read with [`Http::deadline_header`](protocol::Http::deadline_header)
+//! (gRPC's `grpc-timeout` is read by default).
 //!
 //! # Where it differs from tower's `ConcurrencyLimitLayer`
 //!
@@ -295,9 +448,3 @@ pub const OPERATIONS: &[&str] = &["verify", "tool", "judge", "other"];
 pub const EXECUTORS: &[&str] = &["inline", "thread", "process", "subprocess", "other"];
 /// The values of [`OUTCOME_ATTRIBUTE`], one per [`Outcome`].
 pub const OUTCOMES: &[&str] = &["ok", "error", "timeout", "cancelled", "crashed"];
-
-/// The README's examples, run as doctests so they stay true; with the features they use, as a
-/// reader's crate would have them (`cargo test --all-features`).
-#[cfg(all(doctest, feature = "tonic"))]
-#[doc = include_str!("../README.md")]
-struct ReadmeDoctests;

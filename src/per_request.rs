@@ -323,6 +323,9 @@ pub struct PerRequestOperation<S, F, C, L, P, E> {
     _end: PhantomData<fn() -> E>,
 }
 
+/// A configuration made when a request first needs it.
+type Made<C, L, P> = OnceLock<Arc<Config<C, L, P>>>;
+
 /// What the services of one per-request layer share.
 struct Choosing<F, C, L, P> {
     chooser: F,
@@ -333,7 +336,7 @@ struct Choosing<F, C, L, P> {
     names: Vec<&'static str>,
     /// The configuration of each (limit, operation, executor), made when a request first
     /// chooses it: `SERIES` per entry of `bases`.
-    by_series: Box<[OnceLock<Arc<Config<C, L, P>>>]>,
+    by_series: Box<[Made<C, L, P>]>,
     /// Whether the chooser's series were announced to the metrics.
     announced: OnceLock<()>,
 }
@@ -440,6 +443,7 @@ impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
 /// The choices of `chooser` if it is one of the crate's rule tables, which know them without
 /// being asked about a request.
 fn rules_of(chooser: &dyn Any) -> Option<Vec<Choice>> {
+    #[cfg(feature = "axum")]
     if let Some(rules) = chooser.downcast_ref::<ByMatchedPath>() {
         return Some(rules.table.choices());
     }
@@ -611,6 +615,8 @@ impl<C, L: Acquire, P, E, F> ResourcesOperationLayer<C, L, P, E, PerRequest<F, L
     /// `/verify` at 4 and `/judge` at 8.
     ///
     /// ```
+    /// # #[cfg(feature = "axum")]
+    /// # fn main() {
     /// use axum::{routing::post, Router};
     /// use tower_resources_operation::per_request::{ByMatchedPath, Choice};
     /// use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
@@ -630,6 +636,9 @@ impl<C, L: Acquire, P, E, F> ResourcesOperationLayer<C, L, P, E, PerRequest<F, L
     ///             .limits([verifiers, judges]),
     ///     );
     /// # drop(app);
+    /// # }
+    /// # #[cfg(not(feature = "axum"))]
+    /// # fn main() {}
     /// ```
     ///
     /// # Panics

@@ -1,9 +1,14 @@
-//! Against a real Prometheus server: the example's app (examples/axum.rs) in-process on
-//! 127.0.0.1, scraped every second by a `prometheus` child process, driven with a limit that is
-//! too small, then asked with PromQL what the README, the dashboard and the alerts ask.
+//! Against a real Prometheus server, scraping an axum app in-process on 127.0.0.1:
 //!
-//! Without a `prometheus` binary on PATH the test says so loudly and passes, unless
-//! `REQUIRE_PROMETHEUS=1` (as in CI), which makes it fail.
+//! - the example's app (examples/axum.rs), scraped every second, driven with a limit that is too
+//!   small, then asked with PromQL what the README, the dashboard and the alerts ask;
+//! - the Getting-started setup, one named limit of 2 with a queue of 8 shared by `/verify` and
+//!   `/judge` under 14 clients, scraped every 250 ms by a Prometheus that evaluates
+//!   dashboards/prometheus/alerts.yml (its `for:` shortened, see [`quick_rules`]): the per-limit
+//!   `ResourcesOperationLimitSaturated` fires while each route's own series reads half used.
+//!
+//! Without a `prometheus` binary on PATH the tests say so loudly and pass, unless
+//! `REQUIRE_PROMETHEUS=1` (as in CI), which makes them fail.
 
 #[path = "../examples/axum.rs"]
 #[allow(dead_code)]
@@ -14,19 +19,37 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use axum::routing::get;
+use axum::Router;
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
 use serde_json::Value;
+use tower_resources_operation::metrics::METER_NAME;
+use tower_resources_operation::{
+    Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
+};
 
-use support::http::serve;
-use support::prometheus::{require_binary, TempDir};
+use support::http::{serve, Client};
+use support::prometheus::{reads_named_limits, require_binary, TempDir};
 
 /// How long to wait for Prometheus to start, or to have scraped what was done; a safety net so
 /// a broken setup fails instead of hanging, not a performance bound.
 const PATIENCE: Duration = Duration::from_secs(20);
 
-/// A `prometheus` child process scraping one target every second; killed when dropped, panics
-/// included.
+/// How a [`Prometheus`] scrapes its target and what it evaluates.
+struct Setup {
+    /// The scrape interval, which is also the scrape timeout and the rule evaluation interval,
+    /// in Prometheus' syntax (`1s`, `250ms`).
+    interval: &'static str,
+    /// The text of a rule file to load, if any.
+    rules: Option<String>,
+}
+
+/// A `prometheus` child process scraping one target; killed when dropped, panics included.
 struct Prometheus {
     child: Child,
     addr: SocketAddr,
@@ -36,21 +59,25 @@ struct Prometheus {
 }
 
 impl Prometheus {
-    /// Starts Prometheus on a free port of 127.0.0.1, scraping `target`, and waits until it is
-    /// ready. Tries another port if the one picked was taken in the meantime.
-    async fn start(binary: &Path, target: SocketAddr) -> Self {
+    /// Starts Prometheus on a free port of 127.0.0.1, scraping `target` as `setup` says, and
+    /// waits until it is ready. Tries another port if the one picked was taken in the meantime.
+    async fn start(binary: &Path, target: SocketAddr, setup: &Setup) -> Self {
         let mut last_log = String::new();
         for _ in 0..3 {
             let dir = TempDir::new("tower-resources-operation-prometheus");
             let config = dir.path().join("prometheus.yml");
-            std::fs::write(
-                &config,
-                format!(
-                    "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n\
-                     scrape_configs:\n  - job_name: app\n    static_configs:\n      - targets: [\"{target}\"]\n"
-                ),
-            )
-            .expect("write prometheus.yml");
+            let interval = setup.interval;
+            let mut text = format!(
+                "global:\n  scrape_interval: {interval}\n  scrape_timeout: {interval}\n  \
+                 evaluation_interval: {interval}\n\
+                 scrape_configs:\n  - job_name: app\n    static_configs:\n      - targets: [\"{target}\"]\n"
+            );
+            if let Some(rules) = &setup.rules {
+                let file = dir.path().join("rules.yml");
+                std::fs::write(&file, rules).expect("write rules.yml");
+                text.push_str(&format!("rule_files:\n  - {}\n", file.display()));
+            }
+            std::fs::write(&config, text).expect("write prometheus.yml");
             let addr: SocketAddr = format!("127.0.0.1:{}", support::prometheus::free_port())
                 .parse()
                 .unwrap();
@@ -108,10 +135,29 @@ impl Prometheus {
 
     /// The `data.result` of an instant query. HTTP/1.0, so Go answers without chunking.
     async fn query(&self, promql: &str) -> Vec<Value> {
-        let path = format!(
-            "/api/v1/query?query={}",
-            support::prometheus::urlencode(promql)
-        );
+        self.query_path(
+            promql,
+            format!(
+                "/api/v1/query?query={}",
+                support::prometheus::urlencode(promql)
+            ),
+        )
+        .await
+    }
+
+    /// The `data.result` of an instant query evaluated at `time` (unix seconds).
+    async fn query_at(&self, promql: &str, time: f64) -> Vec<Value> {
+        self.query_path(
+            promql,
+            format!(
+                "/api/v1/query?query={}&time={time:.3}",
+                support::prometheus::urlencode(promql)
+            ),
+        )
+        .await
+    }
+
+    async fn query_path(&self, promql: &str, path: String) -> Vec<Value> {
         let (status, body) = app::http_get(self.addr, &path, "HTTP/1.0")
             .await
             .unwrap_or_else(|e| panic!("query {promql}: {e}"));
@@ -150,6 +196,20 @@ impl Prometheus {
     /// The value of each element of a query's result, by the value of `label`.
     async fn by_label(&self, promql: &str, label: &str) -> BTreeMap<String, f64> {
         self.query(promql)
+            .await
+            .iter()
+            .map(|element| {
+                (
+                    element["metric"][label].as_str().unwrap_or("").to_owned(),
+                    sample_value(&element["value"]),
+                )
+            })
+            .collect()
+    }
+
+    /// [`Prometheus::by_label`] of a query evaluated at `time` (unix seconds).
+    async fn by_label_at(&self, promql: &str, label: &str, time: f64) -> BTreeMap<String, f64> {
+        self.query_at(promql, time)
             .await
             .iter()
             .map(|element| {
@@ -245,7 +305,11 @@ async fn a_real_prometheus_sees_the_limit_bind() {
     let warm_up = ["/verify?ms=1", "/judge?ms=1", "/tool?ms=1"];
     assert_eq!(app::burst(target, &warm_up).await, [200, 200, 200]);
 
-    let prometheus = Prometheus::start(&binary, target).await;
+    let setup = Setup {
+        interval: "1s",
+        rules: None,
+    };
+    let prometheus = Prometheus::start(&binary, target, &setup).await;
     prometheus
         .wait_for("sum(gym_resources_operation_duration_ms_count)", 3.0)
         .await;
@@ -386,18 +450,404 @@ async fn a_real_prometheus_sees_the_limit_bind() {
         assert!(queued > 0.0, "queued at {t}: {inside:?}");
     }
 
-    // Every query of the dashboard returns data from this server.
+    // Every query of the dashboard returns data from this server, but those of the per-limit
+    // panels, which only a named limit feeds: they return data if and only if the app names its
+    // limits.
+    let named = !prometheus
+        .query("gym_resources_limit_capacity")
+        .await
+        .is_empty();
+    every_dashboard_query_answers(&prometheus, named).await;
+}
+
+/// Asserts that every query of the dashboard returns data, with every variable at All; those
+/// that read a named limit's series only if `named`, and then none if not.
+async fn every_dashboard_query_answers(prometheus: &Prometheus, named: bool) {
     let dashboard = support::prometheus::load_dashboard();
     let queries = support::prometheus::panel_queries(&dashboard);
     assert!(!queries.is_empty());
+    assert!(queries.iter().any(|query| reads_named_limits(&query.expr)));
     for query in queries {
         let expr = support::prometheus::substitute_grafana_variables(&query.expr, "1m");
         let result = prometheus.query(&expr).await;
-        assert!(
+        let expected = named || !reads_named_limits(&query.expr);
+        assert_eq!(
             !result.is_empty(),
-            "panel {:?} query {}: no data for {expr}",
+            expected,
+            "panel {:?} query {}: {result:?} for {expr}",
             query.panel,
             query.ref_id
         );
     }
+}
+
+/// The Getting-started setup: one limit of 2 places and a queue of 8, named, shared by `/verify`
+/// and `/judge`.
+const NAMED_LIMIT: &str = "verifiers";
+const NAMED_CAPACITY: usize = 2;
+const NAMED_MAX_QUEUED: usize = 8;
+/// Clients that ask all the time: 7 on each route, 2 run, 8 wait, the rest are turned away.
+const CLIENTS: usize = 14;
+/// How long operations run: from 50 to 149 ms, 100 on average, in a fixed order. Varied, so
+/// that the order in which the clients cycle through the limit drifts against the scrapes.
+fn named_work() -> Duration {
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    Duration::from_millis(50 + call * 37 % 100)
+}
+/// How long a client that was turned away waits before it asks again.
+const RETRY_AFTER: Duration = Duration::from_millis(25);
+/// The `for:` of every rule in the copy of alerts.yml this test loads, instead of 10 minutes.
+const QUICK_FOR: &str = "3s";
+/// The load lasts at least this long, so that the per-series averages have many scrapes in them.
+const LOAD_AT_LEAST: Duration = Duration::from_secs(8);
+/// What the saturation alert is called, per limit (`scope="limit"`) and per series.
+const SATURATED: &str = "ResourcesOperationLimitSaturated";
+
+/// dashboards/prometheus/alerts.yml with every rule's `for:` shortened to `for_`, so that a test
+/// sees an alert fire within seconds instead of after 10 minutes. The expressions, their 5-minute
+/// windows and the annotations are left as they are.
+fn quick_rules(for_: &str) -> String {
+    let path = support::prometheus::root().join(support::prometheus::ALERTS);
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let mut shortened = 0;
+    let lines: Vec<String> = text
+        .lines()
+        .map(|line| {
+            let trimmed = line.trim_start();
+            if trimmed.starts_with("for:") {
+                shortened += 1;
+                format!("{}for: {for_}", &line[..line.len() - trimmed.len()])
+            } else {
+                line.to_owned()
+            }
+        })
+        .collect();
+    let rules = text
+        .lines()
+        .filter(|line| line.trim_start().starts_with("- alert:"))
+        .count();
+    assert!(
+        rules > 0 && shortened == rules,
+        "{shortened} `for:` for {rules} rules"
+    );
+    lines.join("\n") + "\n"
+}
+
+/// The Prometheus text exposition of `registry`.
+async fn exposition(registry: prometheus::Registry) -> String {
+    prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .expect("encode the registry")
+}
+
+/// Stands in for a verifier or a judge.
+async fn work() -> &'static str {
+    tokio::time::sleep(named_work()).await;
+    "done"
+}
+
+/// One client: asks for `path` over one keep-alive connection until `stop`, and again a while
+/// after each rejection; how many it got answered (200) and turned away (503).
+async fn ask_until(target: SocketAddr, path: &'static str, stop: Arc<AtomicBool>) -> (u64, u64) {
+    let mut client = Client::open(target).await;
+    let (mut answered, mut rejected) = (0, 0);
+    while !stop.load(Ordering::Relaxed) {
+        match client.get(path).await {
+            (200, _) => answered += 1,
+            (503, _) => {
+                rejected += 1;
+                tokio::time::sleep(RETRY_AFTER).await;
+            }
+            (status, body) => panic!("GET {path}: {status} {body}"),
+        }
+    }
+    client.closed().await;
+    (answered, rejected)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_prometheus_fires_the_saturated_alert_for_a_named_limit_that_two_routes_share() {
+    let Some(binary) = require_binary("prometheus", "tests/prometheus_server.rs") else {
+        return;
+    };
+
+    // The Getting-started app: the exporter without unit suffixes, one named limit shared by
+    // two routes, and /metrics.
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_units()
+        .build()
+        .expect("exporter");
+    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+    let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
+    let limit = Limit::builder(NAMED_CAPACITY)
+        .max_queued(NAMED_MAX_QUEUED)
+        .name(NAMED_LIMIT)
+        .build();
+    let layer = |operation, executor| {
+        ResourcesOperationLayer::new_for_http(limit.clone())
+            .operation(operation)
+            .executor(executor)
+            .metrics(metrics.clone())
+    };
+    let router = Router::new()
+        .route(
+            "/verify",
+            get(work).layer(layer(Operation::Verify, Executor::Subprocess)),
+        )
+        .route(
+            "/judge",
+            get(work).layer(layer(Operation::Judge, Executor::Inline)),
+        )
+        .route("/metrics", get(move || exposition(registry.clone())));
+    let target = serve(router).await;
+
+    // One request per route first, so that every series exists in the first scrape.
+    assert_eq!(app::burst(target, &["/verify", "/judge"]).await, [200, 200]);
+
+    let setup = Setup {
+        interval: "250ms",
+        rules: Some(quick_rules(QUICK_FOR)),
+    };
+    let prometheus = Prometheus::start(&binary, target, &setup).await;
+    let named = format!(r#"{{nemo_gym_resources_limit="{NAMED_LIMIT}"}}"#);
+    prometheus
+        .wait_for(
+            &format!("gym_resources_limit_capacity{named}"),
+            NAMED_CAPACITY as f64,
+        )
+        .await;
+    prometheus
+        .wait_for(&format!("gym_resources_limit_active{named}"), 0.0)
+        .await;
+
+    // 14 clients, 7 per route, until the alert fires and for at least LOAD_AT_LEAST.
+    let stop = Arc::new(AtomicBool::new(false));
+    let load_start = unix_now();
+    let started = Instant::now();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            let path = if i % 2 == 0 { "/verify" } else { "/judge" };
+            tokio::spawn(ask_until(target, path, Arc::clone(&stop)))
+        })
+        .collect();
+    let firing_alert = format!(r#"ALERTS{{alertname="{SATURATED}", alertstate="firing"}}"#);
+    let firing = loop {
+        let firing = prometheus.query(&firing_alert).await;
+        if !firing.is_empty() && started.elapsed() >= LOAD_AT_LEAST {
+            break firing;
+        }
+        assert!(
+            started.elapsed() < LOAD_AT_LEAST + PATIENCE,
+            "{SATURATED} not firing after {:?}: {firing:?}; the limit: {:?}, {:?}, {:?}\nPrometheus log:\n{}",
+            started.elapsed(),
+            prometheus.query("gym_resources_limit_capacity").await,
+            prometheus.query("gym_resources_limit_active").await,
+            prometheus.query("gym_resources_limit_queued").await,
+            prometheus.log()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let load_end = unix_now();
+    stop.store(true, Ordering::Relaxed);
+    let (mut answered, mut rejected) = (0, 0);
+    for client in clients {
+        let (a, r) = client.await.expect("client");
+        answered += a;
+        rejected += r;
+    }
+
+    // The alert that fires is the per-limit one, for the named limit, and only it.
+    let labels: Vec<BTreeMap<String, String>> = firing
+        .iter()
+        .map(|alert| serde_json::from_value(alert["metric"].clone()).expect("labels"))
+        .collect();
+    let expected = BTreeMap::from(
+        [
+            ("__name__", "ALERTS"),
+            ("alertname", SATURATED),
+            ("alertstate", "firing"),
+            ("instance", &target.to_string()),
+            ("job", "app"),
+            ("nemo_gym_resources_limit", NAMED_LIMIT),
+            ("scope", "limit"),
+            ("severity", "warning"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned())),
+    );
+    assert_eq!(labels, [expected]);
+    // The per-series rule never even went pending: no route's own series fills the limit for
+    // long, and while the named limit is saturated the per-limit rule speaks for it.
+    let per_series = prometheus
+        .query(&format!(
+            r#"ALERTS{{alertname="{SATURATED}", scope="series"}}[5m]"#
+        ))
+        .await;
+    assert!(per_series.is_empty(), "{per_series:?}");
+
+    // Every request was answered or turned away: the server counted the same.
+    assert!(rejected > 0, "nobody was turned away: {answered} answered");
+    prometheus
+        .wait_for(&format!("gym_resources_limit_queued{named}"), 0.0)
+        .await;
+    prometheus
+        .wait_for(&format!("gym_resources_limit_active{named}"), 0.0)
+        .await;
+    prometheus
+        .wait_for(
+            r#"sum(gym_resources_operation_rejected_total{nemo_gym_resources_operation_rejection="queue_full"})"#,
+            rejected as f64,
+        )
+        .await;
+    prometheus
+        .wait_for(
+            "sum(gym_resources_operation_queue_duration_ms_count)",
+            (answered + 2) as f64,
+        )
+        .await;
+
+    // The named limit as scraped under load (away from its edges): full, with work waiting,
+    // its queue at its bound at times and never above it.
+    let (from, to) = (
+        ((load_start + 1.0) * 1000.0) as u64,
+        ((load_end - 0.3) * 1000.0) as u64,
+    );
+    let inside = |samples: BTreeMap<u64, f64>| -> Vec<f64> {
+        samples.range(from..to.max(from)).map(|(_, &v)| v).collect()
+    };
+    let capacity = inside(
+        prometheus
+            .raw_sums(&format!("gym_resources_limit_capacity{named}[1m]"))
+            .await,
+    );
+    let active = inside(
+        prometheus
+            .raw_sums(&format!("gym_resources_limit_active{named}[1m]"))
+            .await,
+    );
+    let queued = inside(
+        prometheus
+            .raw_sums(&format!("gym_resources_limit_queued{named}[1m]"))
+            .await,
+    );
+    eprintln!(
+        "{answered} answered, {rejected} turned away; the named limit under load: active {active:?}, queued {queued:?}"
+    );
+    assert!(active.len() >= 10, "{active:?}");
+    assert!(
+        capacity.iter().all(|&c| c == NAMED_CAPACITY as f64),
+        "{capacity:?}"
+    );
+    assert!(
+        active.iter().all(|&a| a == NAMED_CAPACITY as f64),
+        "{active:?}"
+    );
+    assert!(
+        queued
+            .iter()
+            .all(|&q| q >= 1.0 && q <= NAMED_MAX_QUEUED as f64),
+        "{queued:?}"
+    );
+    assert!(
+        queued.contains(&(NAMED_MAX_QUEUED as f64)),
+        "the queue never reached its bound: {queued:?}"
+    );
+
+    // Both routes were turned away while the load lasted.
+    let window = format!("{}s", (load_end - load_start).floor() as u64 - 1);
+    let rejections = prometheus
+        .by_label_at(
+            &format!(
+                "sum by (nemo_gym_resources_operation) (increase(gym_resources_operation_rejected_total[{window}]))"
+            ),
+            "nemo_gym_resources_operation",
+            load_end,
+        )
+        .await;
+    assert_eq!(
+        rejections.keys().collect::<Vec<_>>(),
+        ["judge", "verify"],
+        "{rejections:?}"
+    );
+    assert!(rejections.values().all(|&r| r > 0.0), "{rejections:?}");
+
+    // The dashboard over the load. The named limit reads full. Each route's own series reads
+    // about half of it, and together the whole: in the time they held places (busy slots, exact)
+    // each route had k of the 10 clients that cycle through the 2 places and the 8 waiting
+    // ones, k between 3 and 7 whichever 4 clients are the ones turned away; the utilisation panel,
+    // which averages the scrapes, reads about the same and never full.
+    let dashboard = support::prometheus::load_dashboard();
+    let queries = support::prometheus::panel_queries(&dashboard);
+    let panel_query = |title: &str, ref_id: &str| {
+        let query = queries
+            .iter()
+            .find(|query| query.panel == title && query.ref_id == ref_id)
+            .unwrap_or_else(|| panic!("no query {ref_id} in a panel {title:?}"));
+        support::prometheus::substitute_grafana_variables(&query.expr, &window)
+    };
+    let operation = "nemo_gym_resources_operation";
+    let per_limit = prometheus
+        .by_label_at(
+            &panel_query("Utilisation per named limit", "A"),
+            "nemo_gym_resources_limit",
+            load_end,
+        )
+        .await;
+    let per_series = prometheus
+        .by_label_at(
+            &panel_query("Utilisation of the limit", "A"),
+            operation,
+            load_end,
+        )
+        .await;
+    let busy = prometheus
+        .by_label_at(
+            &panel_query("Busy slots (Little's law) and limit", "A"),
+            operation,
+            load_end,
+        )
+        .await;
+    let busy_share: BTreeMap<&String, f64> = busy
+        .iter()
+        .map(|(route, slots)| (route, slots / NAMED_CAPACITY as f64))
+        .collect();
+    eprintln!(
+        "over the last {window} of the load: utilisation per limit {per_limit:?}, per series \
+         {per_series:?}; busy slots per series over the limit {busy_share:?}"
+    );
+    assert_eq!(per_limit.len(), 1, "{per_limit:?}");
+    assert!(
+        per_limit.get(NAMED_LIMIT).is_some_and(|&u| u >= 0.95),
+        "the named limit should read full: {per_limit:?}"
+    );
+    for reading in [&per_series, &busy] {
+        assert_eq!(
+            reading.keys().collect::<Vec<_>>(),
+            ["judge", "verify"],
+            "{reading:?}"
+        );
+    }
+    assert!(
+        busy_share.values().all(|&u| (0.25..=0.75).contains(&u)),
+        "each route should hold about half of the limit: {busy_share:?}"
+    );
+    assert!(
+        per_series.values().all(|&u| u <= 0.9),
+        "no route's own utilisation reads the shared limit full: {per_series:?}"
+    );
+    for together in [
+        per_series.values().sum::<f64>(),
+        busy_share.values().sum::<f64>(),
+    ] {
+        assert!(
+            (0.9..=1.05).contains(&together),
+            "together the routes fill the limit: {per_series:?}, {busy_share:?}"
+        );
+    }
+
+    // Every query of the dashboard returns data from this server, the per-limit ones included.
+    every_dashboard_query_answers(&prometheus, true).await;
 }

@@ -6,7 +6,8 @@ use std::time::Duration;
 use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry_sdk::metrics::data::Metric;
 use opentelemetry_sdk::metrics::{
-    InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
+    InMemoryMetricExporter, InMemoryMetricExporterBuilder, MeterProviderBuilder, PeriodicReader,
+    SdkMeterProvider,
 };
 use tower_resources_operation::OperationMetrics;
 
@@ -19,13 +20,20 @@ pub struct Telemetry {
 
 impl Telemetry {
     /// The crate's metrics on the meter `meter` of a provider of their own.
+    #[allow(dead_code)] // The tonic example adds a Prometheus reader: `with_provider`.
     pub fn new(meter: &'static str) -> Self {
+        Self::with_provider(meter, SdkMeterProvider::builder())
+    }
+
+    /// [`Telemetry::new`], on a provider built from `provider`, with whatever readers it has
+    /// already (the tonic example's Prometheus exporter, for its `/metrics`).
+    pub fn with_provider(meter: &'static str, provider: MeterProviderBuilder) -> Self {
         let exporter = InMemoryMetricExporterBuilder::new().build();
         // An hour apart: in practice the reader exports only when `read` flushes it.
         let reader = PeriodicReader::builder(exporter.clone())
             .with_interval(Duration::from_secs(3600))
             .build();
-        let provider = SdkMeterProvider::builder().with_reader(reader).build();
+        let provider = provider.with_reader(reader).build();
         let metrics = OperationMetrics::new(&provider.meter(meter));
         Self {
             provider,

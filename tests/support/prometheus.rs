@@ -150,13 +150,21 @@ pub fn load_dashboard() -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
 }
 
-/// A panel's expression as Prometheus would get it from Grafana with every operation selected
-/// and a rate interval of `rate_interval`.
+/// A panel's expression as Prometheus would get it from Grafana with every job, instance,
+/// operation and named limit selected, and a rate interval of `rate_interval`.
 pub fn substitute_grafana_variables(expr: &str, rate_interval: &str) -> String {
-    expr.replace("$__rate_interval", rate_interval)
-        .replace("${operation:regex}", ".*")
-        .replace("${operation}", ".*")
-        .replace("$operation", ".*")
-        .replace("$job", ".*")
-        .replace("$instance", ".*")
+    let mut expr = expr.replace("$__rate_interval", rate_interval);
+    for variable in ["job", "instance", "operation", "limit"] {
+        expr = expr
+            .replace(&format!("${{{variable}:regex}}"), ".*")
+            .replace(&format!("${{{variable}}}"), ".*")
+            .replace(&format!("${variable}"), ".*");
+    }
+    expr
+}
+
+/// Whether a dashboard or alert expression reads a named limit's series
+/// (`gym_resources_limit_*`), which only a limit given a name reports.
+pub fn reads_named_limits(expr: &str) -> bool {
+    expr.contains("gym_resources_limit_")
 }
