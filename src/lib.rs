@@ -237,6 +237,7 @@
 )]
 #![deny(rustdoc::broken_intra_doc_links)]
 
+pub mod adaptive;
 mod attributes;
 pub mod classify;
 mod diagnostics;

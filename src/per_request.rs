@@ -321,6 +321,9 @@ pub struct PerRequestOperation<S, F, C, L, P, E> {
     _end: PhantomData<fn() -> E>,
 }
 
+/// A configuration that the services of a layer share.
+type Shared<C, L, P> = Arc<Config<C, L, P>>;
+
 /// What the services of one per-request layer share.
 struct Choosing<F, C, L, P> {
     chooser: F,
@@ -331,7 +334,7 @@ struct Choosing<F, C, L, P> {
     names: Vec<&'static str>,
     /// The configuration of each (limit, operation, executor), made when a request first
     /// chooses it: `SERIES` per entry of `bases`.
-    by_series: Box<[OnceLock<Arc<Config<C, L, P>>>]>,
+    by_series: Box<[OnceLock<Shared<C, L, P>>]>,
     /// Whether the chooser's series were announced to the metrics.
     announced: OnceLock<()>,
 }
@@ -393,7 +396,12 @@ impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
 
     /// The configuration of the operations of (`operation`, `executor`) under the limit in
     /// `slot`.
-    fn config(&self, slot: usize, operation: Operation, executor: Executor) -> &Arc<Config<C, L, P>> {
+    fn config(
+        &self,
+        slot: usize,
+        operation: Operation,
+        executor: Executor,
+    ) -> &Arc<Config<C, L, P>> {
         let index = slot * SERIES + operation.index() * Executor::ALL.len() + executor.index();
         self.by_series[index].get_or_init(|| {
             let mut config = (*self.bases[slot]).clone();
