@@ -390,6 +390,7 @@
 )]
 #![deny(rustdoc::broken_intra_doc_links)]
 
+pub mod adaptive;
 mod attributes;
 pub mod classify;
 mod diagnostics;

@@ -451,7 +451,7 @@ impl Record {
         let now = self.series.now();
         let outcome = decide(self, end, classify, now);
         self.stage = ENDED;
-        self.series.end(outcome, elapsed(self.at, now));
+        self.series.end(outcome, elapsed(self.at, now), now);
     }
 }
 
@@ -603,7 +603,7 @@ mod tests {
     fn admitted(at: Instant, queued: Duration) -> Record {
         let metrics = OperationMetrics::new(&opentelemetry::global::meter("operation-tests"));
         let series = metrics.series(Operation::Other, Executor::Other, None);
-        let mut record = Record::new(series.expect("enabled metrics").clone(), Some(at));
+        let mut record = Record::new(series.expect("enabled metrics").into_owned(), Some(at));
         record.stage = ADMITTED;
         record.timing = u32::try_from(queued.as_micros()).unwrap();
         record

@@ -174,6 +174,7 @@ impl OperationMetrics {
         executor: Executor,
     ) -> Result<(A::Permit, Lifecycle<()>), Rejected> {
         let series = self.series(operation, executor, limit.capacity().as_ref());
+        let series = series.as_deref();
         let mut asked = Lifecycle::new();
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use support::Telemetry;
 use tower::{Layer, Service, ServiceExt};
+use tower_resources_operation::adaptive::{Adaptive, Gradient};
 use tower_resources_operation::metrics::REJECTED_INSTRUMENT;
 use tower_resources_operation::per_request::Choice;
 use tower_resources_operation::protocol::RejectAsError;
@@ -232,6 +233,58 @@ fn no_allocation_per_scoped_operation_with_metrics_enabled() {
     let count = |outcome| recorded_as(&telemetry, outcome, &[]);
     assert_eq!(count("timeout"), timeouts);
     assert_eq!(count("ok"), 2 * rounds - timeouts);
+}
+
+/// Allocations made by operations of an adaptive limit, through the layer and the scoped API:
+/// one scoped operation in 50 ends `timeout`, so windows close, some congested, and the
+/// controller resizes the limit all along (checked).
+fn adaptive_steady_state_allocations(metrics: OperationMetrics) -> u64 {
+    let limit = Limit::builder(4)
+        .adaptive(Adaptive::new(Gradient::default(), 1..=8))
+        .build();
+    // The last capacity seen, and how many times it changed: the warm-up's two timeouts
+    // account for a few changes at most, the measurement's twenty for the rest.
+    let changes = Cell::new((limit.capacity(), 0));
+    let service = ResourcesOperationLayer::new(limit.clone())
+        .operation(Operation::Tool)
+        .executor(Executor::Thread)
+        .metrics(metrics.clone())
+        .layer(Noop);
+    let allocations = steady_state(|n| {
+        let (service, metrics, limit) = (service.clone(), metrics.clone(), &limit);
+        let changes = &changes;
+        async move {
+            // Never a multiple of 3: `Noop` makes those `timeout`.
+            service.oneshot(3 * n + 1).await.unwrap();
+            let scoped = metrics
+                .resources_operation(limit, Operation::Judge, Executor::Inline, async {
+                    if n % 50 == 0 {
+                        set_outcome(Outcome::Timeout);
+                    }
+                    Ok::<_, Infallible>(n)
+                })
+                .await;
+            assert_eq!(scoped.unwrap().unwrap(), n);
+            let (last, changed) = changes.get();
+            let capacity = limit.capacity();
+            changes.set((capacity, changed + usize::from(capacity != last)));
+        }
+    });
+    let (_, changed) = changes.get();
+    assert!(
+        changed >= 20,
+        "the controller resized the limit {changed} times"
+    );
+    allocations
+}
+
+#[test]
+fn no_allocation_per_operation_of_an_adaptive_limit() {
+    let telemetry =
+        assert_no_allocation_with_metrics_disabled_or_enabled(adaptive_steady_state_allocations);
+    // The operations really were recorded, both forms.
+    let rounds = u64::from(WARM_UP + MEASURED);
+    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &[]), 2 * rounds);
 }
 
 #[test]

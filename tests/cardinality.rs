@@ -173,6 +173,7 @@ fn assert_series_bounded(telemetry: &Telemetry) {
             Data::Sum { points, .. } | Data::Gauge(points) => {
                 points.iter().map(|p| &p.attributes).collect()
             }
+            Data::GaugeF64(points) => points.iter().map(|p| &p.attributes).collect(),
             Data::Other(other) => panic!("{}: {other}", metric.name),
         };
         let with_outcome = metric.name == DURATION_INSTRUMENT;

@@ -495,6 +495,7 @@ fn points_attributes(exported: &support::Exported) -> Vec<(String, String)> {
         support::Data::Sum { points, .. } | support::Data::Gauge(points) => {
             points.iter().map(|p| &p.attributes).collect()
         }
+        support::Data::GaugeF64(points) => points.iter().map(|p| &p.attributes).collect(),
         support::Data::Other(other) => panic!("{}: {other}", exported.name),
     };
     attributes

@@ -107,7 +107,7 @@ impl<C, L: Acquire, P> Config<C, L, P> {
                 self.metrics
                     .resolve()
                     .series(self.operation, self.executor, capacity.as_ref())
-                    .cloned()
+                    .map(std::borrow::Cow::into_owned)
             })
             .as_ref()
     }

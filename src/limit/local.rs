@@ -8,6 +8,7 @@ use tokio::sync::{Semaphore, TryAcquireError};
 
 use super::resize::Resizable;
 use super::{Acquire, AcquireError};
+use crate::adaptive::{Adaptive, Controller, Resize};
 use crate::metrics::{Capacity, Reading};
 use crate::Rejection;
 
@@ -19,7 +20,8 @@ use crate::Rejection;
 ///
 /// A limit [named](LimitBuilder::name) in code also reports instruments of its own, under its
 /// name: how many operations it admits at once, holds and keeps waiting, whichever routes and
-/// operations share it (see [the metrics](crate#metrics)).
+/// operations share it (see [the metrics](crate#metrics)). An [adaptive](LimitBuilder::adaptive)
+/// limit sets its own capacity from the run times and outcomes of its operations.
 ///
 /// ```
 /// use tower_resources_operation::Limit;
@@ -65,7 +67,7 @@ impl Limit {
     /// [`Semaphore::MAX_PERMITS`].
     pub fn try_new(max: usize) -> Result<Self, LimitTooLarge> {
         check(max)?;
-        Ok(Self::make(max, usize::MAX, None))
+        Ok(Self::make(max, usize::MAX, None, None))
     }
 
     /// A limit of `max` operations at once, of which at most `max_queued` wait, across every
@@ -90,17 +92,29 @@ impl Limit {
             max,
             max_queued: usize::MAX,
             name: None,
+            adaptive: None,
         }
     }
 
-    fn make(max: usize, max_queued: usize, name: Option<&'static str>) -> Self {
+    fn make(
+        max: usize,
+        max_queued: usize,
+        name: Option<&'static str>,
+        adaptive: Option<&Adaptive>,
+    ) -> Self {
+        let max = adaptive.map_or(max, |adaptive| adaptive.start(max));
         let state = Arc::new_cyclic(|state: &Weak<State>| {
+            let controller = adaptive.map(|adaptive| {
+                let limit: Weak<dyn Resize> = state.clone();
+                Arc::new(Controller::new(adaptive, limit, max))
+            });
             let state = state.clone();
+            let read = move || state.upgrade().map(|state| state.read());
             State {
                 places: Resizable::new(Semaphore::new(max), max),
                 queued: AtomicUsize::new(0),
                 max_queued,
-                gauge: Capacity::of_limit(name, move || state.upgrade().map(|state| state.read())),
+                gauge: Capacity::of_limit(name, read, controller),
             }
         });
         Self { state }
@@ -134,12 +148,18 @@ impl Limit {
         }
     }
 
+    /// Whether a controller sets its capacity (see [`LimitBuilder::adaptive`]).
+    pub fn is_adaptive(&self) -> bool {
+        self.state.gauge.controller().is_some()
+    }
+
     /// Changes the capacity while the limit serves.
     ///
     /// Raising it admits waiters at once. Lowering it never revokes a running operation: the
     /// places above the new capacity are taken out as running operations finish, so for a while
     /// more may run than the new capacity (the metrics then show `active` above `limit`). No
-    /// place is lost or made up, whatever runs meanwhile.
+    /// place is lost or made up, whatever runs meanwhile. An adaptive limit's controller goes
+    /// on from the capacity set here, at its next window.
     pub fn set_capacity(&self, capacity: usize) -> Result<(), LimitTooLarge> {
         check(capacity)?;
         self.state.places.set_capacity(capacity);
@@ -157,15 +177,32 @@ impl State {
     /// What the metrics report of the limit now.
     fn read(&self) -> Reading {
         let free = self.places.places().available_permits();
+        let (baseline, estimate) = self
+            .gauge
+            .controller()
+            .map(Controller::measured)
+            .unwrap_or_default();
         Reading {
             capacity: self.places.capacity(),
             active: self.places.held(free),
             queued: self.queued.load(Ordering::Relaxed),
+            baseline,
+            estimate,
         }
     }
 }
 
-/// Makes a [`Limit`] with a bound on its queue, or a name, or both: the two things that are
+impl Resize for State {
+    fn capacity(&self) -> usize {
+        self.places.capacity()
+    }
+
+    fn resize(&self, capacity: usize) {
+        self.places.set_capacity(capacity);
+    }
+}
+
+/// Makes a [`Limit`] with a bound on its queue, a name, or a controller: the things that are
 /// fixed once the limit is shared.
 ///
 /// ```
@@ -181,6 +218,7 @@ pub struct LimitBuilder {
     max: usize,
     max_queued: usize,
     name: Option<&'static str>,
+    adaptive: Option<Adaptive>,
 }
 
 impl LimitBuilder {
@@ -211,12 +249,32 @@ impl LimitBuilder {
         self
     }
 
+    /// Lets `controller` set the capacity, from the run times and outcomes of the limit's
+    /// operations, within its bounds: see [`adaptive`](crate::adaptive). The capacity given to
+    /// [`Limit::builder`] is where it starts (brought within the bounds).
+    ///
+    /// ```
+    /// use tower_resources_operation::adaptive::{Adaptive, Aimd};
+    /// use tower_resources_operation::Limit;
+    ///
+    /// let judges = Limit::builder(1)
+    ///     .name("judges")
+    ///     .adaptive(Adaptive::new(Aimd::default(), 1..=64))
+    ///     .build();
+    /// assert!(judges.is_adaptive());
+    /// ```
+    pub fn adaptive(mut self, controller: Adaptive) -> Self {
+        self.adaptive = Some(controller);
+        self
+    }
+
     /// The limit.
     ///
     /// # Panics
     ///
-    /// If its capacity is above tokio's [`Semaphore::MAX_PERMITS`]; [`try_build`](Self::try_build)
-    /// returns that as an error instead.
+    /// If its capacity, or an adaptive limit's highest, is above tokio's
+    /// [`Semaphore::MAX_PERMITS`]; [`try_build`](Self::try_build) returns that as an error
+    /// instead.
     #[track_caller]
     pub fn build(self) -> Limit {
         match self.try_build() {
@@ -225,10 +283,19 @@ impl LimitBuilder {
         }
     }
 
-    /// The limit, or an error if its capacity is above tokio's [`Semaphore::MAX_PERMITS`].
+    /// The limit, or an error if its capacity, or an adaptive limit's highest, is above tokio's
+    /// [`Semaphore::MAX_PERMITS`].
     pub fn try_build(self) -> Result<Limit, LimitTooLarge> {
         check(self.max)?;
-        Ok(Limit::make(self.max, self.max_queued, self.name))
+        if let Some(adaptive) = &self.adaptive {
+            check(*adaptive.bounds().end())?;
+        }
+        Ok(Limit::make(
+            self.max,
+            self.max_queued,
+            self.name,
+            self.adaptive.as_ref(),
+        ))
     }
 }
 
@@ -373,6 +440,7 @@ impl fmt::Debug for Limit {
             .field("queued", &self.queued())
             .field("queue_bound", &self.queue_bound())
             .field("name", &self.name())
+            .field("adaptive", &self.state.gauge.controller())
             .finish()
     }
 }

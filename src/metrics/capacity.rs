@@ -6,6 +6,10 @@ use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::Controlled;
+use crate::adaptive::Controller;
 
 /// Limits per series remembered without taking the registry's lock.
 const KNOWN: usize = 4;
@@ -34,6 +38,8 @@ pub struct Capacity {
     /// The limit's name, for a limit that reports instruments of its own.
     name: Option<&'static str>,
     read: Arc<dyn Fn() -> Option<Reading> + Send + Sync>,
+    /// The controller of an adaptive limit, and the series its operations record through.
+    controlled: Option<Arc<Controlled>>,
 }
 
 /// What a limit reports at a collection.
@@ -46,6 +52,10 @@ pub(crate) struct Reading {
     pub(crate) active: usize,
     /// Operations waiting for it now.
     pub(crate) queued: usize,
+    /// An adaptive limit's baseline run time, if its algorithm keeps one.
+    pub(crate) baseline: Option<Duration>,
+    /// An adaptive limit's estimate of its recent run time, if its algorithm keeps one.
+    pub(crate) estimate: Option<Duration>,
 }
 
 impl Capacity {
@@ -56,25 +66,53 @@ impl Capacity {
 
     /// A limit whose capacity `read` returns at each collection (for a pool that grows, say).
     pub fn from_fn(read: impl Fn() -> usize + Send + Sync + 'static) -> Self {
-        Self::of_limit(None, move || {
-            Some(Reading {
-                capacity: read(),
-                ..Reading::default()
-            })
-        })
+        Self::of_limit(
+            None,
+            move || {
+                Some(Reading {
+                    capacity: read(),
+                    ..Reading::default()
+                })
+            },
+            None,
+        )
     }
 
     /// A limit named `name` (if it is), whose state `read` returns while the limit exists, and
-    /// `None` once it is gone: a gone limit stops counting in the metrics.
+    /// `None` once it is gone: a gone limit stops counting in the metrics. An adaptive limit
+    /// gives its `controller`, which its operations then feed.
     pub(crate) fn of_limit(
         name: Option<&'static str>,
         read: impl Fn() -> Option<Reading> + Send + Sync + 'static,
+        controller: Option<Arc<Controller>>,
     ) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Self {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             name,
             read: Arc::new(read),
+            controlled: controller.map(|controller| Arc::new(Controlled::new(controller))),
+        }
+    }
+
+    /// The controller of an adaptive limit, with the series its operations record through.
+    pub(crate) fn controlled(&self) -> Option<&Controlled> {
+        self.controlled.as_deref()
+    }
+
+    /// The controller of an adaptive limit.
+    pub(crate) fn controller(&self) -> Option<&Controller> {
+        self.controlled().map(Controlled::controller)
+    }
+
+    /// This capacity without its controller: what the registry keeps, so that the series an
+    /// adaptive limit keeps, which hold the metrics, are not held by the metrics in turn.
+    fn reported(&self) -> Self {
+        Self {
+            id: self.id,
+            name: self.name,
+            read: Arc::clone(&self.read),
+            controlled: None,
         }
     }
 
@@ -140,7 +178,7 @@ impl<const SERIES: usize> Registry<SERIES> {
             .iter()
             .any(|(i, known)| *i == index && known.same_limit(capacity))
         {
-            limits.push((index, capacity.clone()));
+            limits.push((index, capacity.reported()));
         }
         for id in known {
             if id
@@ -180,6 +218,9 @@ impl<const SERIES: usize> Registry<SERIES> {
                     sum.capacity = sum.capacity.saturating_add(reading.capacity);
                     sum.active = sum.active.saturating_add(reading.active);
                     sum.queued = sum.queued.saturating_add(reading.queued);
+                    // Run times do not add up: the slowest of the limits that share a name.
+                    sum.baseline = sum.baseline.max(reading.baseline);
+                    sum.estimate = sum.estimate.max(reading.estimate);
                 }
                 None => named.push((name, reading)),
             }

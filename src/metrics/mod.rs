@@ -10,6 +10,7 @@
 
 mod capacity;
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
@@ -23,6 +24,7 @@ use tokio::time::Instant;
 pub use capacity::Capacity;
 pub(crate) use capacity::Reading;
 
+use crate::adaptive::Controller;
 use crate::diagnostics::{self, Mistake};
 use crate::{
     Executor, Operation, Outcome, Rejection, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
@@ -57,6 +59,12 @@ pub const LIMIT_ACTIVE_INSTRUMENT: &str = "gym.resources.limit.active";
 /// Observable up-down counter, `{operation}`: operations waiting for a named limit right now, by
 /// [`LIMIT_ATTRIBUTE`]. An addition of this crate.
 pub const LIMIT_QUEUED_INSTRUMENT: &str = "gym.resources.limit.queued";
+/// Observable gauge, `ms`: the run time a named [adaptive](crate::adaptive) limit's algorithm
+/// takes as normal, at low load, by [`LIMIT_ATTRIBUTE`]. An addition of this crate.
+pub const LIMIT_BASELINE_INSTRUMENT: &str = "gym.resources.limit.adaptive.baseline_ms";
+/// Observable gauge, `ms`: the recent run time a named [adaptive](crate::adaptive) limit's
+/// algorithm compares with its baseline, by [`LIMIT_ATTRIBUTE`]. An addition of this crate.
+pub const LIMIT_ESTIMATE_INSTRUMENT: &str = "gym.resources.limit.adaptive.estimate_ms";
 /// Attribute key of a limit's name, on the `gym.resources.limit.*` instruments only.
 pub const LIMIT_ATTRIBUTE: &str = "nemo.gym.resources.limit";
 
@@ -112,6 +120,7 @@ impl OperationMetrics {
                 Series(Arc::new(SeriesCell {
                     shared: Arc::clone(&shared),
                     index,
+                    controller: None,
                 }))
             })
             .collect();
@@ -189,17 +198,84 @@ impl OperationMetrics {
     }
 
     /// The series of (`operation`, `executor`), reported from now on, with `capacity` counted
-    /// in its limit; `None` when disabled.
+    /// in its limit; `None` when disabled. An adaptive limit's operations record through a
+    /// series of their own that feeds its controller, also when disabled: with nothing else to
+    /// record, they record into the controller alone.
+    #[inline]
     pub(crate) fn series(
         &self,
         operation: Operation,
         executor: Executor,
         capacity: Option<&Capacity>,
-    ) -> Option<&Series> {
-        let metrics = self.inner.as_deref()?;
+    ) -> Option<Cow<'_, Series>> {
         let index = operation.index() * Executor::ALL.len() + executor.index();
+        let controlled = capacity.and_then(Capacity::controlled);
+        let Some(metrics) = self.inner.as_deref() else {
+            return controlled.map(|controlled| Cow::Owned(controlled.series(silent(), index)));
+        };
         metrics.shared.report(index, capacity);
-        Some(&metrics.series[index])
+        Some(match controlled {
+            None => Cow::Borrowed(&metrics.series[index]),
+            Some(controlled) => Cow::Owned(controlled.series(&metrics.shared, index)),
+        })
+    }
+}
+
+/// Instruments that record nothing: the metrics of an adaptive limit's operations when metrics
+/// are disabled, whose only reader is the controller.
+fn silent() -> &'static Arc<Shared> {
+    static SILENT: OnceLock<Arc<Shared>> = OnceLock::new();
+    SILENT.get_or_init(|| {
+        let meter = opentelemetry::metrics::NoopMeterProvider::new().meter(METER_NAME);
+        Arc::new(Shared::new(&meter))
+    })
+}
+
+/// An adaptive limit's controller, and the series its operations record through: one per
+/// (operation, executor), made once for the first metrics that report them (other metrics get
+/// a series made for the operation).
+pub(crate) struct Controlled {
+    controller: Arc<Controller>,
+    metrics: OnceLock<Arc<Shared>>,
+    series: [OnceLock<Series>; SERIES],
+}
+
+impl Controlled {
+    fn new(controller: Arc<Controller>) -> Self {
+        Self {
+            controller,
+            metrics: OnceLock::new(),
+            series: std::array::from_fn(|_| OnceLock::new()),
+        }
+    }
+
+    pub(crate) fn controller(&self) -> &Controller {
+        &self.controller
+    }
+
+    /// The series `index` of `shared`, feeding this controller.
+    fn series(&self, shared: &Arc<Shared>, index: usize) -> Series {
+        let make = || {
+            Series(Arc::new(SeriesCell {
+                shared: Arc::clone(shared),
+                index,
+                controller: Some(Arc::clone(&self.controller)),
+            }))
+        };
+        let first = self.metrics.get_or_init(|| Arc::clone(shared));
+        if Arc::ptr_eq(first, shared) {
+            self.series[index].get_or_init(make).clone()
+        } else {
+            make()
+        }
+    }
+}
+
+impl std::fmt::Debug for Controlled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Controlled")
+            .field("controller", &self.controller)
+            .finish_non_exhaustive()
     }
 }
 
@@ -234,6 +310,8 @@ pub(crate) struct Series(Arc<SeriesCell>);
 struct SeriesCell {
     shared: Arc<Shared>,
     index: usize,
+    /// An adaptive limit's controller, which this series' operations feed.
+    controller: Option<Arc<Controller>>,
 }
 
 impl Series {
@@ -263,6 +341,9 @@ impl Series {
             cell.queued.fetch_sub(1, Ordering::Relaxed);
         }
         cell.active.fetch_add(1, Ordering::Relaxed);
+        if let Some(controller) = &self.0.controller {
+            controller.admitted();
+        }
         quietly(|| shared.record_queue(index, millis(queued)));
     }
 
@@ -273,6 +354,9 @@ impl Series {
             cell.queued.fetch_sub(1, Ordering::Relaxed);
         }
         cell.rejected[rejection.index()].fetch_add(1, Ordering::Relaxed);
+        if let Some(controller) = &self.0.controller {
+            controller.rejected();
+        }
     }
 
     /// A caller went away while it waited (or its limit failed under it).
@@ -284,11 +368,15 @@ impl Series {
         cell.abandoned.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// An admitted operation that ran for `ran` ended with `outcome`.
-    pub(crate) fn end(&self, outcome: Outcome, ran: Duration) {
+    /// An admitted operation that ran for `ran` ended with `outcome`, at `now`: recorded, and
+    /// fed to its limit's controller if the limit is adaptive.
+    pub(crate) fn end(&self, outcome: Outcome, ran: Duration, now: Option<Instant>) {
         let (shared, cell, index) = self.parts();
         cell.active.fetch_sub(1, Ordering::Relaxed);
         quietly(|| shared.record_duration(index, outcome, millis(ran)));
+        if let Some(controller) = &self.0.controller {
+            controller.ended(outcome, ran, now);
+        }
     }
 }
 
@@ -533,6 +621,34 @@ fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
             .with_unit("{operation}")
             .with_description(description)
             .with_callback(callback)
+            .build();
+    }
+
+    for (name, description, value) in [
+        (
+            LIMIT_BASELINE_INSTRUMENT,
+            "The run time a named adaptive limit takes as normal, at low load.",
+            (|reading| reading.baseline) as fn(&Reading) -> Option<Duration>,
+        ),
+        (
+            LIMIT_ESTIMATE_INSTRUMENT,
+            "The recent run time a named adaptive limit compares with its baseline.",
+            |reading| reading.estimate,
+        ),
+    ] {
+        let shared = Arc::clone(shared);
+        meter
+            .f64_observable_gauge(name)
+            .with_unit("ms")
+            .with_description(description)
+            .with_callback(move |observer| {
+                for (limit, reading) in shared.limits.named() {
+                    if let Some(run_time) = value(&reading) {
+                        observer
+                            .observe(millis(run_time), &[KeyValue::new(LIMIT_ATTRIBUTE, limit)]);
+                    }
+                }
+            })
             .build();
     }
 

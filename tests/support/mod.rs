@@ -10,6 +10,7 @@ pub mod grpc;
 pub mod http;
 pub mod prometheus;
 pub mod reliability;
+pub mod simulation;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -61,6 +62,13 @@ impl SumPoint {
     }
 }
 
+/// One exported f64 gauge data point.
+#[derive(Clone, Debug)]
+pub struct F64Point {
+    pub attributes: Attributes,
+    pub value: f64,
+}
+
 /// What an instrument exported, owned.
 #[derive(Clone, Debug)]
 pub enum Data {
@@ -72,6 +80,8 @@ pub enum Data {
     },
     /// An i64 gauge (the limit).
     Gauge(Vec<SumPoint>),
+    /// An f64 gauge (an adaptive limit's run times).
+    GaugeF64(Vec<F64Point>),
     Other(String),
 }
 
@@ -161,6 +171,14 @@ impl Telemetry {
                             .map(|p| SumPoint::new(p.attributes(), p.value()))
                             .collect(),
                     ),
+                    AggregatedMetrics::F64(MetricData::Gauge(g)) => Data::GaugeF64(
+                        g.data_points()
+                            .map(|p| F64Point {
+                                attributes: attributes(p.attributes()),
+                                value: p.value(),
+                            })
+                            .collect(),
+                    ),
                     other => Data::Other(format!("{other:?}")),
                 },
             })
@@ -197,6 +215,18 @@ impl Telemetry {
                 other => panic!("{name} is not a sum or a gauge: {other:?}"),
             })
             .collect()
+    }
+
+    /// The value of the f64 gauge `name` at the point whose attributes include every pair in
+    /// `filter`, if it has one.
+    pub fn gauge_f64(&self, name: &str, filter: &[(&str, &str)]) -> Option<f64> {
+        self.data_of(name).into_iter().find_map(|data| match data {
+            Data::GaugeF64(points) => points
+                .into_iter()
+                .find(|p| matches(&p.attributes, filter))
+                .map(|p| p.value),
+            other => panic!("{name} is not an f64 gauge: {other:?}"),
+        })
     }
 
     /// Sum of the histogram's counts over points whose attributes include every pair in `filter`.

@@ -1,0 +1,195 @@
+//! [`Gradient`]: shrinks the limit when the run time climbs above its baseline.
+
+use std::time::Duration;
+
+use super::{working, Algorithm, Average, Sample};
+
+/// A latency gradient, in the manner of Netflix's Gradient2 and Envoy's adaptive concurrency:
+/// the capacity follows the ratio of the run time at low load (the *baseline*) to the recent
+/// run time (the *estimate*).
+///
+/// After each window in which the limit was used:
+///
+/// - while the estimate stays within `tolerance` × the baseline, the capacity grows by a
+///   headroom of `√capacity`;
+/// - once it climbs past that, the capacity is multiplied by `tolerance × baseline / estimate`
+///   (at least 0.5): a server whose run time doubled under the load gets about half of it;
+/// - each of these steps is smoothed: the capacity moves `smoothing` of the way to where the
+///   step points;
+/// - a window with congestion (`timeout`, `error`, `crashed`) multiplies it by `backoff` at
+///   once (and takes at least one place away).
+///
+/// The estimate is a moving average of the windows' mean run times, so one slow operation, or
+/// a jittery link, does not move it much. The baseline follows the estimate down at once, and
+/// up only at the bottom of the bounds: a limit pushed to its `min` whose run time is still
+/// high is facing a slower server, not its own load, and takes that as its new normal. So
+/// start the limit at its `min`, where it measures its first baseline.
+///
+/// It grows toward `max` on a server whose run time does not depend on the load, settles a
+/// little above the load at which the run time starts to climb (`tolerance` above it), and
+/// follows that load down and up as it changes.
+///
+/// ```
+/// use tower_resources_operation::adaptive::{Adaptive, Gradient};
+/// use tower_resources_operation::Limit;
+///
+/// let verifiers = Limit::builder(1)
+///     .name("verifiers")
+///     .adaptive(Adaptive::new(Gradient::default().tolerance(1.5), 1..=32))
+///     .build();
+/// # drop(verifiers);
+/// ```
+#[derive(Clone, Debug)]
+pub struct Gradient {
+    tolerance: f64,
+    smoothing: f64,
+    backoff: f64,
+    /// How far a window's mean run time moves the estimate.
+    weight: f64,
+    estimate: Average,
+    /// The baseline run time, in seconds.
+    baseline: Option<f64>,
+    /// The fractional capacity, kept between windows.
+    limit: Option<f64>,
+}
+
+impl Default for Gradient {
+    /// A tolerance of 1.25, smoothing 0.5, a backoff of 0.9 on congestion.
+    fn default() -> Self {
+        Self {
+            tolerance: 1.25,
+            smoothing: 0.5,
+            backoff: 0.9,
+            weight: 0.3,
+            estimate: Average::default(),
+            baseline: None,
+            limit: None,
+        }
+    }
+}
+
+impl Gradient {
+    /// How much above its baseline the run time may climb before the limit shrinks, as a
+    /// ratio (at least 1). Higher lets more run at once on a server whose run time grows
+    /// slowly with load, and rides out more jitter. Defaults to 1.25.
+    pub fn tolerance(mut self, tolerance: f64) -> Self {
+        self.tolerance = tolerance.max(1.0);
+        self
+    }
+
+    /// How much of each step the capacity takes, in `(0, 1]`: lower moves it more slowly and
+    /// more steadily. Defaults to 0.5.
+    pub fn smoothing(mut self, smoothing: f64) -> Self {
+        self.smoothing = smoothing.clamp(0.01, 1.0);
+        self
+    }
+
+    /// What the capacity is multiplied by after a window with congestion. Defaults to 0.9.
+    pub fn backoff(mut self, backoff: f64) -> Self {
+        self.backoff = backoff.clamp(0.0, 1.0);
+        self
+    }
+}
+
+impl Algorithm for Gradient {
+    fn update(&mut self, sample: &Sample) -> usize {
+        let limit = working(&mut self.limit, sample.capacity);
+        let at_floor = sample.capacity <= sample.min_capacity;
+        if let Some(mean) = sample.mean_run_time {
+            let estimate = self.estimate.add(mean.as_secs_f64(), self.weight);
+            self.baseline = Some(match self.baseline {
+                Some(baseline) if !at_floor => baseline.min(estimate),
+                _ => estimate,
+            });
+        }
+        if sample.is_congested() {
+            // Not smoothed: a server that fails wants less at once.
+            let next = (limit * self.backoff).min(limit - 1.0);
+            let next = next.clamp(sample.min_capacity as f64, sample.max_capacity as f64);
+            self.limit = Some(next);
+            return next.round() as usize;
+        }
+        let target = if !sample.is_used() {
+            // The load did not come near the limit: nothing to learn about what it can take.
+            return sample.capacity;
+        } else {
+            match (self.baseline, self.estimate.value) {
+                (Some(baseline), Some(estimate)) if estimate > self.tolerance * baseline => {
+                    limit * (self.tolerance * baseline / estimate).max(0.5)
+                }
+                _ => limit + limit.sqrt(),
+            }
+        };
+        let next = limit + self.smoothing * (target - limit);
+        let next = next.clamp(sample.min_capacity as f64, sample.max_capacity as f64);
+        self.limit = Some(next);
+        next.round() as usize
+    }
+
+    /// The run time at low load: the lowest the estimate has been, or what it is at the
+    /// bottom of the bounds.
+    fn baseline(&self) -> Option<Duration> {
+        self.baseline.map(Duration::from_secs_f64)
+    }
+
+    /// A moving average of the windows' mean run times.
+    fn estimate(&self) -> Option<Duration> {
+        self.estimate.duration()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::sample;
+    use super::*;
+
+    fn ms(ms: u64) -> Option<Duration> {
+        Some(Duration::from_millis(ms))
+    }
+
+    #[test]
+    fn grows_by_its_headroom_while_the_run_time_holds() {
+        let mut gradient = Gradient::default().smoothing(1.0);
+        assert_eq!(gradient.update(&sample(16)), 20);
+        assert_eq!(gradient.update(&sample(20)), 24);
+    }
+
+    #[test]
+    fn shrinks_by_the_ratio_once_the_run_time_climbs_past_the_tolerance() {
+        let mut gradient = Gradient::default().smoothing(1.0).tolerance(1.0);
+        gradient.update(&sample(16));
+        let mut slow = sample(20);
+        slow.mean_run_time = ms(200);
+        // The estimate moves 0.3 of the way: 130 ms against a baseline of 100 ms.
+        assert_eq!(gradient.update(&slow), 15);
+    }
+
+    #[test]
+    fn the_baseline_rises_only_at_the_floor() {
+        let mut gradient = Gradient::default();
+        gradient.update(&sample(4));
+        let mut slower = sample(4);
+        slower.mean_run_time = ms(300);
+        gradient.update(&slower);
+        assert_eq!(gradient.baseline(), ms(100));
+        slower.capacity = 1;
+        gradient.update(&slower);
+        assert!(gradient.baseline() > ms(100), "{:?}", gradient.baseline());
+    }
+
+    #[test]
+    fn leaves_a_limit_the_load_never_came_near() {
+        let mut gradient = Gradient::default();
+        let mut idle = sample(16);
+        idle.peak_in_flight = 3;
+        assert_eq!(gradient.update(&idle), 16);
+    }
+
+    #[test]
+    fn follows_a_capacity_set_from_outside() {
+        let mut gradient = Gradient::default().smoothing(1.0);
+        gradient.update(&sample(16));
+        // Someone set 4.
+        assert_eq!(gradient.update(&sample(4)), 6);
+    }
+}
