@@ -16,6 +16,11 @@
 //! handler's 150 ms deadline (the handler answers a fallback and calls `set_outcome(Timeout)`),
 //! every 11th fails (`500`, `error`), and every 8th client hangs up after 400 ms, in the queue or
 //! while its request runs.
+//!
+//! Last, an adaptive limit: `/verify` in front of a backend of 6 sandboxes, through a limit that
+//! starts at 1 and finds how many the backend takes, printed every half second from the limit's own
+//! instruments (its capacity, what it holds and keeps waiting, and the controller's baseline and
+//! estimate of the run time).
 
 mod common;
 
@@ -30,8 +35,11 @@ use common::Telemetry;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tower_resources_operation::adaptive::{Adaptive, Gradient};
 use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+    ABANDONED_INSTRUMENT, LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT,
+    LIMIT_CAPACITY_INSTRUMENT, LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT,
+    LIMIT_QUEUED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 use tower_resources_operation::protocol::Http;
 use tower_resources_operation::{
@@ -84,6 +92,7 @@ async fn main() {
     })
     .await
     .print();
+    adaptive_run().await;
 }
 
 /// The server: two routes, one limit, one layer per route with its own tags. `limit` is a
@@ -225,6 +234,166 @@ async fn request(addr: SocketAddr, route: &str, id: u32) -> String {
         }
     } else {
         send.await.unwrap_or_else(|e| format!("io error: {e}"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// An adaptive limit finds its capacity.
+
+/// Sandboxes the verification backend runs at once; more wait inside it.
+const SANDBOXES: usize = 6;
+/// How long one verification takes in a sandbox.
+const SANDBOX_WORK: Duration = Duration::from_millis(40);
+/// Clients, each sending its next request as soon as the last is answered.
+const BUSY_CLIENTS: u32 = 24;
+/// How long they keep at it.
+const ADAPTIVE_RUN: Duration = Duration::from_secs(6);
+
+async fn adaptive_run() {
+    println!(
+        "and last, an adaptive limit: /verify in front of a backend of {SANDBOXES} sandboxes \
+         ({} ms per verification; more at once wait inside the backend), {BUSY_CLIENTS} clients \
+         that keep it busy for {} s. The limit starts at 1.\n",
+        SANDBOX_WORK.as_millis(),
+        ADAPTIVE_RUN.as_secs()
+    );
+    let telemetry = Telemetry::new("demo");
+    let verifiers = Limit::builder(1)
+        .name("verifiers")
+        .adaptive(Adaptive::new(Gradient::default(), 1..=32))
+        .build();
+    let sandboxes = std::sync::Arc::new(tokio::sync::Semaphore::new(SANDBOXES));
+    let app = Router::new().route(
+        "/verify",
+        get(move || async move {
+            let _sandbox = sandboxes.acquire().await.expect("open");
+            tokio::time::sleep(SANDBOX_WORK).await;
+            "verified\n"
+        })
+        .layer(
+            ResourcesOperationLayer::new_for_http(verifiers.clone())
+                .operation(Operation::Verify)
+                .executor(Executor::Subprocess)
+                .metrics(telemetry.metrics.clone()),
+        ),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind 127.0.0.1");
+    let addr = listener.local_addr().expect("local addr");
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("server") });
+
+    let started = Instant::now();
+    let clients: Vec<_> = (0..BUSY_CLIENTS)
+        .map(|client| {
+            tokio::spawn(async move {
+                let mut id = client * 10_000;
+                while started.elapsed() < ADAPTIVE_RUN {
+                    // Ids that are never a multiple of 8: these clients do not hang up.
+                    id += 1;
+                    request(addr, "verify", id * 8 + 1).await;
+                }
+            })
+        })
+        .collect();
+
+    println!("   from gym.resources.limit.* with nemo.gym.resources.limit = verifiers:");
+    println!(
+        "   {:>6} {:>8} {:>6} {:>6} {:>9} {:>9}",
+        "t", "capacity", "active", "queued", "baseline", "estimate"
+    );
+    let mut settled = Vec::new();
+    while started.elapsed() < ADAPTIVE_RUN {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let limit = LimitReading::of(&telemetry, "verifiers");
+        println!(
+            "   {:>4.2} s {:>8} {:>6} {:>6} {:>9} {:>9}",
+            started.elapsed().as_secs_f64(),
+            limit.capacity,
+            limit.active,
+            limit.queued,
+            limit.baseline_ms.map_or("-".to_owned(), ms),
+            limit.estimate_ms.map_or("-".to_owned(), ms),
+        );
+        if started.elapsed() >= ADAPTIVE_RUN / 2 {
+            settled.push(limit.capacity);
+        }
+    }
+    for client in clients {
+        client.await.expect("client task");
+    }
+    server.abort();
+
+    let mean = settled.iter().sum::<i64>() as f64 / settled.len().max(1) as f64;
+    let (low, high) = (
+        settled.iter().min().copied().unwrap_or(0),
+        settled.iter().max().copied().unwrap_or(0),
+    );
+    println!(
+        "   what it says: the limit found its capacity: {low} to {high} in the last {} s \
+         (mean {mean:.1}), for a backend that serves {SANDBOXES} at once. Past that, the run time \
+         climbs above its baseline and the controller backs off; it stays a little above, where \
+         its tolerance (run time up to 1.25x the baseline) keeps the backend busy.\n",
+        (ADAPTIVE_RUN / 2).as_secs()
+    );
+}
+
+/// Whether a point's `attributes` are those of the limit `name`.
+fn of_limit<'a>(
+    mut attributes: impl Iterator<Item = &'a opentelemetry::KeyValue>,
+    name: &str,
+) -> bool {
+    attributes.any(|kv| kv.key.as_str() == LIMIT_ATTRIBUTE && kv.value.as_str() == name)
+}
+
+/// What a named limit reports now.
+#[derive(Debug, Default)]
+struct LimitReading {
+    capacity: i64,
+    active: i64,
+    queued: i64,
+    baseline_ms: Option<f64>,
+    estimate_ms: Option<f64>,
+}
+
+impl LimitReading {
+    fn of(telemetry: &Telemetry, name: &str) -> Self {
+        let mut reading = LimitReading::default();
+        telemetry.read(|metric| match metric.data() {
+            AggregatedMetrics::I64(MetricData::Gauge(gauge)) => {
+                for point in gauge.data_points() {
+                    if of_limit(point.attributes(), name)
+                        && metric.name() == LIMIT_CAPACITY_INSTRUMENT
+                    {
+                        reading.capacity = point.value();
+                    }
+                }
+            }
+            AggregatedMetrics::I64(MetricData::Sum(sum)) => {
+                for point in sum.data_points() {
+                    if of_limit(point.attributes(), name) {
+                        match metric.name() {
+                            LIMIT_ACTIVE_INSTRUMENT => reading.active = point.value(),
+                            LIMIT_QUEUED_INSTRUMENT => reading.queued = point.value(),
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            AggregatedMetrics::F64(MetricData::Gauge(gauge)) => {
+                for point in gauge.data_points() {
+                    if of_limit(point.attributes(), name) {
+                        match metric.name() {
+                            LIMIT_BASELINE_INSTRUMENT => reading.baseline_ms = Some(point.value()),
+                            LIMIT_ESTIMATE_INSTRUMENT => reading.estimate_ms = Some(point.value()),
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            _ => {}
+        });
+        reading
     }
 }
 

@@ -160,6 +160,7 @@
 //! |---|---|
 //! | a limit on a tower service, axum route or tonic service | [`ResourcesOperationLayer`]: [`new`](ResourcesOperationLayer::new), [`new_for_http`](ResourcesOperationLayer::new_for_http), [`new_for_grpc`](ResourcesOperationLayer::new_for_grpc) |
 //! | a cap that several routes share, resized while it serves, with a bounded queue | [`Limit`] |
+//! | a cap that finds its own capacity from the run times and outcomes it sees | [`adaptive`] |
 //! | a limit of your own: a pool, a weighted or a fleet-wide semaphore | [`Acquire`] |
 //! | how results become outcomes | [`classify`] |
 //! | how a rejection is answered, and where a caller's deadline is read | [`protocol`] |
@@ -183,6 +184,8 @@
 //! | [`LIMIT_CAPACITY_INSTRUMENT`](metrics::LIMIT_CAPACITY_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | limit | at each collection: how many operations a named limit admits at once |
 //! | [`LIMIT_ACTIVE_INSTRUMENT`](metrics::LIMIT_ACTIVE_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations holding a place of a named limit now, whatever their series |
 //! | [`LIMIT_QUEUED_INSTRUMENT`](metrics::LIMIT_QUEUED_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations waiting for a named limit now |
+//! | [`LIMIT_BASELINE_INSTRUMENT`](metrics::LIMIT_BASELINE_INSTRUMENT) (this crate's) | observable gauge (f64) | `ms` | limit | at each collection: the run time a named [adaptive] limit's algorithm takes as normal, once it has one |
+//! | [`LIMIT_ESTIMATE_INSTRUMENT`](metrics::LIMIT_ESTIMATE_INSTRUMENT) (this crate's) | observable gauge (f64) | `ms` | limit | at each collection: the recent run time a named adaptive limit's algorithm compares with its baseline |
 //!
 //! - Attribute keys: [`OPERATION_ATTRIBUTE`] ([`OPERATIONS`]), [`EXECUTOR_ATTRIBUTE`]
 //!   ([`EXECUTORS`]), [`OUTCOME_ATTRIBUTE`] ([`OUTCOMES`]), and this crate's
@@ -204,7 +207,12 @@
 //!   reports `gym.resources.limit.{capacity,active,queued}` with
 //!   [`LIMIT_ATTRIBUTE`](metrics::LIMIT_ATTRIBUTE) (`nemo.gym.resources.limit`) = its name,
 //!   whichever series use it: read saturation there. A name is written in code, so the attribute
-//!   stays bounded; limits that share a name add up. NeMo Gym's series stay as they are.
+//!   stays bounded; limits that share a name add up (their run times: the largest). NeMo Gym's
+//!   series stay as they are.
+//! - **An [adaptive] limit** sets its own capacity: `limit` and
+//!   `gym.resources.limit.capacity` follow it, and, named, it reports what its controller
+//!   measured (`gym.resources.limit.adaptive.{baseline,estimate}_ms`), next to the queue time and
+//!   run time its decisions come from.
 //! - Live counts add up over every limit that reports through one [`OperationMetrics`] (clones
 //!   share them). A series given explicit metrics reports 0 from the moment a layer makes a
 //!   service for it; with the global metrics, from the first request a service of the layer
@@ -217,7 +225,8 @@
 //!   disabled: `global().is_enabled()` is the check to call), a second [`OperationMetrics`]
 //!   alive (two from one meter hide each other's live counts), a per-request choice naming a
 //!   limit its layer was not given.
-//! - [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit.
+//! - [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit (and
+//!   feeds an adaptive limit's controller, which needs every operation's run time and outcome).
 //!
 //! The histograms' buckets are NeMo Gym's ([`OPERATION_BOUNDARIES_MS`]), given to
 //! OpenTelemetry as advice. Where they are too coarse for

@@ -16,11 +16,11 @@ use std::process::Command;
 
 use support::prometheus::{load_dashboard, panel_queries, panels, require_binary, root, TempDir};
 
-/// The series the crate's ten instruments become in Prometheus: the two histograms, the
+/// The series the crate's instruments become in Prometheus: the two histograms, the
 /// `queued`, `active` and `limit` gauges, the `rejected` and `abandoned` counters (monotonic
-/// sums, to which the exporter appends `_total`), and a named limit's `capacity`, `active` and
-/// `queued`.
-const SERIES: [&str; 14] = [
+/// sums, to which the exporter appends `_total`), a named limit's `capacity`, `active` and
+/// `queued`, and an adaptive limit's baseline and estimated run time.
+const SERIES: [&str; 16] = [
     "gym_resources_operation_queue_duration_ms_bucket",
     "gym_resources_operation_queue_duration_ms_sum",
     "gym_resources_operation_queue_duration_ms_count",
@@ -35,6 +35,8 @@ const SERIES: [&str; 14] = [
     "gym_resources_limit_capacity",
     "gym_resources_limit_active",
     "gym_resources_limit_queued",
+    "gym_resources_limit_adaptive_baseline_ms",
+    "gym_resources_limit_adaptive_estimate_ms",
 ];
 
 /// The histograms' series: named `..._ms_bucket` with `without_units()`, `..._ms_milliseconds_bucket`
@@ -55,10 +57,10 @@ const LIMIT_SERIES_PREFIX: &str = "gym_resources_limit_";
 /// The labels a query may select or group by: the crate's attributes, `le`, and the target's.
 const LABELS: [&str; 8] = [
     "nemo_gym_resources_operation",
+    "nemo_gym_resources_limit",
     "nemo_gym_resources_executor",
     "nemo_gym_resources_operation_outcome",
     "nemo_gym_resources_operation_rejection",
-    "nemo_gym_resources_limit",
     "le",
     "job",
     "instance",

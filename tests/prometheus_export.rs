@@ -464,3 +464,64 @@ async fn the_exporters_default_appends_milliseconds_to_the_histogram_names() {
     assert!(names.contains(QUEUED), "{names:?}");
     assert!(names.contains(ACTIVE), "{names:?}");
 }
+
+/// A named adaptive limit as Prometheus sees it, through `without_units()` as the dashboards
+/// expect: its capacity, active and queued, and its controller's baseline and estimate, each
+/// with the limit's name as its only label of the crate's.
+#[tokio::test]
+async fn a_named_adaptive_limit_shows_its_controllers_series() {
+    use tower_resources_operation::adaptive::{Adaptive, Aimd};
+    use tower_resources_operation::metrics::LIMIT_ATTRIBUTE;
+
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_units()
+        .build()
+        .expect("exporter");
+    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+    let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
+    let judges = tower_resources_operation::Limit::builder(1)
+        .name("judges")
+        .adaptive(Adaptive::new(Aimd::default(), 1..=4))
+        .build();
+    // Enough operations to close a window, so the controller has measured something.
+    for _ in 0..32 {
+        let judged = metrics
+            .resources_operation(
+                &judges,
+                tower_resources_operation::Operation::Judge,
+                tower_resources_operation::Executor::Inline,
+                async { Ok::<_, std::convert::Infallible>(()) },
+            )
+            .await;
+        judged.unwrap().unwrap();
+    }
+
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .unwrap();
+    let exposition = Exposition::parse(&text);
+    let label = LIMIT_ATTRIBUTE.replace('.', "_");
+    for series in [
+        "gym_resources_limit_capacity",
+        "gym_resources_limit_active",
+        "gym_resources_limit_queued",
+        "gym_resources_limit_adaptive_baseline_ms",
+        "gym_resources_limit_adaptive_estimate_ms",
+    ] {
+        let samples: Vec<&Sample> = exposition.named(series).collect();
+        assert_eq!(samples.len(), 1, "{series} in\n{text}");
+        let crates: Vec<&String> = samples[0]
+            .labels
+            .keys()
+            .filter(|key| key.starts_with("nemo_"))
+            .collect();
+        assert_eq!(crates, [&label], "{series}");
+        assert_eq!(samples[0].labels[&label], "judges", "{series}");
+    }
+    assert_eq!(
+        exposition.value("gym_resources_limit_capacity", &[]),
+        Some(2.0)
+    );
+}
