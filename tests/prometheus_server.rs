@@ -467,10 +467,19 @@ async fn every_dashboard_query_answers(prometheus: &Prometheus, named: bool) {
     let queries = support::prometheus::panel_queries(&dashboard);
     assert!(!queries.is_empty());
     assert!(queries.iter().any(|query| reads_named_limits(&query.expr)));
+    // An adaptive limit's series exist only where a limit has a controller.
+    let adaptive = !prometheus
+        .query("gym_resources_limit_adaptive_baseline_ms")
+        .await
+        .is_empty();
     for query in queries {
         let expr = support::prometheus::substitute_grafana_variables(&query.expr, "1m");
         let result = prometheus.query(&expr).await;
-        let expected = named || !reads_named_limits(&query.expr);
+        let expected = if query.expr.contains("gym_resources_limit_adaptive_") {
+            adaptive
+        } else {
+            named || !reads_named_limits(&query.expr)
+        };
         assert_eq!(
             !result.is_empty(),
             expected,
