@@ -72,7 +72,7 @@
 //! | [`QUEUED_INSTRUMENT`] | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations waiting for a permit now |
 //! | [`ACTIVE_INSTRUMENT`] | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations holding a permit now |
 //! | [`LIMIT_INSTRUMENT`](metrics::LIMIT_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | operation, executor | at each collection: the sum of the capacities of the distinct limits the series draws from |
-//! | [`REJECTED_INSTRUMENT`](metrics::REJECTED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor, rejection | once per operation turned away without a permit |
+//! | [`REJECTED_INSTRUMENT`](metrics::REJECTED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor, rejection | once per operation turned away without a permit: `queue_full`, `queue_timeout`, or `unavailable` (the limit is closed, or its store out of reach) |
 //! | [`ABANDONED_INSTRUMENT`](metrics::ABANDONED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor | once per operation whose caller went away while it waited |
 //! | [`LIMIT_CAPACITY_INSTRUMENT`](metrics::LIMIT_CAPACITY_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | limit | at each collection: how many operations a named limit admits at once |
 //! | [`LIMIT_ACTIVE_INSTRUMENT`](metrics::LIMIT_ACTIVE_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations holding a place of a named limit now, whatever their series |
@@ -144,10 +144,16 @@
 //!   semaphore on every `layer()` call, and axum calls `layer()` per route and per connection.
 //! - **The permit goes back when the inner `poll_ready` fails or panics**; tower keeps it in the
 //!   service until the service is dropped.
-//! - **A limit that cannot admit any more** (a closed semaphore) panics at `poll_ready` in every
-//!   build, with a message naming the limit; waiters are woken to that panic. tower panics there
-//!   only in debug builds, and at `call` with an unrelated message in release.
-//! - **A limit that turns operations away** (a queue bound, a queue timeout) makes `poll_ready`
+//! - **A limit that cannot admit any more** (a closed semaphore, a store out of reach) is
+//!   answered, not a panic: the operation is turned away as `unavailable` (HTTP `503`, gRPC
+//!   `UNAVAILABLE`, [`RejectAsError`](protocol::RejectAsError)'s error, `Err(Rejected)` from
+//!   [`resources_operation`]), and waiters are woken to that answer. Only a generic layer whose
+//!   protocol cannot answer ([`Plain`](protocol::Plain), the default of
+//!   [`new`](ResourcesOperationLayer::new)) still panics at `poll_ready`, in every build, with a
+//!   message naming the limit and the cause. tower panics there only in debug builds, and at
+//!   `call` with an unrelated message in release.
+//! - **A limit that turns operations away** (a queue bound, a queue timeout, a fleet limit that
+//!   fails closed) makes `poll_ready`
 //!   ready, and `call` answers the rejection as the layer's [`protocol`] says, without calling
 //!   the inner service, as tower's `LoadShed` does. A generic layer answers only once given a
 //!   protocol that can ([`protocol::RejectAsError`] for a `BoxError` service); until then it

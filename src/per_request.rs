@@ -393,7 +393,12 @@ impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
 
     /// The configuration of the operations of (`operation`, `executor`) under the limit in
     /// `slot`.
-    fn config(&self, slot: usize, operation: Operation, executor: Executor) -> &Arc<Config<C, L, P>> {
+    fn config(
+        &self,
+        slot: usize,
+        operation: Operation,
+        executor: Executor,
+    ) -> &Arc<Config<C, L, P>> {
         let index = slot * SERIES + operation.index() * Executor::ALL.len() + executor.index();
         self.by_series[index].get_or_init(|| {
             let mut config = (*self.bases[slot]).clone();

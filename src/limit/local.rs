@@ -146,8 +146,12 @@ impl Limit {
         Ok(())
     }
 
-    /// Closes the limit: waiters and later callers fail, with a panic that says the limit is
-    /// closed; running operations finish normally.
+    /// Closes the limit: waiters and later callers are turned away with
+    /// [`Rejection::Unavailable`] (HTTP `503`, gRPC `UNAVAILABLE`, `Err(Rejected)` from
+    /// [`resources_operation`](crate::resources_operation)); running operations finish
+    /// normally. Under a layer whose protocol cannot answer
+    /// ([`Plain`](crate::protocol::Plain)) they end with a panic that says the limit is closed,
+    /// as tower's limit does.
     pub fn close(&self) {
         self.state.places.places().close();
     }

@@ -46,7 +46,7 @@ pub const ABANDONED_INSTRUMENT: &str = "gym.resources.operation.abandoned";
 /// Attribute key of the [`Rejection`], on [`REJECTED_INSTRUMENT`] only.
 pub const REJECTION_ATTRIBUTE: &str = "nemo.gym.resources.operation.rejection";
 /// The values of [`REJECTION_ATTRIBUTE`], one per [`Rejection`].
-pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout"];
+pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout", "unavailable"];
 
 /// Observable gauge, `{operation}`: how many operations a [named](crate::limit::LimitBuilder::name)
 /// limit admits at once, by [`LIMIT_ATTRIBUTE`]. An addition of this crate.
@@ -275,7 +275,7 @@ impl Series {
         cell.rejected[rejection.index()].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A caller went away while it waited (or its limit failed under it).
+    /// A caller went away while it waited.
     pub(crate) fn abandon(&self, waited: bool) {
         let (_, cell, _) = self.parts();
         if waited {
