@@ -165,6 +165,7 @@ impl State {
             capacity: self.places.capacity(),
             active: self.places.held(free),
             queued: self.queued.load(Ordering::Relaxed),
+            ..Reading::default()
         }
     }
 }
@@ -237,7 +238,7 @@ impl LimitBuilder {
 }
 
 /// Whether `name` can name a limit in the metrics.
-fn check_name(name: &str) -> Result<(), String> {
+pub(crate) fn check_name(name: &str) -> Result<(), String> {
     let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '/' | '-');
     let starts_with_letter = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic());
     if (1..=64).contains(&name.len()) && starts_with_letter && name.chars().all(allowed) {

@@ -9,6 +9,8 @@
 
 mod local;
 mod poll;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod resize;
 
 use std::error::Error;

@@ -46,6 +46,20 @@ pub(crate) struct Reading {
     pub(crate) active: usize,
     /// Operations waiting for it now.
     pub(crate) queued: usize,
+    /// A limit that can fail open: operations admitted without it, so far (`None` for a limit
+    /// that cannot).
+    pub(crate) failed_open: Option<u64>,
+    /// A limit of leases: leases found lost while their operations ran, so far (`None` for a
+    /// limit without leases).
+    pub(crate) leases_lost: Option<u64>,
+}
+
+/// Adds `more` to `sum`, keeping `None` only when both are.
+fn add_counts(sum: Option<u64>, more: Option<u64>) -> Option<u64> {
+    match (sum, more) {
+        (None, None) => None,
+        (sum, more) => Some(sum.unwrap_or(0).saturating_add(more.unwrap_or(0))),
+    }
 }
 
 impl Capacity {
@@ -180,6 +194,8 @@ impl<const SERIES: usize> Registry<SERIES> {
                     sum.capacity = sum.capacity.saturating_add(reading.capacity);
                     sum.active = sum.active.saturating_add(reading.active);
                     sum.queued = sum.queued.saturating_add(reading.queued);
+                    sum.failed_open = add_counts(sum.failed_open, reading.failed_open);
+                    sum.leases_lost = add_counts(sum.leases_lost, reading.leases_lost);
                 }
                 None => named.push((name, reading)),
             }

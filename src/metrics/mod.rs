@@ -57,6 +57,16 @@ pub const LIMIT_ACTIVE_INSTRUMENT: &str = "gym.resources.limit.active";
 /// Observable up-down counter, `{operation}`: operations waiting for a named limit right now, by
 /// [`LIMIT_ATTRIBUTE`]. An addition of this crate.
 pub const LIMIT_QUEUED_INSTRUMENT: &str = "gym.resources.limit.queued";
+/// Observable counter, `{operation}`: operations a named limit admitted without itself because
+/// it could not reach its store and was told to fail open, by [`LIMIT_ATTRIBUTE`]. Reported by
+/// limits that can fail open (the [fleet limit](crate::limit::redis)). An addition of this
+/// crate.
+pub const LIMIT_FAILED_OPEN_INSTRUMENT: &str = "gym.resources.limit.failed_open";
+/// Observable counter, `{operation}`: leases of a named limit found lost while their operations
+/// ran (the store restarted, or the process paused past the lease's time to live), by
+/// [`LIMIT_ATTRIBUTE`]. Reported by limits of leases (the [fleet limit](crate::limit::redis)).
+/// An addition of this crate.
+pub const LIMIT_LEASES_LOST_INSTRUMENT: &str = "gym.resources.limit.leases_lost";
 /// Attribute key of a limit's name, on the `gym.resources.limit.*` instruments only.
 pub const LIMIT_ATTRIBUTE: &str = "nemo.gym.resources.limit";
 
@@ -533,6 +543,33 @@ fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
             .with_unit("{operation}")
             .with_description(description)
             .with_callback(callback)
+            .build();
+    }
+
+    for (name, description, count) in [
+        (
+            LIMIT_FAILED_OPEN_INSTRUMENT,
+            "Operations a named limit admitted without itself, failing open, because it could not reach its store.",
+            (|reading| reading.failed_open) as fn(&Reading) -> Option<u64>,
+        ),
+        (
+            LIMIT_LEASES_LOST_INSTRUMENT,
+            "Leases of a named limit found lost while their operations ran.",
+            |reading| reading.leases_lost,
+        ),
+    ] {
+        let shared = Arc::clone(shared);
+        meter
+            .u64_observable_counter(name)
+            .with_unit("{operation}")
+            .with_description(description)
+            .with_callback(move |observer| {
+                for (limit, reading) in shared.limits.named() {
+                    if let Some(count) = count(&reading) {
+                        observer.observe(count, &[KeyValue::new(LIMIT_ATTRIBUTE, limit)]);
+                    }
+                }
+            })
             .build();
     }
 
