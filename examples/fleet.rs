@@ -19,8 +19,8 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use http::{Request, Response, StatusCode};
 use common::Telemetry;
+use http::{Request, Response, StatusCode};
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use tower::{service_fn, Layer as _, ServiceExt as _};
 use tower_resources_operation::limit::redis::RedisLimit;

@@ -5,7 +5,7 @@
 //! `asyncio.Semaphore`". Here a limit is anything that hands out a permit and takes it back when
 //! the permit drops: tokio's [`Semaphore`], this crate's [`Limit`], a weighted semaphore, a pool
 //! whose checkout is the permit, a semaphore kept in a store that every replica of a fleet
-//! reaches.
+//! reaches (with the `redis` feature, this crate's `redis::RedisLimit`).
 
 mod local;
 mod poll;
