@@ -321,6 +321,9 @@ pub struct PerRequestOperation<S, F, C, L, P, E> {
     _end: PhantomData<fn() -> E>,
 }
 
+/// A configuration made when a request first chooses it, one per (limit, operation, executor).
+type Lazily<C, L, P> = Box<[OnceLock<Arc<Config<C, L, P>>>]>;
+
 /// What the services of one per-request layer share.
 struct Choosing<F, C, L, P> {
     chooser: F,
@@ -331,7 +334,7 @@ struct Choosing<F, C, L, P> {
     names: Vec<&'static str>,
     /// The configuration of each (limit, operation, executor), made when a request first
     /// chooses it: `SERIES` per entry of `bases`.
-    by_series: Box<[OnceLock<Arc<Config<C, L, P>>>]>,
+    by_series: Lazily<C, L, P>,
     /// Whether the chooser's series were announced to the metrics.
     announced: OnceLock<()>,
 }

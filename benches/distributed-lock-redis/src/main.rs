@@ -136,7 +136,11 @@ async fn main() {
     let url = format!("redis://127.0.0.1:{port}/");
 
     let fleet: Vec<RedisLimit> = (0..3)
-        .map(|_| RedisLimit::builder("compare", 6).build(url.as_str()).unwrap())
+        .map(|_| {
+            RedisLimit::builder("compare", 6)
+                .build(url.as_str())
+                .unwrap()
+        })
         .collect();
     let mut semaphores = Vec::new();
     for _ in 0..3 {
@@ -151,13 +155,23 @@ async fn main() {
     }
 
     println!("script calls per uncontended operation:");
-    println!("  RedisLimit:             {:.2}", uncontended(&url, &fleet[0]).await);
-    println!("  distributed-lock-redis: {:.2}", uncontended(&url, &semaphores[0]).await);
+    println!(
+        "  RedisLimit:             {:.2}",
+        uncontended(&url, &fleet[0]).await
+    );
+    println!(
+        "  distributed-lock-redis: {:.2}",
+        uncontended(&url, &semaphores[0]).await
+    );
     println!("3 replicas, a fleet limit of 6, 8 workers each, 600 operations each of 2 ms:");
     let (rate, calls) = throughput(&url, fleet).await;
-    println!("  RedisLimit:             {rate:>6.0} operations/s, {calls:.2} script calls per operation");
+    println!(
+        "  RedisLimit:             {rate:>6.0} operations/s, {calls:.2} script calls per operation"
+    );
     let (rate, calls) = throughput(&url, semaphores).await;
-    println!("  distributed-lock-redis: {rate:>6.0} operations/s, {calls:.2} script calls per operation");
+    println!(
+        "  distributed-lock-redis: {rate:>6.0} operations/s, {calls:.2} script calls per operation"
+    );
     let _ = server.kill();
     let _ = server.wait();
 }
