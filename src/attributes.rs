@@ -122,6 +122,10 @@ bounded_attribute! {
         /// The operation waited as long as its layer lets one wait
         /// ([`queue_timeout`](crate::ResourcesOperationLayer::queue_timeout)).
         QueueTimeout => "queue_timeout",
+        /// The limit could not admit any operation: it is closed, or the store it lives in
+        /// could not be reached in time ([`AcquireError::failed`](crate::limit::AcquireError::failed),
+        /// [`AcquireError::closed`](crate::limit::AcquireError::closed)).
+        Unavailable => "unavailable",
     }
 }
 

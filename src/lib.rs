@@ -161,7 +161,8 @@
 //! | a limit on a tower service, axum route or tonic service | [`ResourcesOperationLayer`]: [`new`](ResourcesOperationLayer::new), [`new_for_http`](ResourcesOperationLayer::new_for_http), [`new_for_grpc`](ResourcesOperationLayer::new_for_grpc) |
 //! | a cap that several routes share, resized while it serves, with a bounded queue | [`Limit`] |
 //! | a cap that finds its own capacity from the run times and outcomes it sees | [`adaptive`] |
-//! | a limit of your own: a pool, a weighted or a fleet-wide semaphore | [`Acquire`] |
+//! | one limit for a whole fleet of replicas, kept in Redis | `limit::redis::RedisLimit` (feature `redis`; see [A limit for the whole fleet](#a-limit-for-the-whole-fleet)) |
+//! | a limit of your own: a pool, a weighted semaphore | [`Acquire`] |
 //! | how results become outcomes | [`classify`] |
 //! | how a rejection is answered, and where a caller's deadline is read | [`protocol`] |
 //! | one layer over a whole `Router` or tonic `Server` | [`per_request`] |
@@ -179,13 +180,15 @@
 //! | [`QUEUED_INSTRUMENT`] | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations waiting for a permit now |
 //! | [`ACTIVE_INSTRUMENT`] | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations holding a permit now |
 //! | [`LIMIT_INSTRUMENT`](metrics::LIMIT_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | operation, executor | at each collection: the sum of the capacities of the distinct limits the series draws from |
-//! | [`REJECTED_INSTRUMENT`](metrics::REJECTED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor, rejection | once per operation turned away without a permit |
+//! | [`REJECTED_INSTRUMENT`](metrics::REJECTED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor, rejection | once per operation turned away without a permit: `queue_full`, `queue_timeout`, or `unavailable` (the limit is closed, or its store out of reach) |
 //! | [`ABANDONED_INSTRUMENT`](metrics::ABANDONED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor | once per operation whose caller went away while it waited |
 //! | [`LIMIT_CAPACITY_INSTRUMENT`](metrics::LIMIT_CAPACITY_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | limit | at each collection: how many operations a named limit admits at once |
 //! | [`LIMIT_ACTIVE_INSTRUMENT`](metrics::LIMIT_ACTIVE_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations holding a place of a named limit now, whatever their series |
 //! | [`LIMIT_QUEUED_INSTRUMENT`](metrics::LIMIT_QUEUED_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations waiting for a named limit now |
 //! | [`LIMIT_BASELINE_INSTRUMENT`](metrics::LIMIT_BASELINE_INSTRUMENT) (this crate's) | observable gauge (f64) | `ms` | limit | at each collection: the run time a named [adaptive] limit's algorithm takes as normal, once it has one |
 //! | [`LIMIT_ESTIMATE_INSTRUMENT`](metrics::LIMIT_ESTIMATE_INSTRUMENT) (this crate's) | observable gauge (f64) | `ms` | limit | at each collection: the recent run time a named adaptive limit's algorithm compares with its baseline |
+//! | [`LIMIT_FAILED_OPEN_INSTRUMENT`](metrics::LIMIT_FAILED_OPEN_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | limit | at each collection, for a limit that can fail open (the fleet limit): operations it admitted without itself because it could not reach its store |
+//! | [`LIMIT_LEASES_LOST_INSTRUMENT`](metrics::LIMIT_LEASES_LOST_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | limit | at each collection, for a limit of leases (the fleet limit): leases found lost while their operations ran |
 //!
 //! - Attribute keys: [`OPERATION_ATTRIBUTE`] ([`OPERATIONS`]), [`EXECUTOR_ATTRIBUTE`]
 //!   ([`EXECUTORS`]), [`OUTCOME_ATTRIBUTE`] ([`OUTCOMES`]), and this crate's
@@ -299,6 +302,35 @@
 //! sent in a header, is read with [`Http::deadline_header`](protocol::Http::deadline_header)
 //! (gRPC's `grpc-timeout` is read by default).
 //!
+//! # A limit for the whole fleet
+//!
+//! A [`Limit`] of N on each of 8 replicas is a fleet limit of 8N, wrong as soon as one dies or
+//! one is added. With the `redis` feature, `limit::redis::RedisLimit` is one limit of N for
+//! every process that names it, kept in the Redis they all reach: leases refreshed while held
+//! (a process killed with `kill -9` gives its places back within the lease TTL), a queue served
+//! first come, first served across the fleet, waiters woken by pub/sub, a capacity read and
+//! changed at runtime for the whole fleet, a fleet-wide queue bound, and every step one Lua
+//! script on the server's clock. It is an [`Acquire`], so it goes wherever a [`Limit`] goes.
+//!
+//! ```ignore
+//! use tower_resources_operation::limit::redis::RedisLimit;
+//!
+//! let judges = RedisLimit::builder("judges", 8).build("redis://redis.internal:6379/")?;
+//! let layer = ResourcesOperationLayer::new_for_http(judges).operation(Operation::Judge);
+//! ```
+//!
+//! Every call to Redis has a timeout. When Redis cannot be reached the limit fails closed
+//! (operations are turned away as `unavailable`: HTTP `503`, gRPC `UNAVAILABLE`) or, if told,
+//! fails open (admitted without the fleet limit, counted in `gym.resources.limit.failed_open`);
+//! a lease lost while its operation runs is counted in `gym.resources.limit.leases_lost` and
+//! never knowingly given twice. Each replica reports its own queue time, run time, `queued` and
+//! `active`; the `limit` gauge is the fleet's capacity, so the fleet's saturation is `active`
+//! summed over instances against `limit` (the fleet row of
+//! `dashboards/grafana/resources-operations.json`). The module's docs (`limit::redis`) cover
+//! setup, how to choose the TTL, each failure and its answer, and what each metric means
+//! across a fleet; `cargo run --example fleet --features redis` runs three replicas on a local
+//! `redis-server`.
+//!
 //! # Where it differs from tower's `ConcurrencyLimitLayer`
 //!
 //! - **One limit per layer value**, shared by every service the layer makes: tower's
@@ -306,10 +338,16 @@
 //!   semaphore on every `layer()` call, and axum calls `layer()` per route and per connection.
 //! - **The permit goes back when the inner `poll_ready` fails or panics**; tower keeps it in the
 //!   service until the service is dropped.
-//! - **A limit that cannot admit any more** (a closed semaphore) panics at `poll_ready` in every
-//!   build, with a message naming the limit; waiters are woken to that panic. tower panics there
-//!   only in debug builds, and at `call` with an unrelated message in release.
-//! - **A limit that turns operations away** (a queue bound, a queue timeout) makes `poll_ready`
+//! - **A limit that cannot admit any more** (a closed semaphore, a store out of reach) is
+//!   answered, not a panic: the operation is turned away as `unavailable` (HTTP `503`, gRPC
+//!   `UNAVAILABLE`, [`RejectAsError`](protocol::RejectAsError)'s error, `Err(Rejected)` from
+//!   [`resources_operation`]), and waiters are woken to that answer. Only a generic layer whose
+//!   protocol cannot answer ([`Plain`](protocol::Plain), the default of
+//!   [`new`](ResourcesOperationLayer::new)) still panics at `poll_ready`, in every build, with a
+//!   message naming the limit and the cause. tower panics there only in debug builds, and at
+//!   `call` with an unrelated message in release.
+//! - **A limit that turns operations away** (a queue bound, a queue timeout, a fleet limit that
+//!   fails closed) makes `poll_ready`
 //!   ready, and `call` answers the rejection as the layer's [`protocol`] says, without calling
 //!   the inner service, as tower's `LoadShed` does. A generic layer answers only once given a
 //!   protocol that can ([`protocol::RejectAsError`] for a `BoxError` service); until then it
@@ -385,7 +423,10 @@
 //!   matched route.
 //! - `serde`: [`Operation`], [`Executor`], [`Outcome`] and [`Rejection`] (de)serialize as their
 //!   attribute strings.
-//! - `tracing` (default): the warnings above, through `tracing`.
+//! - `redis`: `limit::redis::RedisLimit`, one limit for a whole fleet of replicas, kept in
+//!   Redis (on the `redis` crate, 0.32).
+//! - `tracing` (default): the warnings above, through `tracing` (and, with `redis`, when a
+//!   fleet limit stops or starts reaching Redis).
 //! - `experimental-bound-instruments`: records through OpenTelemetry's bound instruments
 //!   (`Histogram::bind`), several times cheaper per record. Turn on `opentelemetry_sdk`'s
 //!   `experimental_metrics_bound_instruments` feature too: without it the SDK silently drops

@@ -6,8 +6,9 @@
 //!
 //! - **admitted**: it holds the permit, records its queue time, runs, and ends with an outcome,
 //!   recorded once with its run time, *before* the permit goes back;
-//! - **rejected**: the limit turned it away (a full queue, a queue timeout), counted by reason;
-//! - **abandoned**: its caller went away while it waited (or its limit failed under it).
+//! - **rejected**: the limit turned it away (a full queue, a queue timeout), or could not admit
+//!   it (closed, its store out of reach: `unavailable`), counted by reason;
+//! - **abandoned**: its caller went away while it waited.
 //!
 //! The three places a reader looks for are here: where the permit is taken
 //! ([`Lifecycle::poll_admit`], the one acquire-or-refuse step), where the outcome is decided
@@ -23,9 +24,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::limit::{limit_failed, AcquireError, Asking};
+use crate::limit::{AcquireError, Asking};
 use crate::metrics::Series;
-use crate::{Outcome, Rejection};
+use crate::Outcome;
 
 /// A drop of an operation that had a deadline counts as `timeout` when it comes this close to
 /// the deadline (or a tenth of it, for short ones): the operation started to wait a little after
@@ -244,15 +245,16 @@ impl<P> Lifecycle<P> {
     /// is taken at once; otherwise the operation waits (counted as queued from the first
     /// `Pending`), until the limit admits it or turns it away. This is the one
     /// acquire-or-refuse step: admitted, the operation holds the permit and has recorded its
-    /// queue time; turned away, it is counted by reason and the rejection is returned; a limit
-    /// that failed ends the caller, naming the limit `L`.
+    /// queue time; turned away, or refused by a limit that failed, it is counted by reason
+    /// ([`AcquireError::rejection`]: a failure is `unavailable`) and the error is returned for
+    /// the caller to answer.
     #[inline]
-    pub(crate) fn poll_admit<L: ?Sized>(
+    pub(crate) fn poll_admit(
         &mut self,
         asking: &mut impl Asking<Permit = P>,
         series: Option<&Series>,
         cx: &mut Context<'_>,
-    ) -> Poll<Result<(), Rejection>> {
+    ) -> Poll<Result<(), AcquireError>> {
         let acquired = match asking.is_waiting() {
             false => match asking.try_now() {
                 Some(now) => now,
@@ -272,7 +274,7 @@ impl<P> Lifecycle<P> {
                 }
                 Ok(())
             }
-            Err(error) => self.refused::<L>(&error, series),
+            Err(error) => self.refused(error, series),
         })
     }
 
@@ -313,14 +315,14 @@ impl<P> Lifecycle<P> {
         }
     }
 
-    /// The limit admitted no operation: a rejection is counted and returned, a failure is
-    /// counted as abandoned and ends the caller.
+    /// The limit admitted no operation: it is counted as rejected, by reason (a failure is
+    /// `unavailable`), and the error goes back to the caller to answer.
     #[cold]
-    fn refused<L: ?Sized>(
+    fn refused(
         &mut self,
-        error: &AcquireError,
+        error: AcquireError,
         series: Option<&Series>,
-    ) -> Result<(), Rejection> {
+    ) -> Result<(), AcquireError> {
         // Counted in `queued` only if its wait was recorded.
         let (series, queued) = match self.record.take() {
             Some(mut record) => {
@@ -329,20 +331,10 @@ impl<P> Lifecycle<P> {
             }
             None => (series.cloned(), false),
         };
-        match error.rejection() {
-            Some(rejection) => {
-                if let Some(series) = series {
-                    series.reject(rejection, queued);
-                }
-                Err(rejection)
-            }
-            None => {
-                if let Some(series) = series {
-                    series.abandon(queued);
-                }
-                limit_failed::<L>(error)
-            }
+        if let Some(series) = series {
+            series.reject(error.rejection(), queued);
         }
+        Err(error)
     }
 
     /// The operation was called (its work ran as this operation, in place): it goes on, in

@@ -8,6 +8,12 @@
 //! [`protocol`](crate::ResourcesOperationLayer::protocol) changes it. A rejection makes the
 //! service's `poll_ready` ready, and `call` answers it without calling the inner service, as
 //! tower's `LoadShed` does.
+//!
+//! A limit that cannot admit an operation (closed, or its store out of reach) turns it away too,
+//! with [`Rejection::Unavailable`]: every protocol that answers a rejection answers that one
+//! (HTTP `503`, gRPC `UNAVAILABLE`). [`Plain`] answers none: its layer refuses up front a limit
+//! that [may reject](crate::Acquire::may_reject), and a limit that fails anyway (a semaphore
+//! closed under it) ends the caller with a panic naming the limit, as tower's limit does.
 
 use std::error::Error;
 use std::fmt;
@@ -53,6 +59,9 @@ impl Rejected {
             Rejection::QueueFull => "rejected: the limit's queue is full",
             Rejection::QueueTimeout => {
                 "rejected: waited for the limit as long as the queue timeout lets"
+            }
+            Rejection::Unavailable => {
+                "rejected: the limit cannot admit operations now (closed, or its store is out of reach)"
             }
         }
     }
@@ -115,8 +124,11 @@ where
 ///
 /// Its services behave as tower's `ConcurrencyLimit`, whose error type need not hold a
 /// rejection. So such a layer refuses, when it makes its service, a limit that may turn an
-/// operation away (a queue bound, a queue timeout): give it a protocol that answers first, such
-/// as [`RejectAsError`].
+/// operation away (a queue bound, a queue timeout, a store that may be out of reach): give it a
+/// protocol that answers first, such as [`RejectAsError`]. A limit that fails all the same (a
+/// semaphore closed while services use it) ends the caller with a panic that names the limit
+/// and the cause: there is no response and no error of the service's type to answer with, and
+/// a panic is better than a caller that waits for good. tower's limit panics there too.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Plain;
 
@@ -140,7 +152,9 @@ impl<Req, Res, Err: From<Rejected>> Protocol<Req, Res, Err> for RejectAsError {
 
 /// HTTP: a rejection is an empty `503 Service Unavailable` (or the status you choose, with
 /// `Retry-After` if you give one); a caller's deadline is the server's own timeout, or a request
-/// header, whichever is shorter.
+/// header, whichever is shorter. A limit that cannot admit
+/// ([`Rejection::Unavailable`]) is always answered `503`, whatever status rejections get: the
+/// server, not the caller, is in trouble.
 ///
 /// ```
 /// use std::time::Duration;
@@ -207,9 +221,12 @@ impl Http {
 }
 
 impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
-    fn answer(&self, _rejected: Rejected) -> Result<Response<RB>, Err> {
+    fn answer(&self, rejected: Rejected) -> Result<Response<RB>, Err> {
         let mut response = Response::new(RB::default());
-        *response.status_mut() = self.status;
+        *response.status_mut() = match rejected.rejection() {
+            Rejection::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::QueueFull | Rejection::QueueTimeout => self.status,
+        };
         if let Some(after) = &self.retry_after {
             response.headers_mut().insert(RETRY_AFTER, after.clone());
         }
@@ -222,8 +239,9 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
 }
 
 /// gRPC: a rejection is a trailers-only response with `grpc-status` 8, RESOURCE_EXHAUSTED (as
-/// tonic answers tower's `Overloaded`); a caller's deadline is its `grpc-timeout`, or the
-/// server's own timeout (tonic's `Server::timeout`), whichever is shorter.
+/// tonic answers tower's `Overloaded`), or 14, UNAVAILABLE, for a limit that cannot admit
+/// ([`Rejection::Unavailable`]); a caller's deadline is its `grpc-timeout`, or the server's own
+/// timeout (tonic's `Server::timeout`), whichever is shorter.
 ///
 /// tonic enforces both outside the layer: when one passes it drops the call and answers
 /// CANCELLED, so the layer sees a drop. With the deadline known, a call dropped while it runs,
@@ -265,7 +283,11 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Grpc {
         let mut response = Response::new(RB::default());
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        headers.insert("grpc-status", HeaderValue::from_static("8"));
+        let status = match rejected.rejection() {
+            Rejection::Unavailable => "14",
+            Rejection::QueueFull | Rejection::QueueTimeout => "8",
+        };
+        headers.insert("grpc-status", HeaderValue::from_static(status));
         headers.insert("grpc-message", HeaderValue::from_static(rejected.message()));
         Ok(response)
     }

@@ -29,8 +29,9 @@ use crate::{Executor, Operation, OperationMetrics};
 ///
 /// `limit` is any [`Acquire`]: `&Semaphore`, `&Arc<Semaphore>`, `&Limit`, or a limit of your
 /// own; [`Acquire::queue_timeout`] bounds how long it waits. Its permit is held for exactly the
-/// work. A limit that cannot admit any more (a closed semaphore) panics with a message that says
-/// so instead of hanging.
+/// work. A limit that cannot admit the operation (a closed semaphore, a store out of reach)
+/// turns it away: `Err(Rejected)` with [`Rejection::Unavailable`](crate::Rejection::Unavailable),
+/// never a panic or a hang.
 ///
 /// ```
 /// use tokio::sync::Semaphore;
@@ -178,9 +179,9 @@ impl OperationMetrics {
         let mut asked = Lifecycle::new();
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);
-        poll_fn(|cx| asked.poll_admit::<A>(&mut asking, series, cx))
+        poll_fn(|cx| asked.poll_admit(&mut asking, series, cx))
             .await
-            .map_err(Rejected::new)?;
+            .map_err(|refused| Rejected::new(refused.rejection()))?;
         Ok(asked.lend_permit())
     }
 }

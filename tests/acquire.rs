@@ -6,7 +6,8 @@
 //! counts back to 0, turned-away and abandoned operations counted, no permit leaked, no hang.
 //! Also: the crate's own limits (`Arc<Semaphore>`, `&Semaphore`, `&Limit`) in the scoped API, and
 //! how a layer's service polls a limit (`poll_ready` pending, woken and ready once a permit is
-//! released; a limit's failure as a panic naming it).
+//! released; a limit's failure answered as `unavailable`, or, under a layer that cannot answer,
+//! a panic naming it).
 
 mod support;
 
@@ -639,47 +640,86 @@ fn assert_names_limit_and_cause(message: &str) {
     );
 }
 
-async fn a_failing_limit_panics_the_caller_and_counts_it_abandoned(after: Duration) {
+async fn a_failing_limit_is_answered_unavailable_and_counted_rejected(after: Duration) {
     let t = Telemetry::new();
     let limit = Unreachable { after };
 
+    // A layer that answers: the service's own error, made from `Rejected`.
     let service = ResourcesOperationLayer::new(limit.clone())
         .operation(Operation::Verify)
         .metrics(t.metrics.clone())
+        .protocol(RejectAsError)
         .layer(service_fn(not_called));
-    let panicked = panic_of("the caller", tokio::spawn(service.oneshot(()))).await;
-    assert_names_limit_and_cause(&panicked);
+    let error = tokio::spawn(service.oneshot(()))
+        .await
+        .unwrap()
+        .unwrap_err();
+    let rejected = error.downcast_ref::<Rejected>().expect("a Rejected");
+    assert_eq!(rejected.rejection(), Rejection::Unavailable);
 
+    // The scoped API: `Err(Rejected)`.
     let metrics = t.metrics.clone();
     let scoped = tokio::spawn(async move {
         metrics
             .resources_operation(limit, Operation::Judge, Executor::Inline, never_run())
             .await
     });
-    assert_names_limit_and_cause(&panic_of("the scoped caller", scoped).await);
+    assert_eq!(
+        scoped.await.unwrap().map(|_| ()),
+        Err(Rejected::new(Rejection::Unavailable))
+    );
 
-    assert_eq!(abandoned(&t, "verify"), 1);
-    assert_eq!(abandoned(&t, "judge"), 1);
+    for operation in ["verify", "judge"] {
+        assert_eq!(
+            t.live_value(
+                REJECTED_INSTRUMENT,
+                &[
+                    (OPERATION_ATTRIBUTE, operation),
+                    (REJECTION_ATTRIBUTE, "unavailable")
+                ]
+            ),
+            1,
+            "{operation}"
+        );
+        assert_eq!(abandoned(&t, operation), 0, "turned away, not abandoned");
+    }
     assert_eq!(
         t.count(QUEUE_DURATION_INSTRUMENT, &[]),
         0,
         "no queue sample"
     );
     assert_eq!(t.count(DURATION_INSTRUMENT, &[]), 0);
-    assert_eq!(t.live_value(REJECTED_INSTRUMENT, &[]), 0);
     assert_eq!(live(&t), (0, 0));
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn a_limit_that_fails_at_once_panics_the_caller_naming_its_type_and_cause_and_counts_it_abandoned(
-) {
-    a_failing_limit_panics_the_caller_and_counts_it_abandoned(Duration::ZERO).await;
+async fn a_limit_that_fails_at_once_is_answered_unavailable_and_counted_rejected() {
+    a_failing_limit_is_answered_unavailable_and_counted_rejected(Duration::ZERO).await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_limit_that_fails_after_a_wait_panics_the_caller_naming_its_type_and_cause_and_counts_it_abandoned(
+async fn a_limit_that_fails_after_a_wait_is_answered_unavailable_and_counted_rejected() {
+    a_failing_limit_is_answered_unavailable_and_counted_rejected(Duration::from_millis(300)).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn under_a_layer_that_cannot_answer_a_failing_limit_panics_the_caller_naming_its_type_and_cause(
 ) {
-    a_failing_limit_panics_the_caller_and_counts_it_abandoned(Duration::from_millis(300)).await;
+    let t = Telemetry::new();
+    let service = ResourcesOperationLayer::new(Unreachable {
+        after: Duration::ZERO,
+    })
+    .operation(Operation::Verify)
+    .metrics(t.metrics.clone())
+    .layer(service_fn(not_called));
+    let panicked = panic_of("the caller", tokio::spawn(service.oneshot(()))).await;
+    assert_names_limit_and_cause(&panicked);
+    assert_eq!(
+        t.live_value(REJECTED_INSTRUMENT, &[(REJECTION_ATTRIBUTE, "unavailable")]),
+        1,
+        "counted before the panic"
+    );
+    assert_eq!(live(&t), (0, 0));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -887,7 +927,12 @@ async fn a_layers_service_waits_on_a_user_defined_limit_and_panics_naming_it_whe
         after: Duration::ZERO,
     };
     let error = failing.acquire().await.unwrap_err();
-    assert_eq!(error.rejection(), None, "a failure, not a rejection");
+    assert_eq!(
+        error.rejection(),
+        Rejection::Unavailable,
+        "answered as unavailable"
+    );
+    assert!(error.is_failure(), "a failure, not a rule of the limit's");
     assert!(error.to_string().contains("store unreachable"), "{error}");
     assert!(std::error::Error::source(&error).is_some());
 

@@ -23,9 +23,9 @@ use tokio_test::{assert_pending, assert_ready, assert_ready_ok, task};
 use tower::{service_fn, BoxError, Layer as _, Service, ServiceExt as _};
 use tower_test::mock;
 
-use support::{abandoned, live, panic_message, panic_of, rejection_of, settle, take, Telemetry};
+use support::{abandoned, live, panic_message, rejection_of, settle, take, Telemetry};
 use tower_resources_operation::classify::DefaultClassifier;
-use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
+use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTIONS, REJECTION_ATTRIBUTE};
 use tower_resources_operation::per_request::Choice;
 use tower_resources_operation::protocol::{Http, RejectAsError};
 use tower_resources_operation::{
@@ -77,9 +77,49 @@ fn rejected(t: &Telemetry, operation: &str, reason: &str) -> i64 {
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "current_thread")]
-async fn closing_the_limit_wakes_a_waiting_poll_ready_to_a_panic_naming_the_limit() {
+async fn closing_the_limit_wakes_a_waiting_poll_ready_to_an_unavailable_answer_and_later_callers_get_it_at_once(
+) {
+    let t = Telemetry::new();
     let limit = Limit::new(1);
-    let (mut running, mut handle) = mock::spawn_layer::<&str, &str, _>(quiet(&limit));
+    let (mut running, mut handle) =
+        mock::spawn_layer::<&str, &str, _>(answering(&t, &limit, Operation::Verify));
+    assert_ready_ok!(running.poll_ready());
+    let response = running.call("running");
+    let mut waiter = running.clone();
+    assert_pending!(waiter.poll_ready());
+
+    limit.close();
+    assert!(waiter.is_woken(), "closing wakes the waiter");
+    assert_ready_ok!(waiter.poll_ready(), "ready, to answer");
+    let error = waiter.call("woken").await.unwrap_err();
+    assert_eq!(rejection_of(&error), Rejection::Unavailable);
+
+    let mut later = running.clone();
+    assert_ready_ok!(later.poll_ready());
+    let error = later.call("later").await.unwrap_err();
+    assert_eq!(rejection_of(&error), Rejection::Unavailable);
+
+    let (request, send) = handle.next_request().await.unwrap();
+    assert_eq!(request, "running");
+    assert_pending!(handle.poll_request(), "the inner service saw neither");
+    send.send_response("finished");
+    assert_eq!(
+        response.await.unwrap(),
+        "finished",
+        "an operation already running finishes normally"
+    );
+    assert_eq!(rejected(&t, "verify", "unavailable"), 2);
+    assert_eq!(abandoned(&t, "verify"), 0, "turned away, not abandoned");
+    assert_eq!(live(&t), (0, 0));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn under_a_layer_that_cannot_answer_closing_the_limit_wakes_a_waiter_to_a_panic_naming_the_limit(
+) {
+    let t = Telemetry::new();
+    let limit = Limit::new(1);
+    let layer = ResourcesOperationLayer::new(limit.clone()).metrics(t.metrics.clone());
+    let (mut running, mut handle) = mock::spawn_layer::<&str, &str, _>(layer);
     assert_ready_ok!(running.poll_ready());
     let response = running.call("running");
     let mut waiter = running.clone();
@@ -109,10 +149,16 @@ async fn closing_the_limit_wakes_a_waiting_poll_ready_to_a_panic_naming_the_limi
         "finished",
         "an operation already running finishes normally"
     );
+    assert_eq!(
+        rejected(&t, "other", "unavailable"),
+        2,
+        "counted as turned away before the panic"
+    );
+    assert_eq!(live(&t), (0, 0));
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn closing_the_limit_wakes_a_waiting_scoped_operation_to_a_panic_naming_the_limit() {
+async fn closing_the_limit_turns_a_waiting_scoped_operation_away_as_unavailable() {
     let t = Telemetry::new();
     let limit = Limit::new(1);
     let held = take(&limit);
@@ -127,20 +173,41 @@ async fn closing_the_limit_wakes_a_waiting_scoped_operation_to_a_panic_naming_th
     assert_eq!(limit.queued(), 1);
 
     limit.close();
-    let message = panic_of("the woken waiter", waiter).await;
-    assert!(
-        message.contains(std::any::type_name::<Limit>()),
-        "{message}"
-    );
-    assert!(message.contains("closed"), "{message}");
+    let answer = support::within("the woken waiter", waiter).await.unwrap();
+    assert_eq!(answer, Err(Rejected::new(Rejection::Unavailable)));
     drop(held);
     assert_eq!(live(&t), (0, 0));
-    assert_eq!(
-        abandoned(&t, "judge"),
-        1,
-        "a waiter whose limit closed under it is abandoned"
-    );
+    assert_eq!(rejected(&t, "judge", "unavailable"), 1);
+    assert_eq!(abandoned(&t, "judge"), 0);
     assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_closed_limit_is_answered_503_by_an_http_layer_and_unavailable_by_a_grpc_layer() {
+    let limit = Limit::new(1);
+    limit.close();
+    let http = ResourcesOperationLayer::new_for_http(limit.clone())
+        .metrics(OperationMetrics::disabled())
+        .protocol(Http::new().rejection_status(StatusCode::TOO_MANY_REQUESTS))
+        .layer(service_fn(|_: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }));
+    let response = http.oneshot(Request::new(())).await.unwrap();
+    assert_eq!(
+        response.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "503 whatever status the other rejections get"
+    );
+
+    let grpc = ResourcesOperationLayer::new_for_grpc(limit)
+        .metrics(OperationMetrics::disabled())
+        .layer(service_fn(|_: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }));
+    let response = grpc.oneshot(Request::new(())).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["grpc-status"], "14", "UNAVAILABLE");
+    assert_eq!(response.headers()[CONTENT_TYPE], "application/grpc");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -772,12 +839,13 @@ async fn rejections_are_counted_per_series_by_reason() {
     assert_eq!(rejected(&t, "verify", "queue_full"), 0);
     assert_eq!(rejected(&t, "judge", "queue_full"), 2);
     assert_eq!(rejected(&t, "judge", "queue_timeout"), 0);
+    assert_eq!(rejected(&t, "verify", "unavailable"), 0);
+    assert_eq!(rejected(&t, "judge", "unavailable"), 0);
     let points = t.live(REJECTED_INSTRUMENT);
     assert!(
         points
             .iter()
-            .all(|p| p.attributes[REJECTION_ATTRIBUTE] == "queue_full"
-                || p.attributes[REJECTION_ATTRIBUTE] == "queue_timeout"),
+            .all(|p| REJECTIONS.contains(&p.attributes[REJECTION_ATTRIBUTE].as_str())),
         "{points:?}"
     );
     assert_eq!(abandoned(&t, "verify") + abandoned(&t, "judge"), 0);

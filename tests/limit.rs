@@ -283,7 +283,8 @@ async fn call_after_ready_does_not_panic() {
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn closing_the_semaphore_wakes_a_waiter_to_a_panic_and_clears_its_queued_count() {
+async fn under_a_layer_that_cannot_answer_closing_the_semaphore_wakes_a_waiter_to_a_panic_counted_unavailable(
+) {
     let telemetry = Telemetry::new();
     let semaphore = Arc::new(Semaphore::new(1));
     let layer =
@@ -308,13 +309,48 @@ async fn closing_the_semaphore_wakes_a_waiter_to_a_panic_and_clears_its_queued_c
         message.contains("the limit is closed"),
         "unexpected panic message: {message}"
     );
-    // ...and it no longer counts as queued.
+    // ...and it no longer counts as queued, but as turned away.
     assert_eq!(telemetry.live_value(QUEUED_INSTRUMENT, &[]), 0);
+    assert_eq!(
+        telemetry.live_value(
+            tower_resources_operation::metrics::REJECTED_INSTRUMENT,
+            &[(
+                tower_resources_operation::metrics::REJECTION_ATTRIBUTE,
+                "unavailable"
+            )]
+        ),
+        1
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn closing_the_semaphore_under_an_answering_layer_wakes_a_waiter_to_an_unavailable_error() {
+    let semaphore = Arc::new(Semaphore::new(1));
+    let layer = ResourcesOperationLayer::new(Arc::clone(&semaphore))
+        .metrics(OperationMetrics::disabled())
+        .protocol(tower_resources_operation::protocol::RejectAsError);
+    let (mut s1, _handle) = mock::spawn_layer::<(), (), _>(layer);
+    let mut s2 = s1.clone();
+    assert_ready_ok!(s1.poll_ready());
+    assert_pending!(s2.poll_ready());
+
+    semaphore.close();
+    assert!(s2.is_woken());
+    assert_ready_ok!(s2.poll_ready());
+    let error = s2.call(()).await.unwrap_err();
+    let rejected = error
+        .downcast_ref::<tower_resources_operation::Rejected>()
+        .expect("a Rejected");
+    assert_eq!(
+        rejected.rejection(),
+        tower_resources_operation::Rejection::Unavailable
+    );
 }
 
 #[tokio::test(flavor = "current_thread")]
 #[should_panic(expected = "the limit is closed")]
-async fn fresh_service_on_a_closed_semaphore_panics_instead_of_hanging() {
+async fn a_fresh_service_of_a_layer_that_cannot_answer_panics_on_a_closed_semaphore_instead_of_hanging(
+) {
     let semaphore = Arc::new(Semaphore::new(1));
     semaphore.close();
     let layer = ResourcesOperationLayer::new(semaphore).metrics(OperationMetrics::disabled());

@@ -403,7 +403,7 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
                 "{gauge} {op}/{ex}:\n{body}"
             );
         }
-        for reason in ["queue_full", "queue_timeout"] {
+        for reason in ["queue_full", "queue_timeout", "unavailable"] {
             assert_eq!(
                 after.value(
                     REJECTED,

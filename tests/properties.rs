@@ -152,6 +152,11 @@ fn books_of(
                     record
                 );
             }
+            (Fate::Rejected(Rejection::Unavailable), None) => {
+                return Err(TestCaseError::fail(format!(
+                    "no limit of these schedules closes or fails: {record:?}"
+                )));
+            }
             (Fate::Abandoned, None) => {}
         }
         books.record(record.series, record.fate);
@@ -480,9 +485,9 @@ fn a_fixed_schedule_on_a_bounded_queue_balances_the_books_by_reason() {
     };
     let books = check_fixed(LimitKind::Limit, bounds, 4);
     // The schedule covers every fate.
-    for rejection in Rejection::ALL {
+    for rejection in [Rejection::QueueFull, Rejection::QueueTimeout] {
         assert!(
-            books.rejected_total(*rejection) > 0,
+            books.rejected_total(rejection) > 0,
             "no {rejection}: {books:?}"
         );
     }

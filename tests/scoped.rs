@@ -10,13 +10,15 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::{live, only, panic_message, panic_of, settle, Telemetry};
+use support::{live, only, panic_message, settle, Telemetry};
 use tokio::sync::{oneshot, Semaphore};
 use tokio_test::{assert_pending, assert_ready, task};
 use tower::BoxError;
+use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
 use tower_resources_operation::{
     resources_operation, set_outcome, Executor, Operation, OperationMetrics, Outcome,
-    ParseAttributeError, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT,
+    ParseAttributeError, Rejected, Rejection, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
+    QUEUE_DURATION_INSTRUMENT,
 };
 
 const TOLERANCE_MS: f64 = 3.0;
@@ -314,31 +316,28 @@ async fn an_arc_semaphore_works_as_the_limit() {
 }
 
 #[tokio::test]
-async fn a_semaphore_closed_before_the_call_panics_with_a_message() {
+async fn a_semaphore_closed_before_the_call_turns_the_operation_away_as_unavailable() {
     let t = Telemetry::new();
     let limit = Arc::new(Semaphore::new(1));
     limit.close();
-    let (metrics, sem) = (t.metrics.clone(), limit.clone());
-    let error = tokio::spawn(async move {
-        metrics
-            .resources_operation(&sem, Operation::Verify, Executor::Inline, async {
-                Ok::<_, Infallible>(())
-            })
-            .await
-            .unwrap()
-    })
-    .await
-    .unwrap_err();
+    let answer = t
+        .metrics
+        .resources_operation(&limit, Operation::Verify, Executor::Inline, async {
+            Ok::<_, Infallible>(())
+        })
+        .await;
 
-    assert!(error.is_panic());
-    let message = panic_message(&*error.into_panic());
-    assert!(message.contains("the limit is closed"), "{message}");
+    assert_eq!(answer, Err(Rejected::new(Rejection::Unavailable)));
+    assert_eq!(
+        t.live_value(REJECTED_INSTRUMENT, &[(REJECTION_ATTRIBUTE, "unavailable")]),
+        1
+    );
     assert_eq!(live(&t), (0, 0));
     assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
 }
 
 #[tokio::test]
-async fn a_semaphore_closed_while_waiting_wakes_the_waiter_to_a_panic_instead_of_hanging() {
+async fn a_semaphore_closed_while_waiting_wakes_the_waiter_to_unavailable_instead_of_hanging() {
     let t = Telemetry::new();
     let limit = Arc::new(Semaphore::new(1));
     let held = limit.clone().try_acquire_owned().unwrap();
@@ -349,14 +348,13 @@ async fn a_semaphore_closed_while_waiting_wakes_the_waiter_to_a_panic_instead_of
                 Ok::<_, Infallible>(())
             })
             .await
-            .unwrap()
     });
     settle().await;
     assert_eq!(live(&t), (1, 0));
 
     limit.close();
-    let message = panic_of("the woken waiter", waiter).await;
-    assert!(message.contains("the limit is closed"), "{message}");
+    let answer = support::within("the woken waiter", waiter).await.unwrap();
+    assert_eq!(answer, Err(Rejected::new(Rejection::Unavailable)));
     assert_eq!(live(&t), (0, 0), "the waiter left the queue");
     assert_eq!(t.count(QUEUE_DURATION_INSTRUMENT, &[]), 0);
     drop(held);

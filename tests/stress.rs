@@ -361,7 +361,8 @@ async fn resize(
 }
 
 /// What became of an operation of the closing limit whose task panicked: its limit was closed
-/// under it, and the panic says so and names the limit.
+/// under it, under a layer that cannot answer, and the panic says so and names the limit. It
+/// was counted as turned away, `unavailable`, before the panic.
 fn closed_under(joined: tokio::task::JoinError) -> Fate {
     let message = panic_message(&*joined.into_panic());
     assert!(message.contains(LIMIT_CLOSED_PANIC), "{message}");
@@ -369,7 +370,7 @@ fn closed_under(joined: tokio::task::JoinError) -> Fate {
         message.contains(std::any::type_name::<Limit>()),
         "the panic names the limit: {message}"
     );
-    Fate::Abandoned
+    Fate::Rejected(Rejection::Unavailable)
 }
 
 /// Runs `op`s through routes of `limit` picked by `rng`, at once; returns each one's series and
@@ -514,11 +515,13 @@ async fn bounded_waits_resized_and_closed_limits_under_load_end_each_operation_a
             .await;
             closing.close();
             for (series, waiter) in waiters {
-                let joined = within("a waiter of the closed limit", waiter).await;
-                books.record(
-                    series,
-                    closed_under(joined.expect_err("a waiter was admitted")),
-                );
+                // The layer (which cannot answer) panics; the scoped call is turned away.
+                let fate = match within("a waiter of the closed limit", waiter).await {
+                    Ok(ran) => ran.fate,
+                    Err(joined) => closed_under(joined),
+                };
+                assert_eq!(fate, Fate::Rejected(Rejection::Unavailable), "{series:?}");
+                books.record(series, fate);
             }
             // Operations that hold a permit finish normally.
             closing_gates.open(&mut books).await;
@@ -596,15 +599,18 @@ async fn bounded_waits_resized_and_closed_limits_under_load_end_each_operation_a
     println!("books: {books:?}");
     assert!(books.rejected_total(Rejection::QueueFull) >= (WAVES * OVERFLOW) as u64);
     assert!(books.rejected_total(Rejection::QueueTimeout) >= (WAVES * TIMED_OUT) as u64);
-    assert!(books.abandoned_total() >= (WAVES * MAX_QUEUED + CLOSE_WAITERS) as u64);
+    assert!(books.abandoned_total() >= (WAVES * MAX_QUEUED) as u64);
+    assert!(books.rejected_total(Rejection::Unavailable) >= CLOSE_WAITERS as u64);
     for series in [closing_layer, closing_scoped] {
         assert!(
-            books.abandoned.get(&series).copied().unwrap_or(0) > 0,
-            "{series:?}"
+            books
+                .rejected
+                .contains_key(&(series, Rejection::Unavailable)),
+            "{series:?} was turned away once its limit closed"
         );
-        for rejection in Rejection::ALL {
+        for rejection in [Rejection::QueueFull, Rejection::QueueTimeout] {
             assert!(
-                !books.rejected.contains_key(&(series, *rejection)),
+                !books.rejected.contains_key(&(series, rejection)),
                 "the closing limit has no bound, yet {series:?} was turned away"
             );
         }

@@ -13,10 +13,10 @@ use super::body::{AtHead, End};
 use super::future::ResponseFuture;
 use super::Config;
 use crate::classify::{ClassifyOutcome, DefaultClassifier};
-use crate::limit::{Acquire, IntoLimit, Waiting};
+use crate::limit::{limit_failed, Acquire, AcquireError, IntoLimit, Waiting};
 use crate::operation::{guarded, Ending, Lifecycle};
 use crate::protocol::{unanswerable, Plain, Protocol, Rejected};
-use crate::{Limit, Rejection};
+use crate::Limit;
 
 /// A service limited to a number of operations at once, made by
 /// [`ResourcesOperationLayer`](crate::ResourcesOperationLayer).
@@ -30,9 +30,10 @@ use crate::{Limit, Rejection};
 /// - the limit lives in the layer value, not in each `layer()` call: what tower's
 ///   `GlobalConcurrencyLimitLayer` does, so the limit holds across connections;
 /// - the permit also goes back when the inner `poll_ready` fails, or panics;
-/// - when its limit turns an operation away, `poll_ready` is ready and `call` answers the
-///   rejection as the layer's [protocol](crate::protocol) says, without calling the inner
-///   service, as tower's `LoadShed` does.
+/// - when its limit turns an operation away, or cannot admit it (closed, its store out of
+///   reach), `poll_ready` is ready and `call` answers the rejection as the layer's
+///   [protocol](crate::protocol) says, without calling the inner service, as tower's
+///   `LoadShed` does.
 pub struct ResourcesOperation<S, C = DefaultClassifier, L: Acquire = Limit, P = Plain, E = AtHead> {
     inner: S,
     config: Arc<Config<C, L, P>>,
@@ -115,12 +116,10 @@ where
             let config = &*self.config;
             let admitted = {
                 let mut asking = self.waiting.asking(&config.limit);
-                ready!(self
-                    .operation
-                    .poll_admit::<L>(&mut asking, config.series(), cx))
+                ready!(self.operation.poll_admit(&mut asking, config.series(), cx))
             };
-            if let Err(rejection) = admitted {
-                return self.rejected(rejection);
+            if let Err(refused) = admitted {
+                return self.rejected(&refused);
             }
         }
         // Admitted: the inner service's readiness, as the operation.
@@ -157,13 +156,17 @@ impl<S, C, L, P, E> ResourcesOperation<S, C, L, P, E>
 where
     L: Acquire,
 {
-    /// The limit turned the operation away: `call` answers it, if this layer can.
+    /// The limit turned the operation away, or could not admit it: `call` answers it, if this
+    /// layer can; a layer that cannot ends the caller, naming the limit.
     #[cold]
-    fn rejected<Error>(&mut self, rejection: Rejection) -> Poll<Result<(), Error>> {
+    fn rejected<Error>(&mut self, refused: &AcquireError) -> Poll<Result<(), Error>> {
         if !self.config.answers {
-            unanswerable::<L>(Rejected::new(rejection));
+            if refused.is_failure() {
+                limit_failed::<L>(refused);
+            }
+            unanswerable::<L>(Rejected::new(refused.rejection()));
         }
-        self.waiting.reject(rejection);
+        self.waiting.reject(refused.rejection());
         Poll::Ready(Ok(()))
     }
 

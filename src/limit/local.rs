@@ -166,8 +166,12 @@ impl Limit {
         Ok(())
     }
 
-    /// Closes the limit: waiters and later callers fail, with a panic that says the limit is
-    /// closed; running operations finish normally.
+    /// Closes the limit: waiters and later callers are turned away with
+    /// [`Rejection::Unavailable`] (HTTP `503`, gRPC `UNAVAILABLE`, `Err(Rejected)` from
+    /// [`resources_operation`](crate::resources_operation)); running operations finish
+    /// normally. Under a layer whose protocol cannot answer
+    /// ([`Plain`](crate::protocol::Plain)) they end with a panic that says the limit is closed,
+    /// as tower's limit does.
     pub fn close(&self) {
         self.state.places.places().close();
     }
@@ -188,6 +192,7 @@ impl State {
             queued: self.queued.load(Ordering::Relaxed),
             baseline,
             estimate,
+            ..Reading::default()
         }
     }
 }
@@ -300,7 +305,7 @@ impl LimitBuilder {
 }
 
 /// Whether `name` can name a limit in the metrics.
-fn check_name(name: &str) -> Result<(), String> {
+pub(crate) fn check_name(name: &str) -> Result<(), String> {
     let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '/' | '-');
     let starts_with_letter = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic());
     if (1..=64).contains(&name.len()) && starts_with_letter && name.chars().all(allowed) {

@@ -5,10 +5,12 @@
 //! `asyncio.Semaphore`". Here a limit is anything that hands out a permit and takes it back when
 //! the permit drops: tokio's [`Semaphore`], this crate's [`Limit`], a weighted semaphore, a pool
 //! whose checkout is the permit, a semaphore kept in a store that every replica of a fleet
-//! reaches.
+//! reaches (with the `redis` feature, this crate's `redis::RedisLimit`).
 
 mod local;
 mod poll;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod resize;
 
 use std::error::Error;
@@ -39,11 +41,20 @@ use crate::Rejection;
 /// - **Fairness is the limit's.** The layer asks in the order its callers poll; who gets the next
 ///   place is up to the implementation (tokio's [`Semaphore`] and [`Limit`] serve first come,
 ///   first served).
-/// - **Never hang on a failure.** A limit that turns an operation away returns
-///   [`AcquireError::rejected`], which a layer answers as a rejection. A limit that cannot admit
-///   any more (closed, shut down, its store unreachable past a timeout of its own) returns
-///   [`AcquireError::closed`] or [`AcquireError::failed`], which ends the caller with a panic
-///   that names the limit's type, as tower's limit does for a closed semaphore.
+/// - **Never hang on a failure; a failure is answered.** A limit that turns an operation away
+///   returns [`AcquireError::rejected`]. A limit that cannot admit it (closed, shut down, its
+///   store unreachable past a timeout of its own) returns [`AcquireError::closed`] or
+///   [`AcquireError::failed`]: the operation is turned away with
+///   [`Rejection::Unavailable`]. Either way the layer answers it as its
+///   [`protocol`](crate::protocol) says (HTTP `503`, gRPC `UNAVAILABLE` for `unavailable`,
+///   [`RejectAsError`](crate::protocol::RejectAsError)'s error), [`resources_operation`]
+///   returns [`Rejected`](crate::Rejected), and it is counted in
+///   `gym.resources.operation.rejected` by reason. Only a layer whose protocol cannot answer
+///   ([`Plain`](crate::protocol::Plain), tower's drop-in) has no answer to give: it ends the
+///   caller of a failed limit with a panic that names the limit's type and the cause, as
+///   tower's limit does for a closed semaphore, and it refuses up front a limit that says it
+///   [may reject](Acquire::may_reject). A limit that may fail in the normal course of things
+///   (one across a network) says so there.
 ///
 /// # Implementing it
 ///
@@ -113,10 +124,13 @@ pub trait Acquire {
         None
     }
 
-    /// Whether this limit may turn an operation away with [`AcquireError::rejected`].
+    /// Whether this limit may turn an operation away: with [`AcquireError::rejected`], or with
+    /// a failure it expects in the normal course of things (a store across a network that
+    /// may be out of reach), answered as [`Rejection::Unavailable`].
     ///
     /// A layer that cannot answer a rejection refuses, when it makes its service, a limit that
-    /// says it may reject. Defaults to `false`.
+    /// says it may reject. Defaults to `false`: a limit that fails only when it is closed on
+    /// purpose (tokio's [`Semaphore`], [`Limit`]) need not say so.
     fn may_reject(&self) -> bool {
         false
     }
@@ -258,12 +272,19 @@ impl AcquireError {
         }
     }
 
-    /// Why the operation was turned away, if it was (rather than the limit failing).
-    pub fn rejection(&self) -> Option<Rejection> {
+    /// Why the operation was turned away, as a layer answers and counts it: the limit's
+    /// [`Rejection`], or [`Rejection::Unavailable`] for a limit that is closed or failed.
+    pub fn rejection(&self) -> Rejection {
         match self.kind {
-            ErrorKind::Rejected(rejection) => Some(rejection),
-            _ => None,
+            ErrorKind::Rejected(rejection) => rejection,
+            ErrorKind::Closed | ErrorKind::Failed(_) => Rejection::Unavailable,
         }
+    }
+
+    /// Whether the limit failed or is closed ([`closed`](Self::closed),
+    /// [`failed`](Self::failed)), rather than turning the operation away by a rule of its own.
+    pub fn is_failure(&self) -> bool {
+        !matches!(self.kind, ErrorKind::Rejected(_))
     }
 }
 
@@ -284,6 +305,9 @@ impl fmt::Display for AcquireError {
             ErrorKind::Rejected(Rejection::QueueTimeout) => {
                 f.write_str("the operation waited too long for the limit")
             }
+            ErrorKind::Rejected(Rejection::Unavailable) => {
+                f.write_str("the limit cannot admit operations now")
+            }
             ErrorKind::Closed => f.write_str("the limit is closed"),
             ErrorKind::Failed(source) => write!(f, "the limit failed: {source}"),
         }
@@ -299,14 +323,17 @@ impl Error for AcquireError {
     }
 }
 
-/// Ends a caller whose limit failed: the panic names the limit's type and why.
+/// Ends a caller whose limit failed under a layer that cannot answer: the panic names the
+/// limit's type and why.
 #[cold]
 #[inline(never)]
 #[track_caller]
 pub(crate) fn limit_failed<L: ?Sized>(error: &AcquireError) -> ! {
     panic!(
         "tower-resources-operation: the limit ({}) cannot admit any operation: {error}. \
-         A semaphore given as a limit must stay open while services use it.",
+         A semaphore given as a limit must stay open while services use it, or the layer must \
+         answer `unavailable`: give it a protocol that answers, such as .protocol(RejectAsError) \
+         for a BoxError service, or use new_for_http / new_for_grpc.",
         std::any::type_name::<L>()
     )
 }

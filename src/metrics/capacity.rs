@@ -56,6 +56,20 @@ pub(crate) struct Reading {
     pub(crate) baseline: Option<Duration>,
     /// An adaptive limit's estimate of its recent run time, if its algorithm keeps one.
     pub(crate) estimate: Option<Duration>,
+    /// A limit that can fail open: operations admitted without it, so far (`None` for a limit
+    /// that cannot).
+    pub(crate) failed_open: Option<u64>,
+    /// A limit of leases: leases found lost while their operations ran, so far (`None` for a
+    /// limit without leases).
+    pub(crate) leases_lost: Option<u64>,
+}
+
+/// Adds `more` to `sum`, keeping `None` only when both are.
+fn add_counts(sum: Option<u64>, more: Option<u64>) -> Option<u64> {
+    match (sum, more) {
+        (None, None) => None,
+        (sum, more) => Some(sum.unwrap_or(0).saturating_add(more.unwrap_or(0))),
+    }
 }
 
 impl Capacity {
@@ -221,6 +235,8 @@ impl<const SERIES: usize> Registry<SERIES> {
                     // Run times do not add up: the slowest of the limits that share a name.
                     sum.baseline = sum.baseline.max(reading.baseline);
                     sum.estimate = sum.estimate.max(reading.estimate);
+                    sum.failed_open = add_counts(sum.failed_open, reading.failed_open);
+                    sum.leases_lost = add_counts(sum.leases_lost, reading.leases_lost);
                 }
                 None => named.push((name, reading)),
             }

@@ -48,7 +48,7 @@ pub const ABANDONED_INSTRUMENT: &str = "gym.resources.operation.abandoned";
 /// Attribute key of the [`Rejection`], on [`REJECTED_INSTRUMENT`] only.
 pub const REJECTION_ATTRIBUTE: &str = "nemo.gym.resources.operation.rejection";
 /// The values of [`REJECTION_ATTRIBUTE`], one per [`Rejection`].
-pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout"];
+pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout", "unavailable"];
 
 /// Observable gauge, `{operation}`: how many operations a [named](crate::limit::LimitBuilder::name)
 /// limit admits at once, by [`LIMIT_ATTRIBUTE`]. An addition of this crate.
@@ -65,6 +65,16 @@ pub const LIMIT_BASELINE_INSTRUMENT: &str = "gym.resources.limit.adaptive.baseli
 /// Observable gauge, `ms`: the recent run time a named [adaptive](crate::adaptive) limit's
 /// algorithm compares with its baseline, by [`LIMIT_ATTRIBUTE`]. An addition of this crate.
 pub const LIMIT_ESTIMATE_INSTRUMENT: &str = "gym.resources.limit.adaptive.estimate_ms";
+/// Observable counter, `{operation}`: operations a named limit admitted without itself because
+/// it could not reach its store and was told to fail open, by [`LIMIT_ATTRIBUTE`]. Reported by
+/// limits that can fail open (the [fleet limit](crate::limit::redis)). An addition of this
+/// crate.
+pub const LIMIT_FAILED_OPEN_INSTRUMENT: &str = "gym.resources.limit.failed_open";
+/// Observable counter, `{operation}`: leases of a named limit found lost while their operations
+/// ran (the store restarted, or the process paused past the lease's time to live), by
+/// [`LIMIT_ATTRIBUTE`]. Reported by limits of leases (the [fleet limit](crate::limit::redis)).
+/// An addition of this crate.
+pub const LIMIT_LEASES_LOST_INSTRUMENT: &str = "gym.resources.limit.leases_lost";
 /// Attribute key of a limit's name, on the `gym.resources.limit.*` instruments only.
 pub const LIMIT_ATTRIBUTE: &str = "nemo.gym.resources.limit";
 
@@ -359,7 +369,7 @@ impl Series {
         }
     }
 
-    /// A caller went away while it waited (or its limit failed under it).
+    /// A caller went away while it waited.
     pub(crate) fn abandon(&self, waited: bool) {
         let (_, cell, _) = self.parts();
         if waited {
@@ -646,6 +656,33 @@ fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
                     if let Some(run_time) = value(&reading) {
                         observer
                             .observe(millis(run_time), &[KeyValue::new(LIMIT_ATTRIBUTE, limit)]);
+                    }
+                }
+            })
+            .build();
+    }
+
+    for (name, description, count) in [
+        (
+            LIMIT_FAILED_OPEN_INSTRUMENT,
+            "Operations a named limit admitted without itself, failing open, because it could not reach its store.",
+            (|reading| reading.failed_open) as fn(&Reading) -> Option<u64>,
+        ),
+        (
+            LIMIT_LEASES_LOST_INSTRUMENT,
+            "Leases of a named limit found lost while their operations ran.",
+            |reading| reading.leases_lost,
+        ),
+    ] {
+        let shared = Arc::clone(shared);
+        meter
+            .u64_observable_counter(name)
+            .with_unit("{operation}")
+            .with_description(description)
+            .with_callback(move |observer| {
+                for (limit, reading) in shared.limits.named() {
+                    if let Some(count) = count(&reading) {
+                        observer.observe(count, &[KeyValue::new(LIMIT_ATTRIBUTE, limit)]);
                     }
                 }
             })

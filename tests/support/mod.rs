@@ -2,13 +2,16 @@
 //! periodic reader that never fires on its own, read back with `force_flush`), waits with a
 //! safety net, and the small services and checks many tests use. In the modules: axum servers
 //! and hyper clients (`http`), a tonic server and clients (`grpc`), a real Prometheus
-//! (`prometheus`), and the drivers of the reliability tests (`reliability`).
+//! (`prometheus`), a real Redis (`redis_server`), and the drivers of the reliability tests
+//! (`reliability`).
 #![allow(dead_code, unreachable_pub)]
 
 #[cfg(feature = "tonic")]
 pub mod grpc;
 pub mod http;
 pub mod prometheus;
+#[cfg(feature = "redis")]
+pub mod redis_server;
 pub mod reliability;
 pub mod simulation;
 

@@ -46,8 +46,9 @@ use super::{self as support, Telemetry};
 /// Every deliberate panic of these tests carries this text; the hook below keeps them quiet.
 pub const EXPECTED_PANIC: &str = "expected test panic";
 
-/// What the crate's panic says when a limit was closed under its callers (a closed [`Limit`]'s
-/// waiters and later callers end with it); the message also names the limit's type.
+/// What the crate's panic says when a limit was closed under the callers of a layer that cannot
+/// answer (a closed [`Limit`]'s waiters and later callers end with it there; elsewhere they are
+/// turned away as `unavailable`); the message also names the limit's type.
 ///
 /// [`Limit`]: tower_resources_operation::Limit
 pub const LIMIT_CLOSED_PANIC: &str = "cannot admit any operation: the limit is closed";
@@ -265,7 +266,7 @@ pub enum Fate {
     Ended(Outcome),
     /// Turned away without a permit, for this reason.
     Rejected(Rejection),
-    /// Its caller went away while it waited, or its limit failed under it.
+    /// Its caller went away while it waited.
     Abandoned,
 }
 

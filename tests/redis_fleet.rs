@@ -1,0 +1,502 @@
+//! A fleet of three replicas, each a process of its own (this test binary, started again in
+//! replica mode), sharing one fleet limit on one real `redis-server`:
+//!
+//! - a burst through all three never runs more than the fleet's capacity at once, as seen by an
+//!   observer independent of the limit (each handler records its entry and exit on a second
+//!   `redis-server`), and every replica's books balance;
+//! - a replica killed with `kill -9` while it holds places gives them back within the lease TTL
+//!   (plus a little slack for the check);
+//! - with Redis stopped and restarted in the middle of a load, no caller hangs, each gets the
+//!   answer its replica is configured for (turned away as `unavailable`, or admitted without the
+//!   fleet limit), and every replica takes places again once Redis is back.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::redis_server::RedisServer;
+use support::{live, Telemetry};
+use tower_resources_operation::limit::redis::RedisLimit;
+use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
+use tower_resources_operation::{Acquire, Executor, Operation, Rejection, DURATION_INSTRUMENT};
+
+/// The environment variable that makes [`replica`] a replica, with its settings.
+const REPLICA: &str = "TRO_FLEET_REPLICA";
+
+/// The limit every replica names.
+const NAME: &str = "fleet-test";
+
+// ---------------------------------------------------------------------------------------------
+// The replica
+// ---------------------------------------------------------------------------------------------
+
+/// What a replica is told, as `key=value` pairs separated by spaces.
+#[derive(Clone, Debug)]
+struct Settings {
+    redis: String,
+    observer: String,
+    capacity: usize,
+    ttl_ms: u64,
+    /// `burst`: run `ops` operations, `concurrency` at once, each arriving `spread_ms` after
+    /// the one before, each working `work_ms`; `hold`: take `capacity` places and keep them.
+    mode: String,
+    ops: usize,
+    concurrency: usize,
+    work_ms: u64,
+    spread_ms: u64,
+    fail_open: bool,
+}
+
+impl Settings {
+    fn encode(&self) -> String {
+        format!(
+            "redis={} observer={} capacity={} ttl_ms={} mode={} ops={} concurrency={} work_ms={} \
+             spread_ms={} fail_open={}",
+            self.redis,
+            self.observer,
+            self.capacity,
+            self.ttl_ms,
+            self.mode,
+            self.ops,
+            self.concurrency,
+            self.work_ms,
+            self.spread_ms,
+            self.fail_open
+        )
+    }
+
+    fn decode(encoded: &str) -> Self {
+        let pairs: BTreeMap<&str, &str> = encoded
+            .split(' ')
+            .filter_map(|pair| pair.split_once('='))
+            .collect();
+        let number = |key: &str| pairs[key].parse::<u64>().expect(key);
+        Self {
+            redis: pairs["redis"].to_owned(),
+            observer: pairs["observer"].to_owned(),
+            capacity: number("capacity") as usize,
+            ttl_ms: number("ttl_ms"),
+            mode: pairs["mode"].to_owned(),
+            ops: number("ops") as usize,
+            concurrency: number("concurrency") as usize,
+            work_ms: number("work_ms"),
+            spread_ms: number("spread_ms"),
+            fail_open: pairs["fail_open"] == "true",
+        }
+    }
+}
+
+/// The entry point of a replica: a no-op unless [`REPLICA`] is set, as it is for the processes
+/// the tests below start.
+#[test]
+fn replica() {
+    let Ok(settings) = std::env::var(REPLICA) else {
+        return;
+    };
+    let settings = Settings::decode(&settings);
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(run_replica(settings));
+}
+
+/// Prints a line for the test that started this replica.
+fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+async fn run_replica(settings: Settings) {
+    let mut builder = RedisLimit::builder(NAME, settings.capacity)
+        .lease_ttl(Duration::from_millis(settings.ttl_ms))
+        .call_timeout(Duration::from_millis(200))
+        .fallback_poll(Duration::from_millis(200));
+    if settings.fail_open {
+        builder = builder.fail_open();
+    }
+    let limit = builder.build(settings.redis.as_str()).unwrap();
+    limit.ready().await.expect("Redis at the start");
+    if settings.mode == "hold" {
+        let mut held = Vec::new();
+        for _ in 0..settings.capacity {
+            held.push(limit.acquire().await.expect("a place"));
+        }
+        say("HOLDING");
+        // Until killed.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        return;
+    }
+
+    let observer = ::redis::Client::open(settings.observer.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("the observer");
+    let t = Arc::new(Telemetry::new());
+    let slots = Arc::new(tokio::sync::Semaphore::new(settings.concurrency));
+    say("READY");
+    let mut operations = Vec::new();
+    for _ in 0..settings.ops {
+        let slot = Arc::clone(&slots).acquire_owned().await.unwrap();
+        let (t, limit, mut observer) = (Arc::clone(&t), limit.clone(), observer.clone());
+        let work = Duration::from_millis(settings.work_ms);
+        operations.push(tokio::spawn(async move {
+            let answer = t
+                .metrics
+                .resources_operation(&limit, Operation::Verify, Executor::Process, async {
+                    enter(&mut observer).await;
+                    tokio::time::sleep(work).await;
+                    leave(&mut observer).await;
+                })
+                .await;
+            drop(slot);
+            answer.map_err(|rejected| rejected.rejection())
+        }));
+        tokio::time::sleep(Duration::from_millis(settings.spread_ms)).await;
+    }
+    let (mut admitted, mut unavailable, mut other) = (0, 0, 0);
+    for operation in operations {
+        // A caller that hangs fails the test that waits for this replica.
+        match operation.await.unwrap() {
+            Ok(()) => admitted += 1,
+            Err(Rejection::Unavailable) => unavailable += 1,
+            Err(_) => other += 1,
+        }
+    }
+    // Once Redis answers, this replica takes places again.
+    let mut recovered = false;
+    for _ in 0..200 {
+        if let Ok(permit) = limit.acquire().await {
+            if !permit.failed_open() {
+                recovered = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (queued, active) = live(&t);
+    let recorded = t.count(DURATION_INSTRUMENT, &[]);
+    let counted_unavailable =
+        t.live_value(REJECTED_INSTRUMENT, &[(REJECTION_ATTRIBUTE, "unavailable")]);
+    say(&format!(
+        "RESULT admitted={admitted} unavailable={unavailable} other={other} \
+         failed_open={} leases_lost={} queued={queued} active={active} recorded={recorded} \
+         counted_unavailable={counted_unavailable} recovered={recovered}",
+        limit.failed_open(),
+        limit.leases_lost(),
+    ));
+}
+
+/// The observer's record of a handler's entry: how many run now, and the most ever.
+async fn enter(observer: &mut ::redis::aio::MultiplexedConnection) {
+    let _: i64 = ::redis::Script::new(
+        "local n = redis.call('INCR', KEYS[1]) \
+         if n > tonumber(redis.call('GET', KEYS[2]) or '0') then redis.call('SET', KEYS[2], n) end \
+         return n",
+    )
+    .key("running")
+    .key("most")
+    .invoke_async(observer)
+    .await
+    .expect("the observer");
+}
+
+/// The observer's record of a handler's exit.
+async fn leave(observer: &mut ::redis::aio::MultiplexedConnection) {
+    let _: i64 = ::redis::cmd("DECR")
+        .arg("running")
+        .query_async(observer)
+        .await
+        .expect("the observer");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests
+// ---------------------------------------------------------------------------------------------
+
+/// A replica process, its output read line by line.
+struct Replica {
+    child: Child,
+    lines: std::io::Lines<BufReader<ChildStdout>>,
+}
+
+impl Replica {
+    fn start(settings: &Settings) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["replica", "--exact", "--nocapture", "--test-threads=1"])
+            .env(REPLICA, settings.encode())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start a replica");
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        Self { child, lines }
+    }
+
+    /// Reads until a line with `prefix` (libtest may print its own words before it on the same
+    /// line); returns the line from `prefix` on. Fails if the replica ends first (the deadline
+    /// is the test's: each read blocks a thread of its own).
+    fn until(&mut self, prefix: &str) -> String {
+        for line in self.lines.by_ref() {
+            let line = line.expect("a replica's output");
+            if let Some(at) = line.find(prefix) {
+                return line[at..].to_owned();
+            }
+        }
+        panic!("the replica ended before it said {prefix:?}");
+    }
+
+    /// The replica's result, once it is done: its `key=value` counts.
+    fn result(mut self) -> BTreeMap<String, String> {
+        let line = self.until("RESULT");
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "the replica failed: {status}");
+        line.split(' ')
+            .skip(1)
+            .filter_map(|pair| pair.split_once('='))
+            .map(|(key, value)| (key.to_owned(), value.to_owned()))
+            .collect()
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `work` on a thread of its own, failing the test if it takes longer than `deadline`
+/// (a hung caller in a replica hangs its process).
+fn within<T: Send + 'static>(
+    what: &str,
+    deadline: Duration,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(work());
+    });
+    receiver
+        .recv_timeout(deadline)
+        .unwrap_or_else(|_| panic!("{what} hung"))
+}
+
+/// A count in a replica's result.
+fn count(result: &BTreeMap<String, String>, key: &str) -> u64 {
+    result[key].parse().expect(key)
+}
+
+/// The observer's highest count of handlers running at once.
+fn most_at_once(observer: &RedisServer) -> u64 {
+    ::redis::cmd("GET")
+        .arg("most")
+        .query::<Option<u64>>(&mut observer.connection())
+        .unwrap()
+        .unwrap_or(0)
+}
+
+/// A handle on the fleet limit for the test itself.
+fn test_handle(redis: &RedisServer, capacity: usize) -> RedisLimit {
+    RedisLimit::builder(NAME, capacity)
+        .lease_ttl(Duration::from_secs(60))
+        .build(redis.url())
+        .unwrap()
+}
+
+/// `(capacity, active, queued)` of the fleet once every lease is back: a replica that exits
+/// right after its last operation may not have sent its release, whose lease then expires
+/// within the replica's TTL (1.5 s here).
+async fn settled(handle: &RedisLimit) -> (usize, usize, usize) {
+    let since = Instant::now();
+    loop {
+        let fleet = handle.fleet().await.unwrap();
+        if fleet.active == 0 || since.elapsed() > Duration::from_secs(10) {
+            return (fleet.capacity, fleet.active, fleet.queued);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn burst(redis: &RedisServer, observer: &RedisServer, capacity: usize) -> Settings {
+    Settings {
+        redis: redis.url(),
+        observer: observer.url(),
+        capacity,
+        ttl_ms: 1_500,
+        mode: "burst".to_owned(),
+        ops: 30,
+        concurrency: 8,
+        work_ms: 20,
+        spread_ms: 0,
+        fail_open: false,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_never_run_more_than_the_fleets_capacity_at_once() {
+    const CAPACITY: usize = 4;
+    let (Some(redis), Some(observer)) = (RedisServer::start(), RedisServer::start()) else {
+        return;
+    };
+    let settings = burst(&redis, &observer, CAPACITY);
+    let replicas: Vec<Replica> = (0..3).map(|_| Replica::start(&settings)).collect();
+    let results = within("the fleet", Duration::from_secs(120), move || {
+        replicas
+            .into_iter()
+            .map(Replica::result)
+            .collect::<Vec<_>>()
+    });
+
+    let most = most_at_once(&observer);
+    println!("at most {most} at once across the fleet; {results:?}");
+    assert!(
+        most <= CAPACITY as u64,
+        "{most} ran at once, above {CAPACITY}"
+    );
+    assert!(most >= 2, "the replicas ran side by side ({most})");
+    for result in &results {
+        assert_eq!(count(result, "admitted"), settings.ops as u64, "{result:?}");
+        assert_eq!(count(result, "recorded"), settings.ops as u64, "{result:?}");
+        assert_eq!(count(result, "unavailable") + count(result, "other"), 0);
+        assert_eq!((count(result, "queued"), count(result, "active")), (0, 0));
+    }
+    let handle = test_handle(&redis, CAPACITY);
+    assert_eq!(settled(&handle).await, (CAPACITY, 0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease_ttl() {
+    const CAPACITY: usize = 3;
+    const TTL: Duration = Duration::from_millis(1_500);
+    let (Some(redis), Some(observer)) = (RedisServer::start(), RedisServer::start()) else {
+        return;
+    };
+    let mut settings = burst(&redis, &observer, CAPACITY);
+    settings.mode = "hold".to_owned();
+    settings.ttl_ms = TTL.as_millis() as u64;
+    let mut holder = Replica::start(&settings);
+    let mut holder = within("the holder", Duration::from_secs(60), move || {
+        holder.until("HOLDING");
+        holder
+    });
+    let handle = test_handle(&redis, CAPACITY);
+    let fleet = handle.fleet().await.unwrap();
+    assert_eq!((fleet.active, fleet.queued), (CAPACITY, 0));
+
+    // A waiter of the test's own, queued behind the dead replica's places.
+    let waiter = {
+        let handle = handle.clone();
+        tokio::spawn(async move { handle.acquire().await.map(drop) })
+    };
+    holder.child.kill().expect("kill -9"); // SIGKILL
+    let killed = Instant::now();
+    holder.child.wait().unwrap();
+
+    support::within("the waiter", waiter)
+        .await
+        .unwrap()
+        .expect("a place");
+    let waited = killed.elapsed();
+    loop {
+        let fleet = handle.fleet().await.unwrap();
+        if fleet.active == 0 {
+            break;
+        }
+        assert!(
+            killed.elapsed() < TTL + Duration::from_secs(2),
+            "{fleet:?} long after the kill"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let back = killed.elapsed();
+    println!("a waiter got a place {waited:?} after the kill; every place was back {back:?} after");
+    assert!(
+        back <= TTL + Duration::from_secs(2),
+        "the places came back {back:?} after the kill, the TTL is {TTL:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_restarted_mid_load_no_caller_hangs_and_each_gets_its_configured_answer() {
+    const CAPACITY: usize = 4;
+    let (Some(mut redis), Some(observer)) = (RedisServer::start(), RedisServer::start()) else {
+        return;
+    };
+    // Two replicas fail closed, one fails open; operations arrive over 3 s, Redis is away for
+    // one of them.
+    let mut settings = burst(&redis, &observer, CAPACITY);
+    settings.ops = 60;
+    settings.concurrency = 6;
+    settings.spread_ms = 50;
+    settings.work_ms = 30;
+    let mut open = settings.clone();
+    open.fail_open = true;
+    let mut replicas = vec![
+        Replica::start(&settings),
+        Replica::start(&settings),
+        Replica::start(&open),
+    ];
+    replicas = within("the replicas start", Duration::from_secs(60), move || {
+        for replica in &mut replicas {
+            replica.until("READY");
+        }
+        replicas
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    redis.stop();
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    redis.restart();
+
+    let results = within("the fleet", Duration::from_secs(120), move || {
+        replicas
+            .into_iter()
+            .map(Replica::result)
+            .collect::<Vec<_>>()
+    });
+    println!("{results:?}");
+    for (index, result) in results.iter().enumerate() {
+        let answered = count(result, "admitted") + count(result, "unavailable");
+        assert_eq!(
+            answered, settings.ops as u64,
+            "every caller answered: {result:?}"
+        );
+        assert_eq!(count(result, "other"), 0, "{result:?}");
+        assert_eq!(
+            result["recovered"], "true",
+            "back once Redis is: {result:?}"
+        );
+        assert_eq!(
+            (count(result, "queued"), count(result, "active")),
+            (0, 0),
+            "the books balance: {result:?}"
+        );
+        assert_eq!(count(result, "recorded"), count(result, "admitted"));
+        assert_eq!(
+            count(result, "counted_unavailable"),
+            count(result, "unavailable")
+        );
+        if index < 2 {
+            assert!(
+                count(result, "unavailable") > 0,
+                "failing closed: {result:?}"
+            );
+            assert_eq!(count(result, "failed_open"), 0);
+        } else {
+            assert_eq!(count(result, "unavailable"), 0, "failing open: {result:?}");
+            assert!(count(result, "failed_open") > 0, "{result:?}");
+        }
+    }
+    let handle = test_handle(&redis, CAPACITY);
+    assert_eq!(settled(&handle).await, (CAPACITY, 0, 0));
+}

@@ -1,0 +1,164 @@
+//! A real `redis-server` for a test: started on a free loopback port with no persistence,
+//! stopped, restarted on the same port, paused, and killed when dropped.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The server, on `PATH` (Debian's package puts it in /usr/bin).
+const SERVER: &str = "redis-server";
+
+/// Set to `1` (as CI does) to make a missing `redis-server` a failure, not a skip.
+pub const REQUIRE_VAR: &str = "REQUIRE_REDIS";
+
+/// One `redis-server` of the test's own.
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+}
+
+impl RedisServer {
+    /// Starts one on a free port of 127.0.0.1 and waits until it answers `PING`; `None`, after
+    /// a loud message, if `redis-server` is not installed (a failure when `REQUIRE_REDIS=1`, as
+    /// CI sets it).
+    pub fn start() -> Option<Self> {
+        if super::prometheus::find_on_path(SERVER).is_none() {
+            let message = format!(
+                "`{SERVER}` is not on PATH, so the fleet limit's tests cannot run. Install it \
+                 (Debian/Ubuntu: `apt-get install redis-server`)."
+            );
+            if std::env::var(REQUIRE_VAR).is_ok_and(|v| v.trim() == "1") {
+                panic!("{REQUIRE_VAR}=1 and {message}");
+            }
+            eprintln!("\n********** SKIPPED: {message} **********\n");
+            return None;
+        }
+        Some(Self::start_required())
+    }
+
+    /// [`start`](Self::start), failing if `redis-server` is not installed.
+    pub fn start_required() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let mut server = Self { child: None, port };
+        server.restart();
+        server
+    }
+
+    /// `redis://127.0.0.1:PORT/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Starts it (again) on its port, empty, and waits until it answers `PING`.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "the server is running");
+        let child = Command::new(SERVER)
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                &std::env::temp_dir().display().to_string(),
+                "--logfile",
+                "",
+                "--loglevel",
+                "warning",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|error| {
+                panic!(
+                    "cannot start {SERVER} ({error}): install it, e.g. \
+                     `apt-get install redis-server` (.ci/run does)"
+                )
+            });
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.ping().is_none() {
+            assert!(Instant::now() < deadline, "redis-server did not come up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Stops it (as a crash would: SIGKILL), and waits until it is gone.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Freezes it (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws it (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("a running server");
+        let status = Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    }
+
+    /// A plain connection to it, for the test's own commands.
+    pub fn connection(&self) -> ::redis::Connection {
+        ::redis::Client::open(self.url())
+            .and_then(|client| client.get_connection())
+            .expect("a connection to the test's redis-server")
+    }
+
+    /// How many times `command` (lower case, e.g. `evalsha`) ran since the server started or
+    /// its stats were reset, from `INFO commandstats`.
+    pub fn calls(&self, command: &str) -> u64 {
+        let info: String = ::redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut self.connection())
+            .expect("INFO commandstats");
+        let prefix = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|line| line.strip_prefix(&prefix))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |calls| calls.parse().expect("a count"))
+    }
+
+    /// `PONG`, if it answers.
+    fn ping(&self) -> Option<()> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .ok()?;
+        stream.write_all(b"PING\r\n").ok()?;
+        let mut answer = [0; 7];
+        stream.read_exact(&mut answer).ok()?;
+        (&answer == b"+PONG\r\n").then_some(())
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
