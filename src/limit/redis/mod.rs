@@ -490,9 +490,11 @@ impl RedisLimitBuilder {
         });
         let shared = Arc::new_cyclic(|shared: &Weak<Shared>| {
             let shared = shared.clone();
-            let gauge = Capacity::of_limit(Some(self.name), move || {
-                shared.upgrade().map(|shared| shared.core.reading())
-            });
+            let gauge = Capacity::of_limit(
+                Some(self.name),
+                move || shared.upgrade().map(|shared| shared.core.reading()),
+                None,
+            );
             Shared {
                 core,
                 commands,
@@ -735,6 +737,7 @@ impl Core {
             queued: self.queued.load(Ordering::Relaxed),
             failed_open: Some(self.failed_open.load(Ordering::Relaxed)),
             leases_lost: Some(self.leases_lost.load(Ordering::Relaxed)),
+            ..Reading::default()
         }
     }
 
