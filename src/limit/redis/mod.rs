@@ -157,6 +157,10 @@ use crate::Rejection;
 ///
 /// Clones share it. It implements [`Acquire`], so it goes wherever a [`Limit`](crate::Limit)
 /// goes: a layer, a per-request layer's named limits, [`resources_operation`](crate::resources_operation).
+///
+/// Its first call starts two tasks of its own (the refresh and release task, and the listener
+/// on its channel) on the tokio runtime it runs on: use it on one runtime, the one that lives
+/// as long as the process serves.
 #[derive(Clone)]
 pub struct RedisLimit {
     shared: Arc<Shared>,
