@@ -16,6 +16,7 @@ mod app;
 mod support;
 
 use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -28,6 +29,8 @@ use axum::Router;
 use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use serde_json::Value;
+use tower::Layer as _;
+use tower_resources_operation::adaptive::{Adaptive, Aimd};
 use tower_resources_operation::metrics::METER_NAME;
 use tower_resources_operation::{
     Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
@@ -304,6 +307,26 @@ async fn a_real_prometheus_sees_the_limit_bind() {
     // `rate` counts increases from a series' first sample on.
     let warm_up = ["/verify?ms=1", "/judge?ms=1", "/tool?ms=1"];
     assert_eq!(app::burst(target, &warm_up).await, [200, 200, 200]);
+
+    // A named adaptive limit beside the app's, so that the dashboard's panels of named and
+    // adaptive limits have data: a layer registers it with the app's metrics (which counts no
+    // operation), and operations with metrics off feed its controller (one controller whatever
+    // records), so the app's counts stay its own.
+    let judges = Limit::builder(1)
+        .name("judges")
+        .adaptive(Adaptive::new(Aimd::default(), 1..=4))
+        .build();
+    let _registered = ResourcesOperationLayer::new(judges.clone())
+        .metrics(telemetry.metrics.clone())
+        .layer(tower::service_fn(|()| async { Ok::<_, Infallible>(()) }));
+    for _ in 0..16 {
+        let judged = OperationMetrics::disabled()
+            .resources_operation(&judges, Operation::Other, Executor::Other, async {
+                Ok::<_, Infallible>(())
+            })
+            .await;
+        judged.unwrap().unwrap();
+    }
 
     let setup = Setup {
         interval: "1s",

@@ -8,8 +8,8 @@ use super::{Algorithm, Average, Sample};
 use super::Adaptive;
 
 /// Additive increase, multiplicative decrease, as TCP's congestion window: one more place after
-/// each window without congestion in which the limit was used, and `backoff` times the capacity
-/// after a window with congestion.
+/// each window without congestion in which the load filled the limit, and `backoff` times the
+/// capacity after a window with congestion.
 ///
 /// Congestion is an operation that ended `timeout`, `error` or `crashed` (a server that answers
 /// `503` above some load, a judge that times out; see [`Adaptive::tolerance`]), and, if you set

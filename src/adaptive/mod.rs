@@ -300,8 +300,6 @@ const NONE: u64 = u64::MAX;
 /// when it closes.
 pub(crate) struct Controller {
     window: Window,
-    /// Operations of the limit admitted and not yet ended, as the controller saw them.
-    in_flight: AtomicUsize,
     /// When the current window opened, in nanoseconds since `epoch`.
     opened: AtomicU64,
     /// Ends after which the current window closes.
@@ -327,10 +325,13 @@ pub(crate) struct Controller {
     tolerance: f64,
 }
 
-/// What the operations of the current window add up to, on a cache line of its own.
+/// What the operations of the current window add up to, with the count of operations in
+/// flight: what every operation writes, on a cache line of its own.
 #[derive(Debug)]
 #[repr(align(64))]
 struct Window {
+    /// Operations of the limit admitted and not yet ended, as the controller saw them.
+    in_flight: AtomicUsize,
     /// Ended, congested and timed counts, `COUNT_BITS` each.
     tally: AtomicU64,
     /// Sum of the run times of the timed (`ok`) operations, in microseconds.
@@ -346,13 +347,13 @@ impl Controller {
     pub(crate) fn new(adaptive: &Adaptive, limit: Weak<dyn Resize>, capacity: usize) -> Self {
         let controller = Self {
             window: Window {
+                in_flight: AtomicUsize::new(0),
                 tally: AtomicU64::new(0),
                 sum_us: AtomicU64::new(0),
                 min_us: AtomicU64::new(NONE),
                 peak: AtomicUsize::new(0),
                 rejected: AtomicU64::new(0),
             },
-            in_flight: AtomicUsize::new(0),
             opened: AtomicU64::new(0),
             due: AtomicU64::new(0),
             tolerated: AtomicU64::new(0),
@@ -398,7 +399,7 @@ impl Controller {
     /// One more operation of the limit holds a place.
     #[inline]
     pub(crate) fn admitted(&self) {
-        self.in_flight.fetch_add(1, Relaxed);
+        self.window.in_flight.fetch_add(1, Relaxed);
     }
 
     /// The limit turned an operation away.
@@ -411,7 +412,7 @@ impl Controller {
     #[inline]
     pub(crate) fn ended(&self, outcome: Outcome, ran: Duration, now: Option<Instant>) {
         let window = &self.window;
-        let running = self.in_flight.fetch_sub(1, Relaxed);
+        let running = window.in_flight.fetch_sub(1, Relaxed);
         if running > window.peak.load(Relaxed) {
             window.peak.fetch_max(running, Relaxed);
         }
@@ -459,10 +460,12 @@ impl Controller {
         if !self.is_due(window.tally.load(Relaxed), age) {
             return;
         }
+        // An end racing this may land its count in one window and its run time in the next:
+        // a small error, once in a while, for no lock on the operations' path.
         let sum_us = window.sum_us.swap(0, Relaxed);
         let min_us = window.min_us.swap(NONE, Relaxed);
         let tally = window.tally.swap(0, Relaxed);
-        let peak = window.peak.swap(self.in_flight.load(Relaxed), Relaxed);
+        let peak = window.peak.swap(window.in_flight.load(Relaxed), Relaxed);
         let rejected = window.rejected.swap(0, Relaxed);
         if let Some(at) = at {
             self.opened.store(at, Relaxed);
@@ -531,7 +534,7 @@ impl fmt::Debug for Controller {
         let (baseline, estimate) = self.measured();
         f.debug_struct("Controller")
             .field("bounds", &(self.min..=self.max))
-            .field("in_flight", &self.in_flight.load(Relaxed))
+            .field("in_flight", &self.window.in_flight.load(Relaxed))
             .field("baseline", &baseline)
             .field("estimate", &estimate)
             .finish_non_exhaustive()
