@@ -1,5 +1,6 @@
 //! Mistakes that would otherwise record nothing, or the wrong thing, without a word: each is
-//! reported once per process, as a `tracing` warning (with the `tracing` feature, on by default).
+//! reported once per process, as a `tracing` warning (with the `tracing` feature, on by default),
+//! or on standard error without it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -53,6 +54,11 @@ pub(crate) fn report(mistake: Mistake, detail: &str) {
         mistake.message(),
         detail
     );
+    // Without `tracing`, standard error: once per process, as loud.
     #[cfg(not(feature = "tracing"))]
-    let _ = detail;
+    eprintln!(
+        "WARN tower_resources_operation: tower-resources-operation: {}{}",
+        mistake.message(),
+        detail
+    );
 }

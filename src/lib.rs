@@ -312,11 +312,19 @@
 //! changed at runtime for the whole fleet, a fleet-wide queue bound, and every step one Lua
 //! script on the server's clock. It is an [`Acquire`], so it goes wherever a [`Limit`] goes.
 //!
-//! ```ignore
+//! ```no_run
+//! # #[cfg(feature = "redis")]
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use tower_resources_operation::limit::redis::RedisLimit;
+//! use tower_resources_operation::{Operation, ResourcesOperationLayer};
 //!
 //! let judges = RedisLimit::builder("judges", 8).build("redis://redis.internal:6379/")?;
 //! let layer = ResourcesOperationLayer::new_for_http(judges).operation(Operation::Judge);
+//! # drop(layer);
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "redis"))]
+//! # fn main() {}
 //! ```
 //!
 //! Every call to Redis has a timeout. When Redis cannot be reached the limit fails closed

@@ -840,6 +840,20 @@ impl Core {
                 self.name
             ),
         }
+        // Without `tracing`, the loss only, on standard error.
+        #[cfg(not(feature = "tracing"))]
+        if let Some(error) = error {
+            eprintln!(
+                "WARN tower_resources_operation: the fleet limit {:?} cannot reach Redis ({error}); \
+                 until it can, it {}",
+                self.name,
+                if self.fail_open {
+                    "admits operations without the fleet limit (fail open)"
+                } else {
+                    "turns operations away as unavailable (fail closed)"
+                }
+            );
+        }
     }
 
     /// Asks for a place for `id`: a lease, a ticket, or the queue is full.
