@@ -819,19 +819,19 @@ impl Core {
         if self.reachable.swap(reachable, Ordering::Relaxed) == reachable {
             return;
         }
+        let what = if self.fail_open {
+            "admits operations without the fleet limit (fail open)"
+        } else {
+            "turns operations away as unavailable (fail closed)"
+        };
         #[cfg(feature = "tracing")]
         match error {
             Some(error) => tracing::warn!(
                 target: "tower_resources_operation",
                 limit = self.name,
                 "tower-resources-operation: the fleet limit {:?} cannot reach Redis ({error}); \
-                 until it can, it {}",
+                 until it can, it {what}",
                 self.name,
-                if self.fail_open {
-                    "admits operations without the fleet limit (fail open)"
-                } else {
-                    "turns operations away as unavailable (fail closed)"
-                }
             ),
             None => tracing::info!(
                 target: "tower_resources_operation",
@@ -845,13 +845,8 @@ impl Core {
         if let Some(error) = error {
             eprintln!(
                 "WARN tower_resources_operation: the fleet limit {:?} cannot reach Redis ({error}); \
-                 until it can, it {}",
+                 until it can, it {what}",
                 self.name,
-                if self.fail_open {
-                    "admits operations without the fleet limit (fail open)"
-                } else {
-                    "turns operations away as unavailable (fail closed)"
-                }
             );
         }
     }
