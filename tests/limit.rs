@@ -161,6 +161,37 @@ async fn waiters_are_served_first_come_first_served() {
 }
 
 #[tokio::test(flavor = "current_thread")]
+async fn a_fresh_caller_does_not_take_the_place_freed_for_a_waiter_nor_lose_it_when_the_waiter_leaves(
+) {
+    use tower_resources_operation::Acquire;
+
+    let limit = Limit::new(1);
+    let held = limit.try_acquire().expect("free").expect("open");
+    let mut waiter = task::spawn(limit.clone().acquire_owned());
+    assert_pending!(waiter.poll());
+    assert_eq!(limit.queued(), 1);
+
+    // Freed while someone waits: the place is the waiter's, not the next caller's.
+    drop(held);
+    assert!(waiter.is_woken());
+    assert!(
+        limit.try_acquire().is_none(),
+        "a fresh caller jumped the queue"
+    );
+
+    // The waiter goes away before it takes it: the place is free for the next caller.
+    drop(waiter);
+    assert_eq!((limit.queued(), limit.available()), (0, 1));
+    let next = limit
+        .try_acquire()
+        .expect("the place is free")
+        .expect("open");
+    assert_eq!(limit.available(), 0);
+    drop(next);
+    assert_eq!((limit.queued(), limit.available()), (0, 1));
+}
+
+#[tokio::test(flavor = "current_thread")]
 async fn clone_of_a_ready_service_starts_without_a_permit() {
     let (mut s1, _handle) = mock::spawn_layer::<(), (), _>(quiet(1));
 

@@ -1,11 +1,11 @@
 //! [`Limit`]: the crate's own limit, which knows its capacity and its queue.
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use tokio::sync::{Semaphore, TryAcquireError};
 
+use super::front::{Front, Joined};
 use super::resize::Resizable;
 use super::{Acquire, AcquireError};
 use crate::adaptive::{Adaptive, Controller, Resize};
@@ -15,8 +15,10 @@ use crate::Rejection;
 /// A limit of operations at once, shared by every clone, that knows its capacity, can bound its
 /// queue, and can be resized while it serves.
 ///
-/// It is a tokio [`Semaphore`] that also counts its waiters and reports its capacity as
-/// `gym.resources.operation.limit`. Waiters are served first come, first served.
+/// It counts its waiters and reports its capacity as `gym.resources.operation.limit`. While
+/// nobody waits, a place is taken and given back with one atomic operation each, without the
+/// lock that tokio's [`Semaphore`] takes on every release; waiters queue in a `Semaphore`, and
+/// are served first come, first served.
 ///
 /// A limit [named](LimitBuilder::name) in code also reports instruments of its own, under its
 /// name: how many operations it admits at once, holds and keeps waiting, whichever routes and
@@ -41,9 +43,8 @@ pub struct Limit {
 }
 
 struct State {
-    places: Resizable<Semaphore>,
-    /// Operations waiting now. Next to the semaphore, whose line a wait touches anyway.
-    queued: AtomicUsize,
+    /// Its places, free, held or owed; and its waiters, counted.
+    places: Resizable<Front<Semaphore>>,
     /// Waiters beyond this are turned away; `usize::MAX` for no bound. Set when the limit is
     /// made, so that no layer sees a limit start to reject after it was checked.
     max_queued: usize,
@@ -111,8 +112,7 @@ impl Limit {
             let state = state.clone();
             let read = move || state.upgrade().map(|state| state.read());
             State {
-                places: Resizable::new(Semaphore::new(max), max),
-                queued: AtomicUsize::new(0),
+                places: Resizable::new(Front::new(max, Semaphore::new(0)), max),
                 max_queued,
                 gauge: Capacity::of_limit(name, read, controller),
             }
@@ -132,12 +132,12 @@ impl Limit {
 
     /// How many more operations it would admit now without waiting.
     pub fn available(&self) -> usize {
-        self.state.places.places().available_permits()
+        self.state.places.places().available()
     }
 
     /// How many operations wait for it now.
     pub fn queued(&self) -> usize {
-        self.state.queued.load(Ordering::Relaxed)
+        self.state.places.places().waiting()
     }
 
     /// The bound on the queue, if there is one ([`with_max_queued`](Self::with_max_queued)).
@@ -180,7 +180,7 @@ impl Limit {
 impl State {
     /// What the metrics report of the limit now.
     fn read(&self) -> Reading {
-        let free = self.places.places().available_permits();
+        let free = self.places.places().available();
         let (baseline, estimate) = self
             .gauge
             .controller()
@@ -189,7 +189,7 @@ impl State {
         Reading {
             capacity: self.places.capacity(),
             active: self.places.held(free),
-            queued: self.queued.load(Ordering::Relaxed),
+            queued: self.places.places().waiting(),
             baseline,
             estimate,
             ..Reading::default()
@@ -341,8 +341,13 @@ impl Acquire for Limit {
         if let Some(now) = self.try_acquire() {
             return now;
         }
-        let queued = Queued::join(self.state)?;
-        let placed = queued.state().places.places().acquire().await;
+        let queued = match self.state.places.places().join() {
+            // A place came free meanwhile.
+            Joined::Took => return Ok(LimitPermit { state: self.state }),
+            Joined::Waits { ahead } => Queued::counted(self.state, ahead)?,
+            Joined::Closed => return Err(AcquireError::closed()),
+        };
+        let placed = queued.state().places.places().queue().acquire().await;
         match placed.map(std::mem::forget) {
             Ok(()) => Ok(queued.admitted()),
             Err(_) => Err(AcquireError::closed()),
@@ -354,17 +359,12 @@ impl Acquire for Limit {
     #[inline]
     fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
         let state = &*self.state;
-        match state.places.places().try_acquire() {
-            Ok(place) => {
-                // The place is the permit's now (`mem::forget`, not tokio's `forget`: the same,
-                // without a call).
-                std::mem::forget(place);
-                Some(Ok(LimitPermit {
-                    state: Arc::clone(&self.state),
-                }))
-            }
+        match state.places.places().try_take() {
+            Ok(()) => Some(Ok(LimitPermit {
+                state: Arc::clone(&self.state),
+            })),
             Err(TryAcquireError::NoPermits) => {
-                let full = state.queued.load(Ordering::Relaxed) >= state.max_queued;
+                let full = state.places.places().waiting() >= state.max_queued;
                 full.then(|| Err(AcquireError::rejected(Rejection::QueueFull)))
             }
             Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
@@ -387,9 +387,8 @@ struct Queued {
 }
 
 impl Queued {
-    /// Joins the queue, or is turned away if it is full.
-    fn join(state: Arc<State>) -> Result<Self, AcquireError> {
-        let ahead = state.queued.fetch_add(1, Ordering::Relaxed);
+    /// Counted as waiting after `ahead` others; turned away if the queue is full.
+    fn counted(state: Arc<State>, ahead: usize) -> Result<Self, AcquireError> {
         let queued = Self { state: Some(state) };
         if ahead >= queued.state().max_queued {
             return Err(AcquireError::rejected(Rejection::QueueFull));
@@ -406,7 +405,7 @@ impl Queued {
     /// Leaves the queue with a place: its handle becomes the permit's.
     fn admitted(mut self) -> LimitPermit {
         let state = self.state.take().expect("a waiter is admitted once");
-        state.queued.fetch_sub(1, Ordering::Relaxed);
+        state.places.places().leave();
         LimitPermit { state }
     }
 }
@@ -414,7 +413,7 @@ impl Queued {
 impl Drop for Queued {
     fn drop(&mut self) {
         if let Some(state) = &self.state {
-            state.queued.fetch_sub(1, Ordering::Relaxed);
+            state.places.places().leave();
         }
     }
 }

@@ -7,6 +7,7 @@
 //! whose checkout is the permit, a semaphore kept in a store that every replica of a fleet
 //! reaches (with the `redis` feature, this crate's `redis::RedisLimit`).
 
+mod front;
 mod local;
 mod poll;
 #[cfg(feature = "redis")]

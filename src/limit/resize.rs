@@ -9,7 +9,7 @@
 //! below check every interleaving of it:
 //!
 //! ```text
-//! RUSTFLAGS="--cfg tro_loom" cargo test --release --lib limit::resize
+//! RUSTFLAGS="--cfg tro_loom" cargo test --release --lib limit::
 //! ```
 //!
 //! (A cfg of the crate's own: `--cfg loom` would also switch tokio to its loom build, which has
@@ -27,23 +27,13 @@ use loom::sync::{
     Mutex,
 };
 
-/// Where free places are kept: tokio's semaphore, or a model of it under loom.
+/// Where free places are kept: a [`Front`](super::front::Front) and its queue, or a model of
+/// them under loom.
 pub(super) trait Places {
     /// Frees `n` places (or hands them to waiters).
     fn add(&self, n: usize);
     /// Takes up to `n` free places out for good; returns how many it took.
     fn forget(&self, n: usize) -> usize;
-}
-
-impl Places for tokio::sync::Semaphore {
-    #[inline]
-    fn add(&self, n: usize) {
-        self.add_permits(n);
-    }
-
-    fn forget(&self, n: usize) -> usize {
-        self.forget_permits(n)
-    }
 }
 
 /// Places that a capacity can be changed over.
@@ -152,7 +142,7 @@ impl<S: Places> Resizable<S> {
 }
 
 #[cfg(all(test, tro_loom))]
-mod loom_tests {
+pub(super) mod loom_tests {
     use loom::sync::atomic::AtomicUsize;
     use loom::sync::Arc;
     use loom::thread;
@@ -161,7 +151,7 @@ mod loom_tests {
 
     /// A semaphore without waiters: a count of free places.
     #[derive(Debug, Default)]
-    struct Model(AtomicUsize);
+    pub(in crate::limit) struct Model(pub(in crate::limit) AtomicUsize);
 
     impl Places for Model {
         fn add(&self, n: usize) {
@@ -179,7 +169,7 @@ mod loom_tests {
     }
 
     impl Model {
-        fn try_take(&self) -> bool {
+        pub(in crate::limit) fn try_take(&self) -> bool {
             self.0
                 .fetch_update(SeqCst, SeqCst, |free| free.checked_sub(1))
                 .is_ok()
