@@ -115,11 +115,23 @@ impl<Q: Queue> Front<Q> {
         &self.queue
     }
 
-    /// Takes a free place, if there is one: from the count, or one left in the queue. `NoPermits`
-    /// means the caller would wait.
+    /// Takes a free place, if there is one: from the count, or one left in the queue while
+    /// nobody waits. `NoPermits` means the caller would wait.
     #[inline]
     pub(super) fn try_take(&self) -> Result<(), TryAcquireError> {
-        let mut word = self.word.load(SeqCst);
+        match self.take_free(self.word.load(SeqCst)) {
+            Ok(()) => Ok(()),
+            Err(word) if word & CLOSED != 0 => Err(TryAcquireError::Closed),
+            // The queue keeps a free place only while nobody waits.
+            Err(word) if word < WAITER => self.queue.try_take(),
+            Err(_) => Err(TryAcquireError::NoPermits),
+        }
+    }
+
+    /// Takes a place from the count, starting from `word`; if there is none (or the limit is
+    /// closed), returns the word that says so.
+    #[inline]
+    fn take_free(&self, mut word: u64) -> Result<(), u64> {
         while word & FREE != 0 && word & CLOSED == 0 {
             match self
                 .word
@@ -129,30 +141,29 @@ impl<Q: Queue> Front<Q> {
                 Err(now) => word = now,
             }
         }
-        if word & CLOSED != 0 {
-            return Err(TryAcquireError::Closed);
-        }
-        self.queue.try_take()
+        Err(word)
     }
 
     /// Counts one more waiter, unless a place is free by now (it is taken instead) or the
-    /// limit is closed.
+    /// limit is closed. Once counted, no place is added to the count, so one that is still
+    /// there is taken now or by somebody else.
     pub(super) fn join(&self) -> Joined {
-        let mut joined = Joined::Closed;
-        let _ = self.word.fetch_update(SeqCst, SeqCst, |word| {
-            if word & CLOSED != 0 {
-                joined = Joined::Closed;
-                None
-            } else if word & FREE != 0 {
-                joined = Joined::Took;
-                Some(word - 1)
-            } else {
-                joined = Joined::Waits {
-                    ahead: usize::try_from(word / WAITER).unwrap_or(usize::MAX),
-                };
-                Some(word + WAITER)
+        let before = self.word.fetch_add(WAITER, SeqCst);
+        if before & (FREE | CLOSED) == 0 {
+            return Joined::Waits {
+                ahead: usize::try_from(before / WAITER).unwrap_or(usize::MAX),
+            };
+        }
+        let joined = match self.take_free(before + WAITER) {
+            Ok(()) => Joined::Took,
+            Err(word) if word & CLOSED != 0 => Joined::Closed,
+            Err(_) => {
+                return Joined::Waits {
+                    ahead: usize::try_from(before / WAITER).unwrap_or(usize::MAX),
+                }
             }
-        });
+        };
+        self.leave();
         joined
     }
 
