@@ -92,10 +92,12 @@ struct Chosen(u8);
 impl Chosen {
     const NONE: Self = Self(u8::MAX);
 
+    #[inline]
     fn get(self) -> Option<Outcome> {
         Outcome::ALL.get(usize::from(self.0)).copied()
     }
 
+    #[inline]
     fn new(outcome: Option<Outcome>) -> Self {
         outcome.map_or(Self::NONE, |outcome| Self(outcome as u8))
     }
@@ -450,7 +452,19 @@ impl Record {
 impl Drop for Record {
     /// Dropped while waiting, the operation is abandoned; dropped admitted, it ends as
     /// [`Ending::Dropped`] (and the permit, dropped after the record, goes back after that).
+    #[inline]
     fn drop(&mut self) {
+        if self.stage != ENDED {
+            self.dropped();
+        }
+    }
+}
+
+impl Record {
+    /// Dropped before it ended (out of line: a record that ended, the common case, is dropped
+    /// with one check).
+    #[inline(never)]
+    fn dropped(&mut self) {
         match self.stage {
             WAITING => {
                 self.stage = ENDED;

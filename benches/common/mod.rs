@@ -290,7 +290,10 @@ pub mod floor {
             FloorFuture {
                 inner: self.inner.call(request),
                 shared: Arc::clone(s),
-                start: Instant::now(),
+                // The clock the layer reads (tokio's, so that a paused clock is followed). The
+                // benches build tokio with `test-util`, as the tests need, which makes each read
+                // dearer than in a user's build: the floor pays that too.
+                start: tokio::time::Instant::now(),
             }
         }
     }
@@ -298,7 +301,7 @@ pub mod floor {
     pub(crate) struct FloorFuture<F, R> {
         inner: F,
         shared: Arc<R>,
-        start: Instant,
+        start: tokio::time::Instant,
     }
 
     impl<F: Future + Unpin, R: Record> Future for FloorFuture<F, R> {
