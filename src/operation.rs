@@ -151,6 +151,7 @@ impl<P, K> Lifecycle<P, K> {
         self.permit = None;
     }
 
+    #[inline(never)]
     fn record_end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Option<Outcome>) {
         if let Some(record) = &mut self.record {
             let decides = &self.decides;
@@ -303,6 +304,7 @@ impl<P> Lifecycle<P> {
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
+    #[inline(never)]
     fn record_admission(&mut self, series: Option<&Series>) {
         match &mut self.record {
             Some(waited) => waited.admit(true),
@@ -402,6 +404,7 @@ impl Record {
 
     /// Admitted, after waiting since `self.at` if it `waited`: records the queue sample (0 if it
     /// did not wait) and counts it as active.
+    #[inline]
     fn admit(&mut self, waited: bool) {
         let now = self.series.now();
         let queued = if waited {
@@ -511,6 +514,7 @@ fn past_deadline(record: &Record, now: Option<Instant>) -> bool {
 }
 
 /// The time from `from` to `to`: 0 if the clock could not read either, or `to` is earlier.
+#[inline]
 fn elapsed(from: Option<Instant>, to: Option<Instant>) -> Duration {
     match (from, to) {
         (Some(from), Some(to)) => to.saturating_duration_since(from),

@@ -345,6 +345,7 @@ impl Series {
 
     /// An operation got its permit, after waiting `queued` if it `waited` (counted in
     /// `queued` until now).
+    #[inline]
     pub(crate) fn admit(&self, waited: bool, queued: Duration) {
         let (shared, cell, index) = self.parts();
         if waited {
@@ -380,6 +381,7 @@ impl Series {
 
     /// An admitted operation that ran for `ran` ended with `outcome`, at `now`: recorded, and
     /// fed to its limit's controller if the limit is adaptive.
+    #[inline]
     pub(crate) fn end(&self, outcome: Outcome, ran: Duration, now: Option<Instant>) {
         let (shared, cell, index) = self.parts();
         cell.active.fetch_sub(1, Ordering::Relaxed);
