@@ -30,6 +30,7 @@ use tokio::runtime::Runtime;
 
 use common::{contended_run, oneshot, reused, sdk_meter, Noop, YieldOnce};
 use criterion::{criterion_group, BenchmarkId, Criterion};
+use opentelemetry::metrics::Meter;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::Layer;
 use tower_resources_operation::adaptive::{Adaptive, Gradient};
@@ -54,22 +55,40 @@ fn layer(limit: Limit, metrics: OperationMetrics) -> ResourcesOperationLayer {
         .metrics(metrics)
 }
 
+/// The service the layer makes around `S`.
+type ResourcesOperationService<S> = tower_resources_operation::ResourcesOperation<S>;
+
+/// The four cases around `inner` at a limit of `n`: metrics recorded through `meter`, then
+/// disabled, each without a controller and with one.
+fn cases<S: Clone>(
+    meter: &Meter,
+    n: usize,
+    inner: S,
+) -> [(&'static str, ResourcesOperationService<S>); 4] {
+    let metrics = OperationMetrics::new(meter);
+    [
+        ("metrics", false, metrics.clone()),
+        ("metrics_adaptive", true, metrics),
+        ("disabled", false, OperationMetrics::disabled()),
+        ("disabled_adaptive", true, OperationMetrics::disabled()),
+    ]
+    .map(|(name, adaptive, metrics)| {
+        (
+            name,
+            layer(limit(n, adaptive), metrics).layer(inner.clone()),
+        )
+    })
+}
+
 fn uncontended(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
         .unwrap();
     let (_provider, meter) = sdk_meter();
-    let metrics = OperationMetrics::new(&meter);
 
     let tower = ConcurrencyLimitLayer::new(64).layer(Noop);
-    let cases = [
-        ("metrics", false, metrics.clone()),
-        ("metrics_adaptive", true, metrics),
-        ("disabled", false, OperationMetrics::disabled()),
-        ("disabled_adaptive", true, OperationMetrics::disabled()),
-    ]
-    .map(|(name, adaptive, metrics)| (name, layer(limit(64, adaptive), metrics).layer(Noop)));
+    let cases = cases(&meter, 64, Noop);
 
     let mut group = c.benchmark_group("uncontended");
     for pattern in ["reused", "oneshot"] {
@@ -94,14 +113,7 @@ fn uncontended(c: &mut Criterion) {
 
 fn contended(c: &mut Criterion) {
     let (_provider, meter) = sdk_meter();
-    let metrics = OperationMetrics::new(&meter);
-    let cases = [
-        ("metrics", false, metrics.clone()),
-        ("metrics_adaptive", true, metrics),
-        ("disabled", false, OperationMetrics::disabled()),
-        ("disabled_adaptive", true, OperationMetrics::disabled()),
-    ]
-    .map(|(name, adaptive, metrics)| (name, layer(limit(4, adaptive), metrics).layer(YieldOnce)));
+    let cases = cases(&meter, 4, YieldOnce);
 
     let mut group = c.benchmark_group("contended");
     for (name, service) in &cases {
@@ -128,19 +140,7 @@ fn interleaved<S>(
     S: Clone,
 {
     let (_provider, meter) = sdk_meter();
-    let metrics = OperationMetrics::new(&meter);
-    let cases = [
-        ("metrics", false, metrics.clone()),
-        ("metrics_adaptive", true, metrics),
-        ("disabled", false, OperationMetrics::disabled()),
-        ("disabled_adaptive", true, OperationMetrics::disabled()),
-    ]
-    .map(|(name, adaptive, metrics)| {
-        (
-            name,
-            layer(limit(n, adaptive), metrics).layer(inner.clone()),
-        )
-    });
+    let cases = cases(&meter, n, inner);
     let mut times = vec![Vec::with_capacity(ROUNDS); cases.len()];
     for _ in 0..ROUNDS {
         for (case, (_, service)) in cases.iter().enumerate() {
@@ -168,9 +168,6 @@ fn interleaved<S>(
         );
     }
 }
-
-/// The service the layer makes around `S`.
-type ResourcesOperationService<S> = tower_resources_operation::ResourcesOperation<S>;
 
 fn interleaved_rounds() {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -203,9 +200,7 @@ fn interleaved_rounds() {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(3));
+    config = common::short_criterion();
     targets = uncontended, contended
 }
 

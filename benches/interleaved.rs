@@ -57,6 +57,14 @@ fn quartiles(values: &mut [f64]) -> [f64; 3] {
 /// A case: its name and how to run it for a number of operations.
 type Case<'a> = (&'static str, Box<dyn FnMut(u64) -> Duration + 'a>);
 
+/// The case `name`: `run` on a clone of `service` for a number of operations.
+fn case<'a, S>(name: &'static str, service: S, run: impl Fn(S, u64) -> Duration + 'a) -> Case<'a>
+where
+    S: Clone + 'a,
+{
+    (name, Box::new(move |n| run(service.clone(), n)))
+}
+
 /// Runs every case once per round, `ROUNDS` times, and prints the median ns per operation of
 /// each case, then the median per-round ratio of each pair `(case, reference)` in `ratios`,
 /// with its quartiles: how far the machine moved that ratio from one round to the next.
@@ -102,36 +110,18 @@ where
     let tower = ConcurrencyLimit::new(Noop, 64);
     let disabled = layer(64, OperationMetrics::disabled()).layer(Noop);
     let enabled = layer(64, OperationMetrics::new(&meter)).layer(Noop);
-    let floor = floor::Floor {
-        inner: ConcurrencyLimit::new(Noop, 64),
-        shared: floor::Shared::new(&meter),
-    };
-    let naive = naive::Naive {
-        inner: ConcurrencyLimit::new(Noop, 64),
-        instruments: naive::Instruments::new(&meter),
-    };
+    let floor = floor::Floor::new(Noop, 64, floor::Shared::new(&meter));
+    let naive = naive::Naive::new(Noop, 64, naive::Instruments::new(&meter));
     let drive = &drive;
     report(
         title,
         UNCONTENDED_OPERATIONS,
         &mut [
-            (
-                "tower_limit",
-                Box::new(|n| drive(rt, Box::new(tower.clone()), n)),
-            ),
-            (
-                "layer_disabled",
-                Box::new(|n| drive(rt, Box::new(disabled.clone()), n)),
-            ),
-            (
-                "layer_metrics",
-                Box::new(|n| drive(rt, Box::new(enabled.clone()), n)),
-            ),
-            ("floor", Box::new(|n| drive(rt, Box::new(floor.clone()), n))),
-            (
-                "naive_peer",
-                Box::new(|n| drive(rt, Box::new(naive.clone()), n)),
-            ),
+            case("tower_limit", tower, |s, n| drive(rt, Box::new(s), n)),
+            case("layer_disabled", disabled, |s, n| drive(rt, Box::new(s), n)),
+            case("layer_metrics", enabled, |s, n| drive(rt, Box::new(s), n)),
+            case("floor", floor, |s, n| drive(rt, Box::new(s), n)),
+            case("naive_peer", naive, |s, n| drive(rt, Box::new(s), n)),
         ],
         &[
             ("layer_disabled", "tower_limit"),
@@ -186,38 +176,14 @@ fn bounded_and_body_end(rt: &Runtime) {
         off().until_body_end().layer(eight),
     );
     let mut cases: [Case<'_>; 8] = [
-        (
-            "head_end",
-            Box::new(|n| http_oneshot(rt, unbounded.clone(), n)),
-        ),
-        (
-            "bounded",
-            Box::new(|n| http_oneshot(rt, bounded.clone(), n)),
-        ),
-        (
-            "rejected",
-            Box::new(|n| http_oneshot(rt, rejecting.clone(), n)),
-        ),
-        (
-            "body_end",
-            Box::new(|n| http_oneshot(rt, body_end.clone(), n)),
-        ),
-        (
-            "head_off_1",
-            Box::new(|n| http_oneshot(rt, head_off_1.clone(), n)),
-        ),
-        (
-            "body_off_1",
-            Box::new(|n| http_oneshot(rt, body_off_1.clone(), n)),
-        ),
-        (
-            "head_off_8",
-            Box::new(|n| http_oneshot(rt, head_off_8.clone(), n)),
-        ),
-        (
-            "body_off_8",
-            Box::new(|n| http_oneshot(rt, body_off_8.clone(), n)),
-        ),
+        case("head_end", unbounded, |s, n| http_oneshot(rt, s, n)),
+        case("bounded", bounded, |s, n| http_oneshot(rt, s, n)),
+        case("rejected", rejecting, |s, n| http_oneshot(rt, s, n)),
+        case("body_end", body_end, |s, n| http_oneshot(rt, s, n)),
+        case("head_off_1", head_off_1, |s, n| http_oneshot(rt, s, n)),
+        case("body_off_1", body_off_1, |s, n| http_oneshot(rt, s, n)),
+        case("head_off_8", head_off_8, |s, n| http_oneshot(rt, s, n)),
+        case("body_off_8", body_off_8, |s, n| http_oneshot(rt, s, n)),
     ];
     let medians = report(
         "bounded waiting and body-end, HTTP clone().oneshot(), 8 frames read unless told",
@@ -277,32 +243,17 @@ fn main() {
     let tower = ConcurrencyLimit::with_semaphore(YieldOnce, Arc::new(Semaphore::new(4)));
     let disabled = layer(4, OperationMetrics::disabled()).layer(YieldOnce);
     let enabled = layer(4, OperationMetrics::new(&meter)).layer(YieldOnce);
-    let floor = floor::Floor {
-        inner: ConcurrencyLimit::new(YieldOnce, 4),
-        shared: floor::Shared::new(&meter),
-    };
-    let lock_free = floor::Floor {
-        inner: ConcurrencyLimit::new(YieldOnce, 4),
-        shared: lock_free_floor::Shared::new(),
-    };
+    let floor = floor::Floor::new(YieldOnce, 4, floor::Shared::new(&meter));
+    let lock_free = floor::Floor::new(YieldOnce, 4, lock_free_floor::Shared::new());
     report(
         "contended: 2 workers, 64 tasks, limit 4, inner service yields once",
         CONTENDED_OPERATIONS,
         &mut [
-            ("tower_limit", Box::new(|n| contended_run(tower.clone(), n))),
-            (
-                "layer_disabled",
-                Box::new(|n| contended_run(disabled.clone(), n)),
-            ),
-            (
-                "layer_metrics",
-                Box::new(|n| contended_run(enabled.clone(), n)),
-            ),
-            ("floor", Box::new(|n| contended_run(floor.clone(), n))),
-            (
-                "lock_free_floor",
-                Box::new(|n| contended_run(lock_free.clone(), n)),
-            ),
+            case("tower_limit", tower, contended_run),
+            case("layer_disabled", disabled, contended_run),
+            case("layer_metrics", enabled, contended_run),
+            case("floor", floor, contended_run),
+            case("lock_free_floor", lock_free.clone(), contended_run),
         ],
         &[
             ("layer_disabled", "tower_limit"),

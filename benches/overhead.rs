@@ -20,7 +20,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::{contended_run, floor, layer, naive, oneshot, reused, sdk_meter, Noop, YieldOnce};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -41,14 +40,8 @@ fn uncontended(c: &mut Criterion) {
     let tower = ConcurrencyLimitLayer::new(64).layer(Noop);
     let disabled = layer(64, OperationMetrics::disabled()).layer(Noop);
     let enabled = layer(64, metrics).layer(Noop);
-    let naive = naive::Naive {
-        inner: ConcurrencyLimit::new(Noop, 64),
-        instruments: naive,
-    };
-    let floor = floor::Floor {
-        inner: ConcurrencyLimit::new(Noop, 64),
-        shared: floor,
-    };
+    let naive = naive::Naive::new(Noop, 64, naive);
+    let floor = floor::Floor::new(Noop, 64, floor);
 
     let mut group = c.benchmark_group("uncontended");
     for pattern in ["reused", "oneshot"] {
@@ -78,10 +71,7 @@ fn contended(c: &mut Criterion) {
     let tower = ConcurrencyLimit::with_semaphore(YieldOnce, Arc::new(Semaphore::new(4)));
     let disabled = layer(4, OperationMetrics::disabled()).layer(YieldOnce);
     let enabled = layer(4, metrics).layer(YieldOnce);
-    let floor = floor::Floor {
-        inner: ConcurrencyLimit::new(YieldOnce, 4),
-        shared: floor::Shared::new(&meter),
-    };
+    let floor = floor::Floor::new(YieldOnce, 4, floor::Shared::new(&meter));
 
     let mut group = c.benchmark_group("contended");
     group.bench_function("tower_limit", |b| {
@@ -101,9 +91,7 @@ fn contended(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(3));
+    config = common::short_criterion();
     targets = uncontended, contended
 }
 criterion_main!(benches);

@@ -16,10 +16,11 @@
 //!    and tasks, in one process): throughput with a fleet limit of 6 against the same replicas
 //!    each with a local `Limit` of 2.
 
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::fleet::{admin, drive, start_redis};
 use tower_resources_operation::limit::redis::RedisLimit;
 use tower_resources_operation::{Acquire, Limit};
 
@@ -47,61 +48,9 @@ fn main() {
     let _ = server.wait();
 }
 
-/// A `redis-server` on a free port.
-fn start_redis() -> Option<(Child, u16)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .ok()?
-        .local_addr()
-        .ok()?
-        .port();
-    let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no", "--loglevel", "warning"])
-        .stdout(Stdio::null())
-        .spawn()
-        .ok()?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        if Instant::now() > deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Some((child, port))
-}
-
-/// The bench's own connection, for `INFO` and `CONFIG RESETSTAT`.
-fn admin(url: &str) -> redis::Connection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_connection()
-        .expect("the bench's redis-server")
-}
-
-/// Calls of every script (`EVALSHA`, `EVAL`) since the last reset.
-fn script_calls(url: &str) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut admin(url))
-        .unwrap();
-    ["cmdstat_evalsha:calls=", "cmdstat_eval:calls="]
-        .iter()
-        .filter_map(|prefix| info.lines().find_map(|line| line.strip_prefix(prefix)))
-        .filter_map(|rest| rest.split(',').next()?.parse::<u64>().ok())
-        .sum()
-}
-
 /// Waits until the script calls stop growing (the last releases landed); returns them.
 async fn settled_calls(url: &str) -> u64 {
-    let mut last = script_calls(url);
-    loop {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let now = script_calls(url);
-        if now == last {
-            return now;
-        }
-        last = now;
-    }
+    common::fleet::settled_calls(url, Duration::from_millis(100)).await
 }
 
 async fn round_trips(url: &str) {
@@ -237,37 +186,6 @@ async fn latency(url: &str) {
          ratio of medians: {:.2} (aim 1.5 or less)\n",
         acquire_median / ping_median
     );
-}
-
-/// Runs `ops` operations of `work` through `acquire`, `workers` at once; returns the time.
-async fn drive<A>(limits: Vec<A>, workers: usize, ops: usize, work: Duration) -> Duration
-where
-    A: Acquire + Clone + Send + Sync + 'static,
-    A::Permit: Send,
-{
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for limit in limits {
-        let remaining = Arc::new(std::sync::atomic::AtomicUsize::new(ops));
-        for _ in 0..workers {
-            let (limit, remaining) = (limit.clone(), Arc::clone(&remaining));
-            tasks.push(tokio::spawn(async move {
-                use std::sync::atomic::Ordering::Relaxed;
-                while remaining
-                    .fetch_update(Relaxed, Relaxed, |left| left.checked_sub(1))
-                    .is_ok()
-                {
-                    let permit = limit.acquire().await.expect("a place");
-                    tokio::time::sleep(work).await;
-                    drop(permit);
-                }
-            }));
-        }
-    }
-    for task in tasks {
-        task.await.unwrap();
-    }
-    started.elapsed()
 }
 
 async fn fleet(url: &str) {

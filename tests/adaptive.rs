@@ -12,11 +12,12 @@
 
 mod support;
 
+use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::simulation::{run, Above, Figures, Form, Scenario, Server};
+use support::simulation::{run, within, Above, Figure, Figures, Form, Scenario, Server};
 use support::Telemetry;
 use tokio::sync::oneshot;
 use tower::{service_fn, Layer as _, ServiceExt as _};
@@ -44,6 +45,23 @@ fn adaptive<A: Algorithm + Clone + Sync>(algorithm: A, max: usize) -> Limit {
         .build()
 }
 
+/// A scenario's limit, run by the gradient: from 1 up to 64, more than any server here can take.
+fn gradient() -> Limit {
+    adaptive(Gradient::default(), 64)
+}
+
+/// A scenario's limit, run by AIMD, which backs off on failures alone.
+fn aimd() -> Limit {
+    adaptive(Aimd::default(), 64)
+}
+
+/// A scenario's limit, run by AIMD, which backs off too once the mean run time passes
+/// `threshold`.
+fn aimd_with_threshold(threshold: Duration) -> Limit {
+    adaptive(Aimd::default().run_time_threshold(threshold), 64)
+}
+
+/// 80 clients on `server` for `length` seconds, through the layer.
 fn scenario(name: &'static str, server: Server, length: u64) -> Scenario {
     Scenario {
         name,
@@ -76,18 +94,13 @@ async fn simulate(scenario: Scenario, limit: Limit, phases: &[(u64, u64)]) -> Ve
         .collect()
 }
 
-/// [`simulate`] with one phase, the settled one.
-async fn settled(scenario: Scenario, limit: Limit, phase: (u64, u64)) -> Figures {
-    simulate(scenario, limit, &[phase]).await.remove(0)
-}
-
-/// `value` lies in `range`, or the test fails saying what it was.
-#[track_caller]
-fn within(what: &str, value: f64, range: std::ops::RangeInclusive<f64>) {
-    assert!(
-        range.contains(&value),
-        "{what} = {value:.2}, outside {range:?}"
-    );
+/// [`simulate`] with one phase, the settled one: the second half of the run, the first being
+/// long enough for the limit to get where it goes. Its figures must lie within `bounds` (see
+/// [`Figures::assert_within`]), the messages naming the scenario.
+async fn settles(scenario: Scenario, limit: Limit, bounds: &[(&[Figure], RangeInclusive<f64>)]) {
+    let (name, length) = (scenario.name, scenario.length.as_secs());
+    let settled = simulate(scenario, limit, &[(length / 2, length)]).await;
+    settled[0].assert_within(name, bounds);
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -96,28 +109,22 @@ fn within(what: &str, value: f64, range: std::ops::RangeInclusive<f64>) {
 /// A link whose latency is the same at any load: the limit grows to its max and stays there.
 #[tokio::test(start_paused = true)]
 async fn flat_latency_grows_to_max() {
-    for (name, limit) in [
-        ("flat/aimd", adaptive(Aimd::default(), 64)),
-        ("flat/gradient", adaptive(Gradient::default(), 64)),
-    ] {
+    for (name, limit) in [("flat/aimd", aimd()), ("flat/gradient", gradient())] {
         let server = Server::new(1 << 20, 100 * MS, Above::Ignores);
-        let settled = settled(scenario(name, server, 40), limit, (20, 40)).await;
         // Nothing ever signals congestion and the clients keep the limit full, so the only
         // place to stop is max (64 slots of 100 ms: 640 op/s). AIMD needs about 15 s from 1,
         // one place per window; the gradient less.
-        assert_eq!(settled.limit_mode, 64, "{name}");
-        within(
-            &format!("{name} limit mean"),
-            settled.limit_mean,
-            60.0..=64.0,
-        );
-        within(
-            &format!("{name} in flight"),
-            settled.in_flight_mean,
-            60.0..=64.0,
-        );
-        within(&format!("{name} op/s"), settled.throughput, 576.0..=704.0);
-        assert_eq!(settled.failures, 0.0, "{name}");
+        settles(
+            scenario(name, server, 40),
+            limit,
+            &[
+                (&[Figure::LimitMode], 64.0..=64.0),
+                (&[Figure::LimitMean, Figure::InFlight], 60.0..=64.0),
+                (&[Figure::Throughput], 576.0..=704.0),
+                (&[Figure::Failures], 0.0..=0.0),
+            ],
+        )
+        .await;
     }
 }
 
@@ -129,35 +136,30 @@ async fn a_server_that_defers_above_n_settles_near_n() {
         // The gradient lets the run time climb 25% above its baseline, which this server
         // reaches at 1.25 N (20); its √capacity headroom and its smoothing carry it a little
         // past that before it shrinks. Up to 1.6 N.
-        ("defers16/gradient", adaptive(Gradient::default(), 64), 25.6),
+        ("defers16/gradient", gradient(), 25.6),
         // AIMD backs off once the mean run time passes 150 ms, which this server reaches at
         // 1.5 N (24); up to 1.75 N.
         (
             "defers16/aimd+threshold",
-            adaptive(Aimd::default().run_time_threshold(150 * MS), 64),
+            aimd_with_threshold(150 * MS),
             28.0,
         ),
     ] {
         let server = Server::new(16, 100 * MS, Above::Defers);
-        let settled = settled(scenario(name, server, 60), limit, (30, 60)).await;
         // Never below N: the server would idle. 16 slots of 100 ms: 160 op/s.
-        within(
-            &format!("{name} limit mean"),
-            settled.limit_mean,
-            16.0..=upper,
-        );
-        within(
-            &format!("{name} limit mode"),
-            settled.limit_mode as f64,
-            16.0..=upper,
-        );
-        within(
-            &format!("{name} in flight"),
-            settled.in_flight_mean,
-            16.0..=upper,
-        );
-        within(&format!("{name} op/s"), settled.throughput, 152.0..=168.0);
-        assert_eq!(settled.failures, 0.0, "{name}");
+        settles(
+            scenario(name, server, 60),
+            limit,
+            &[
+                (
+                    &[Figure::LimitMean, Figure::LimitMode, Figure::InFlight],
+                    16.0..=upper,
+                ),
+                (&[Figure::Throughput], 152.0..=168.0),
+                (&[Figure::Failures], 0.0..=0.0),
+            ],
+        )
+        .await;
     }
 }
 
@@ -165,35 +167,28 @@ async fn a_server_that_defers_above_n_settles_near_n() {
 /// the limit settles at N or just under, and each probe above N costs about one failure.
 #[tokio::test(start_paused = true)]
 async fn a_server_that_fails_above_n_settles_near_n() {
-    for (name, limit) in [
-        ("fails16/aimd", adaptive(Aimd::default(), 64)),
-        ("fails16/gradient", adaptive(Gradient::default(), 64)),
-    ] {
+    for (name, limit) in [("fails16/aimd", aimd()), ("fails16/gradient", gradient())] {
         let server = Server::new(16, 100 * MS, Above::Fails);
-        let mut scenario = scenario(name, server, 60);
-        scenario.form = Form::Scoped;
-        let settled = settled(scenario, limit, (30, 60)).await;
-        // The first failure above N closes its window and takes 10% (at least one place)
-        // away; the limit then climbs back one window at a time (32 operations, 0.2 s). So it
-        // spends most of its time at N or a place or two under: 0.8 N to 1.1 N.
-        within(
-            &format!("{name} limit mean"),
-            settled.limit_mean,
-            12.8..=17.6,
-        );
-        within(
-            &format!("{name} limit mode"),
-            settled.limit_mode as f64,
-            14.0..=17.0,
-        );
-        within(
-            &format!("{name} in flight"),
-            settled.in_flight_mean,
-            12.8..=17.6,
-        );
-        // About one failure per probe, one probe per window of 32: a few percent.
-        within(&format!("{name} failures"), settled.failures, 0.0..=0.05);
-        within(&format!("{name} op/s"), settled.throughput, 136.0..=176.0);
+        let scenario = Scenario {
+            form: Form::Scoped,
+            ..scenario(name, server, 60)
+        };
+        settles(
+            scenario,
+            limit,
+            &[
+                // The first failure above N closes its window and takes 10% (at least one
+                // place) away; the limit then climbs back one window at a time (32 operations,
+                // 0.2 s). So it spends most of its time at N or a place or two under: 0.8 N to
+                // 1.1 N.
+                (&[Figure::LimitMean, Figure::InFlight], 12.8..=17.6),
+                (&[Figure::LimitMode], 14.0..=17.0),
+                // About one failure per probe, one probe per window of 32: a few percent.
+                (&[Figure::Failures], 0.0..=0.05),
+                (&[Figure::Throughput], 136.0..=176.0),
+            ],
+        )
+        .await;
     }
 }
 
@@ -204,37 +199,30 @@ async fn a_server_that_fails_above_n_settles_near_n() {
 async fn a_jittery_link_with_a_fixed_ideal_does_not_collapse() {
     for (name, limit, upper) in [
         // As for `defers16`: up to 1.6 N.
-        ("jitter16/gradient", adaptive(Gradient::default(), 64), 25.6),
+        ("jitter16/gradient", gradient(), 25.6),
         // A threshold of 150 ms against a mean of 110 ms: backs off from 1.36 N on; up to
         // 1.75 N.
         (
             "jitter16/aimd+threshold",
-            adaptive(Aimd::default().run_time_threshold(150 * MS), 64),
+            aimd_with_threshold(150 * MS),
             28.0,
         ),
     ] {
         let server = Server::new(16, 100 * MS, Above::Defers).jitter(0.5, 20, 3.0);
-        let settled = settled(scenario(name, server, 60), limit, (30, 60)).await;
-        // No reading of the settled phase below 0.75 N: the moving average and the baseline
-        // that follows it down ride out the noise.
-        within(
-            &format!("{name} lowest limit"),
-            settled.limit_min as f64,
-            12.0..=upper,
-        );
-        within(
-            &format!("{name} limit mean"),
-            settled.limit_mean,
-            16.0..=upper,
-        );
-        within(
-            &format!("{name} in flight"),
-            settled.in_flight_mean,
-            16.0..=upper,
-        );
-        // 16 slots of 110 ms: 145 op/s.
-        within(&format!("{name} op/s"), settled.throughput, 138.0..=153.0);
-        assert_eq!(settled.failures, 0.0, "{name}");
+        settles(
+            scenario(name, server, 60),
+            limit,
+            &[
+                // No reading of the settled phase below 0.75 N: the moving average and the
+                // baseline that follows it down ride out the noise.
+                (&[Figure::LowestLimit], 12.0..=upper),
+                (&[Figure::LimitMean, Figure::InFlight], 16.0..=upper),
+                // 16 slots of 110 ms: 145 op/s.
+                (&[Figure::Throughput], 138.0..=153.0),
+                (&[Figure::Failures], 0.0..=0.0),
+            ],
+        )
+        .await;
     }
 }
 
@@ -242,37 +230,30 @@ async fn a_jittery_link_with_a_fixed_ideal_does_not_collapse() {
 #[tokio::test(start_paused = true)]
 async fn a_slow_link_settles_near_n() {
     for (name, limit) in [
-        ("slow8/gradient", adaptive(Gradient::default(), 64)),
-        (
-            "slow8/aimd+threshold",
-            adaptive(Aimd::default().run_time_threshold(secs(3)), 64),
-        ),
+        ("slow8/gradient", gradient()),
+        ("slow8/aimd+threshold", aimd_with_threshold(secs(3))),
     ] {
         let server = Server::new(8, secs(2), Above::Defers);
-        let mut scenario = scenario(name, server, 240);
-        scenario.clients = 40;
-        let settled = settled(scenario, limit, (120, 240)).await;
-        // A window lasts one turnover of the limit (about 2 s here), and the run times it sees
-        // started a window earlier: the controller overshoots and comes back, swinging between
-        // N and about 1.7 N. So a wider range than for fast operations: N to 2 N.
-        within(
-            &format!("{name} limit mean"),
-            settled.limit_mean,
-            8.0..=16.0,
-        );
-        within(
-            &format!("{name} in flight"),
-            settled.in_flight_mean,
-            8.0..=16.0,
-        );
-        within(
-            &format!("{name} lowest limit"),
-            settled.limit_min as f64,
-            6.0..=16.0,
-        );
-        // 8 slots of 2 s: 4 op/s.
-        within(&format!("{name} op/s"), settled.throughput, 3.8..=4.2);
-        assert_eq!(settled.failures, 0.0, "{name}");
+        let scenario = Scenario {
+            clients: 40,
+            ..scenario(name, server, 240)
+        };
+        settles(
+            scenario,
+            limit,
+            &[
+                // A window lasts one turnover of the limit (about 2 s here), and the run times
+                // it sees started a window earlier: the controller overshoots and comes back,
+                // swinging between N and about 1.7 N. So a wider range than for fast
+                // operations: N to 2 N.
+                (&[Figure::LimitMean, Figure::InFlight], 8.0..=16.0),
+                (&[Figure::LowestLimit], 6.0..=16.0),
+                // 8 slots of 2 s: 4 op/s.
+                (&[Figure::Throughput], 3.8..=4.2),
+                (&[Figure::Failures], 0.0..=0.0),
+            ],
+        )
+        .await;
     }
 }
 
@@ -280,39 +261,35 @@ async fn a_slow_link_settles_near_n() {
 /// 2 N it is 125 ms), and nothing fails.
 #[tokio::test(start_paused = true)]
 async fn a_shallow_knee_settles_where_the_run_time_passes_the_tolerance() {
+    let knee = || Server::new(16, 100 * MS, Above::Slows { slope: 0.25 });
     for (name, limit) in [
         // The gradient's tolerance (25%) is reached at 2 N = 32.
-        ("knee16/gradient", adaptive(Gradient::default(), 64)),
+        ("knee16/gradient", gradient()),
         // So is a threshold of 125 ms.
-        (
-            "knee16/aimd+threshold",
-            adaptive(Aimd::default().run_time_threshold(125 * MS), 64),
-        ),
+        ("knee16/aimd+threshold", aimd_with_threshold(125 * MS)),
     ] {
-        let server = Server::new(16, 100 * MS, Above::Slows { slope: 0.25 });
-        let settled = settled(scenario(name, server, 60), limit, (30, 60)).await;
         // Around 2 N, give or take the size of one step: 1.5 N to 2.5 N. (Throughput keeps
         // growing past the knee here, slowly: the tolerance is what trades run time for it.)
-        within(
-            &format!("{name} limit mean"),
-            settled.limit_mean,
-            24.0..=40.0,
-        );
-        within(
-            &format!("{name} in flight"),
-            settled.in_flight_mean,
-            24.0..=40.0,
-        );
-        within(&format!("{name} op/s"), settled.throughput, 220.0..=280.0);
-        assert_eq!(settled.failures, 0.0, "{name}");
+        settles(
+            scenario(name, knee(), 60),
+            limit,
+            &[
+                (&[Figure::LimitMean, Figure::InFlight], 24.0..=40.0),
+                (&[Figure::Throughput], 220.0..=280.0),
+                (&[Figure::Failures], 0.0..=0.0),
+            ],
+        )
+        .await;
     }
 
     // AIMD without a threshold sees no knee at all (nothing fails): it grows to max. This is
     // what the threshold is for.
-    let server = Server::new(16, 100 * MS, Above::Slows { slope: 0.25 });
-    let limit = adaptive(Aimd::default(), 64);
-    let settled = settled(scenario("knee16/aimd", server, 60), limit, (30, 60)).await;
-    assert_eq!(settled.limit_mode, 64);
+    settles(
+        scenario("knee16/aimd", knee(), 60),
+        aimd(),
+        &[(&[Figure::LimitMode], 64.0..=64.0)],
+    )
+    .await;
 }
 
 /// A server whose capacity falls from 24 to 8 at 40 s and comes back at 80 s: the limit
@@ -320,35 +297,27 @@ async fn a_shallow_knee_settles_where_the_run_time_passes_the_tolerance() {
 #[tokio::test(start_paused = true)]
 async fn a_capacity_that_falls_and_comes_back_is_followed_down_and_up() {
     for (name, above, limit, form) in [
-        (
-            "drop24to8/gradient",
-            Above::Defers,
-            adaptive(Gradient::default(), 64),
-            Form::Layer,
-        ),
-        (
-            "drop24to8/aimd-fails",
-            Above::Fails,
-            adaptive(Aimd::default(), 64),
-            Form::Scoped,
-        ),
+        ("drop24to8/gradient", Above::Defers, gradient(), Form::Layer),
+        ("drop24to8/aimd-fails", Above::Fails, aimd(), Form::Scoped),
         (
             "drop24to8/gradient-fails",
             Above::Fails,
-            adaptive(Gradient::default(), 64),
+            gradient(),
             Form::Layer,
         ),
     ] {
         let server = Server::new(24, 100 * MS, above);
-        let mut scenario = scenario(name, server, 120);
-        scenario.form = form;
-        scenario.events = vec![
-            (secs(40), Box::new(|server: &Server| server.set_capacity(8))),
-            (
-                secs(80),
-                Box::new(|server: &Server| server.set_capacity(24)),
-            ),
-        ];
+        let scenario = Scenario {
+            form,
+            events: vec![
+                (secs(40), Box::new(|server: &Server| server.set_capacity(8))),
+                (
+                    secs(80),
+                    Box::new(|server: &Server| server.set_capacity(24)),
+                ),
+            ],
+            ..scenario(name, server, 120)
+        };
         let phases = simulate(scenario, limit, &[(20, 40), (60, 80), (100, 120)]).await;
         for (figures, n) in phases.iter().zip([24.0, 8.0, 24.0]) {
             // Each phase as its own steady server (20 s is long enough to get there): a server
@@ -358,22 +327,13 @@ async fn a_capacity_that_falls_and_comes_back_is_followed_down_and_up() {
                 Above::Defers => (n..=1.6 * n, 0.0..=0.0),
                 _ => (0.8 * n..=1.1 * n, 0.0..=0.1),
             };
-            let phase = format!("{name} at N = {n}");
-            within(
-                &format!("{phase}: limit mean"),
-                figures.limit_mean,
-                range.clone(),
-            );
-            within(
-                &format!("{phase}: in flight"),
-                figures.in_flight_mean,
-                range,
-            );
-            within(&format!("{phase}: failures"), figures.failures, failures);
-            within(
-                &format!("{phase}: op/s"),
-                figures.throughput,
-                8.0 * n..=11.0 * n,
+            figures.assert_within(
+                &format!("{name} at N = {n}:"),
+                &[
+                    (&[Figure::LimitMean, Figure::InFlight], range),
+                    (&[Figure::Failures], failures),
+                    (&[Figure::Throughput], 8.0 * n..=11.0 * n),
+                ],
             );
         }
     }

@@ -14,7 +14,9 @@ mod support;
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use support::prometheus::{load_dashboard, panel_queries, panels, require_binary, root, TempDir};
+use support::prometheus::{
+    label, load_dashboard, panel_queries, panels, require_binary, root, TempDir,
+};
 
 /// The series the crate's instruments become in Prometheus: the two histograms, the
 /// `queued`, `active` and `limit` gauges, the `rejected` and `abandoned` counters (monotonic
@@ -39,28 +41,21 @@ const SERIES: [&str; 16] = [
     "gym_resources_limit_adaptive_estimate_ms",
 ];
 
-/// The histograms' series: named `..._ms_bucket` with `without_units()`, `..._ms_milliseconds_bucket`
-/// without it, so the dashboard and the alerts select them as
-/// `{__name__=~"..._ms(_milliseconds)?_bucket"}`.
-const HISTOGRAM_SERIES: [&str; 6] = [
-    "gym_resources_operation_queue_duration_ms_bucket",
-    "gym_resources_operation_queue_duration_ms_sum",
-    "gym_resources_operation_queue_duration_ms_count",
-    "gym_resources_operation_duration_ms_bucket",
-    "gym_resources_operation_duration_ms_sum",
-    "gym_resources_operation_duration_ms_count",
-];
+/// The histograms' series, the first six of [`SERIES`]: named `..._ms_bucket` with
+/// `without_units()`, `..._ms_milliseconds_bucket` without it, so the dashboard and the alerts
+/// select them as `{__name__=~"..._ms(_milliseconds)?_bucket"}`.
+const HISTOGRAM_SERIES: &[&str] = SERIES.split_at(6).0;
 
 /// The prefix of a named limit's series, which carry the limit's name instead of an operation.
 const LIMIT_SERIES_PREFIX: &str = "gym_resources_limit_";
 
 /// The labels a query may select or group by: the crate's attributes, `le`, and the target's.
 const LABELS: [&str; 8] = [
-    "nemo_gym_resources_operation",
-    "nemo_gym_resources_limit",
-    "nemo_gym_resources_executor",
-    "nemo_gym_resources_operation_outcome",
-    "nemo_gym_resources_operation_rejection",
+    label::OPERATION,
+    label::LIMIT,
+    label::EXECUTOR,
+    label::OUTCOME,
+    label::REJECTION,
     "le",
     "job",
     "instance",
@@ -147,79 +142,143 @@ struct Names {
     functions: BTreeSet<String>,
 }
 
-fn names(expr: &str) -> Names {
-    let chars: Vec<char> = expr.chars().collect();
-    let mut names = Names::default();
-    let mut i = 0;
-    let ident_start = |c: char| c.is_ascii_alphabetic() || c == '_' || c == ':';
-    let ident_char = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
-    let read_ident = |i: &mut usize| {
-        let start = *i;
-        while *i < chars.len() && ident_char(chars[*i]) {
-            *i += 1;
-        }
-        chars[start..*i].iter().collect::<String>()
-    };
-    let skip_space = |i: &mut usize| {
-        while *i < chars.len() && chars[*i].is_whitespace() {
-            *i += 1;
-        }
-    };
-    let skip_string = |i: &mut usize| {
-        let quote = chars[*i];
+/// Whether `c` may start a PromQL name (of a series, a label or a function; `:` is for
+/// recording rules).
+fn is_ident_start(c: char) -> bool {
+    c.is_ascii_alphabetic() || c == '_' || c == ':'
+}
+
+/// Whether `c` may go on a PromQL name.
+fn is_ident_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_' || c == ':'
+}
+
+/// Whether `c` opens a PromQL string.
+fn is_quote(c: char) -> bool {
+    matches!(c, '"' | '\'' | '`')
+}
+
+/// From `*i`, past the name there (if any); the name.
+fn read_ident(chars: &[char], i: &mut usize) -> String {
+    let start = *i;
+    while *i < chars.len() && is_ident_char(chars[*i]) {
         *i += 1;
-        while *i < chars.len() && chars[*i] != quote {
-            if chars[*i] == '\\' {
+    }
+    chars[start..*i].iter().collect()
+}
+
+/// From `*i`, past any white space.
+fn skip_space(chars: &[char], i: &mut usize) {
+    while *i < chars.len() && chars[*i].is_whitespace() {
+        *i += 1;
+    }
+}
+
+/// From an opening quote, past the closing one.
+fn skip_string(chars: &[char], i: &mut usize) {
+    let open = chars[*i];
+    *i += 1;
+    while *i < chars.len() && chars[*i] != open {
+        if chars[*i] == '\\' {
+            *i += 1;
+        }
+        *i += 1;
+    }
+    *i += 1;
+}
+
+/// From an opening brace, the text up to the closing one (outside strings), and past it.
+fn read_braces(chars: &[char], i: &mut usize) -> String {
+    *i += 1;
+    let start = *i;
+    while *i < chars.len() && chars[*i] != '}' {
+        if is_quote(chars[*i]) {
+            skip_string(chars, i);
+        } else {
+            *i += 1;
+        }
+    }
+    let text: String = chars[start..(*i).min(chars.len())].iter().collect();
+    *i += 1;
+    text
+}
+
+/// Skips, from `*i`, what names no series, label or function, for both tokenizers below: a
+/// string, a range or subquery (`[...]`: durations and Grafana variables), or a Grafana variable
+/// outside a string (`$name` or `${...}`). Whether there was one.
+fn skip_nameless(chars: &[char], i: &mut usize) -> bool {
+    match chars[*i] {
+        c if is_quote(c) => skip_string(chars, i),
+        '[' => {
+            while *i < chars.len() && chars[*i] != ']' {
                 *i += 1;
             }
             *i += 1;
         }
-        *i += 1;
-    };
-    while i < chars.len() {
-        let c = chars[i];
-        if c.is_whitespace() {
-            i += 1;
-        } else if c == '"' || c == '\'' || c == '`' {
-            skip_string(&mut i);
-        } else if c == '[' {
-            // A range or subquery: durations and Grafana variables, no names.
-            while i < chars.len() && chars[i] != ']' {
-                i += 1;
+        '$' => {
+            *i += 1;
+            if *i < chars.len() && chars[*i] == '{' {
+                read_braces(chars, i);
+            } else {
+                read_ident(chars, i);
             }
-            i += 1;
+        }
+        _ => return false,
+    }
+    true
+}
+
+/// Walks `expr` for a tokenizer: skips what names nothing ([`skip_nameless`]) and hands `step`
+/// the rest, with the characters and the position of what comes next, which `step` moves past
+/// what it reads.
+fn walk(expr: &str, mut step: impl FnMut(&[char], &mut usize)) {
+    let chars: Vec<char> = expr.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        if !skip_nameless(&chars, &mut i) {
+            step(&chars, &mut i);
+        }
+    }
+}
+
+fn names(expr: &str) -> Names {
+    let mut names = Names::default();
+    walk(expr, |chars, i| {
+        let c = chars[*i];
+        if c.is_whitespace() {
+            *i += 1;
         } else if c == '{' {
             // Label matchers: `name op "value"`, comma-separated.
-            i += 1;
+            *i += 1;
             loop {
-                skip_space(&mut i);
-                if i >= chars.len() || chars[i] == '}' {
-                    i += 1;
+                skip_space(chars, i);
+                if *i >= chars.len() || chars[*i] == '}' {
+                    *i += 1;
                     break;
                 }
-                if chars[i] == ',' {
-                    i += 1;
+                if chars[*i] == ',' {
+                    *i += 1;
                     continue;
                 }
-                if ident_start(chars[i]) {
-                    let label = read_ident(&mut i);
+                if is_ident_start(chars[*i]) {
+                    let label = read_ident(chars, i);
                     if label != "__name__" {
                         names.labels.insert(label);
                         continue;
                     }
                     // `__name__ op "value"`: which series it selects.
-                    skip_space(&mut i);
-                    let start = i;
-                    while i < chars.len() && matches!(chars[i], '=' | '!' | '~') {
-                        i += 1;
+                    skip_space(chars, i);
+                    let start = *i;
+                    while *i < chars.len() && matches!(chars[*i], '=' | '!' | '~') {
+                        *i += 1;
                     }
-                    let op: String = chars[start..i].iter().collect();
-                    skip_space(&mut i);
-                    let value_start = i;
-                    if i < chars.len() && matches!(chars[i], '"' | '\'' | '`') {
-                        skip_string(&mut i);
+                    let op: String = chars[start..*i].iter().collect();
+                    skip_space(chars, i);
+                    let value_start = *i;
+                    if *i < chars.len() && is_quote(chars[*i]) {
+                        skip_string(chars, i);
                     }
-                    let quoted: String = chars[value_start..i].iter().collect();
+                    let quoted: String = chars[value_start..*i].iter().collect();
                     let value = quoted.get(1..quoted.len().saturating_sub(1)).unwrap_or("");
                     match name_matcher(&op, value) {
                         Some((series, exact)) => {
@@ -232,47 +291,36 @@ fn names(expr: &str) -> Names {
                             names.metrics.insert(format!("{{__name__{op}{quoted}}}"));
                         }
                     }
-                } else if matches!(chars[i], '"' | '\'' | '`') {
-                    skip_string(&mut i);
+                } else if is_quote(chars[*i]) {
+                    skip_string(chars, i);
                 } else {
-                    i += 1; // =, !=, =~, !~
+                    *i += 1; // =, !=, =~, !~
                 }
-            }
-        } else if c == '$' {
-            // A Grafana variable outside a string: `$name` or `${...}`.
-            i += 1;
-            if i < chars.len() && chars[i] == '{' {
-                while i < chars.len() && chars[i] != '}' {
-                    i += 1;
-                }
-                i += 1;
-            } else {
-                read_ident(&mut i);
             }
         } else if c.is_ascii_digit() || c == '.' {
-            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '.') {
-                i += 1;
+            while *i < chars.len() && (chars[*i].is_ascii_alphanumeric() || chars[*i] == '.') {
+                *i += 1;
             }
-        } else if ident_start(c) {
-            let ident = read_ident(&mut i);
-            let mut next = i;
-            skip_space(&mut next);
+        } else if is_ident_start(c) {
+            let ident = read_ident(chars, i);
+            let mut next = *i;
+            skip_space(chars, &mut next);
             // A call: `f(`, or an aggregation written `sum by (...) (...)`.
             let mut after = next;
-            let grouped = matches!(read_ident(&mut after).as_str(), "by" | "without");
+            let grouped = matches!(read_ident(chars, &mut after).as_str(), "by" | "without");
             let call = next < chars.len() && chars[next] == '(' || grouped;
             match ident.as_str() {
                 "by" | "without" | "on" | "ignoring" | "group_left" | "group_right" => {
                     if call {
-                        i = next + 1;
-                        while i < chars.len() && chars[i] != ')' {
-                            if ident_start(chars[i]) {
-                                names.labels.insert(read_ident(&mut i));
+                        *i = next + 1;
+                        while *i < chars.len() && chars[*i] != ')' {
+                            if is_ident_start(chars[*i]) {
+                                names.labels.insert(read_ident(chars, i));
                             } else {
-                                i += 1;
+                                *i += 1;
                             }
                         }
-                        i += 1;
+                        *i += 1;
                     }
                 }
                 "and" | "or" | "unless" | "bool" | "offset" => {}
@@ -285,9 +333,9 @@ fn names(expr: &str) -> Names {
                 }
             }
         } else {
-            i += 1;
+            *i += 1;
         }
-    }
+    });
     names
 }
 
@@ -607,86 +655,35 @@ fn grafana_dashboard_queries_only_the_crates_series() {
 /// when the braces name no series), and its `{...}` matchers (empty without braces). In the
 /// order they appear.
 fn selectors(expr: &str) -> Vec<(String, String)> {
-    let chars: Vec<char> = expr.chars().collect();
-    let ident_start = |c: char| c.is_ascii_alphabetic() || c == '_' || c == ':';
-    let ident_char = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
-    let quote = |c: char| matches!(c, '"' | '\'' | '`');
-    // From an opening quote, past the closing one.
-    let skip_string = |i: &mut usize| {
-        let open = chars[*i];
-        *i += 1;
-        while *i < chars.len() && chars[*i] != open {
-            if chars[*i] == '\\' {
-                *i += 1;
-            }
-            *i += 1;
-        }
-        *i += 1;
-    };
-    // From an opening brace, the text up to the closing one (outside strings), and past it.
-    let read_braces = |i: &mut usize| {
-        *i += 1;
-        let start = *i;
-        while *i < chars.len() && chars[*i] != '}' {
-            if quote(chars[*i]) {
-                skip_string(i);
-            } else {
-                *i += 1;
-            }
-        }
-        let text: String = chars[start..(*i).min(chars.len())].iter().collect();
-        *i += 1;
-        text
-    };
     let mut found = Vec::new();
-    let mut i = 0;
-    while i < chars.len() {
-        let c = chars[i];
-        if quote(c) {
-            skip_string(&mut i);
-        } else if c == '[' {
-            while i < chars.len() && chars[i] != ']' {
-                i += 1;
-            }
-            i += 1;
-        } else if c == '$' {
-            // A Grafana variable: `${...}` or `$name`.
-            i += 1;
-            if i < chars.len() && chars[i] == '{' {
-                read_braces(&mut i);
-            }
-        } else if c == '{' {
-            let matchers = read_braces(&mut i);
+    walk(expr, |chars, i| {
+        let c = chars[*i];
+        if c == '{' {
+            let matchers = read_braces(chars, i);
             let series = names(&format!("{{{matchers}}}"))
                 .metrics
                 .into_iter()
                 .next()
                 .unwrap_or_default();
             found.push((series, matchers));
-        } else if ident_start(c) {
-            let start = i;
-            while i < chars.len() && ident_char(chars[i]) {
-                i += 1;
-            }
-            let ident: String = chars[start..i].iter().collect();
+        } else if is_ident_start(c) {
+            let ident = read_ident(chars, i);
             if !SERIES.contains(&ident.as_str()) {
-                continue;
+                return;
             }
-            let mut next = i;
-            while next < chars.len() && chars[next].is_whitespace() {
-                next += 1;
-            }
+            let mut next = *i;
+            skip_space(chars, &mut next);
             let matchers = if next < chars.len() && chars[next] == '{' {
-                i = next;
-                read_braces(&mut i)
+                *i = next;
+                read_braces(chars, i)
             } else {
                 String::new()
             };
             found.push((ident, matchers));
         } else {
-            i += 1;
+            *i += 1;
         }
-    }
+    });
     found
 }
 

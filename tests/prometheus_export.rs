@@ -11,17 +11,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use opentelemetry::metrics::MeterProvider as _;
-use opentelemetry_sdk::metrics::SdkMeterProvider;
-
 use support::http::serve;
+use support::prometheus::label::{EXECUTOR, OPERATION, OUTCOME, REJECTION};
+use support::prometheus::Exporter;
 use support::within;
 use tower_resources_operation::metrics::METER_NAME;
-use tower_resources_operation::{OperationMetrics, OPERATION_BOUNDARIES_MS};
+use tower_resources_operation::OPERATION_BOUNDARIES_MS;
 
-const OPERATION: &str = "nemo_gym_resources_operation";
-const EXECUTOR: &str = "nemo_gym_resources_executor";
-const OUTCOME: &str = "nemo_gym_resources_operation_outcome";
+/// The label the exporter adds: the name of the meter the series come from.
 const SCOPE: &str = "otel_scope_name";
 
 const QUEUE: &str = "gym_resources_operation_queue_duration_ms";
@@ -31,7 +28,6 @@ const ACTIVE: &str = "gym_resources_operation_active";
 const LIMIT: &str = "gym_resources_operation_limit";
 const REJECTED: &str = "gym_resources_operation_rejected_total";
 const ABANDONED: &str = "gym_resources_operation_abandoned_total";
-const REJECTION: &str = "nemo_gym_resources_operation_rejection";
 
 /// One sample line of the text format.
 #[derive(Clone, Debug)]
@@ -429,14 +425,9 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
 /// exist. An annotation unit like `{operation}` adds nothing either way.
 #[tokio::test]
 async fn the_exporters_default_appends_milliseconds_to_the_histogram_names() {
-    let registry = prometheus::Registry::new();
-    let exporter = opentelemetry_prometheus::exporter()
-        .with_registry(registry.clone())
-        .build()
-        .expect("exporter");
-    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-    let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
-    let limit = tower_resources_operation::ResourcesOperationLayer::new(1).metrics(metrics);
+    let exporter = Exporter::with_units();
+    let limit = tower_resources_operation::ResourcesOperationLayer::new(1)
+        .metrics(exporter.metrics.clone());
     let service = tower::ServiceBuilder::new()
         .layer(limit)
         .service(tower::service_fn(|()| async {
@@ -444,9 +435,7 @@ async fn the_exporters_default_appends_milliseconds_to_the_histogram_names() {
         }));
     tower::ServiceExt::oneshot(service, ()).await.unwrap();
 
-    let text = prometheus::TextEncoder::new()
-        .encode_to_string(&registry.gather())
-        .unwrap();
+    let text = exporter.text();
     let names: BTreeSet<String> = Exposition::parse(&text)
         .samples
         .into_iter()
@@ -473,21 +462,15 @@ async fn a_named_adaptive_limit_shows_its_controllers_series() {
     use tower_resources_operation::adaptive::{Adaptive, Aimd};
     use tower_resources_operation::metrics::LIMIT_ATTRIBUTE;
 
-    let registry = prometheus::Registry::new();
-    let exporter = opentelemetry_prometheus::exporter()
-        .with_registry(registry.clone())
-        .without_units()
-        .build()
-        .expect("exporter");
-    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-    let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
+    let exporter = Exporter::without_units();
     let judges = tower_resources_operation::Limit::builder(1)
         .name("judges")
         .adaptive(Adaptive::new(Aimd::default(), 1..=4))
         .build();
     // Enough operations to close a window, so the controller has measured something.
     for _ in 0..32 {
-        let judged = metrics
+        let judged = exporter
+            .metrics
             .resources_operation(
                 &judges,
                 tower_resources_operation::Operation::Judge,
@@ -498,9 +481,7 @@ async fn a_named_adaptive_limit_shows_its_controllers_series() {
         judged.unwrap().unwrap();
     }
 
-    let text = prometheus::TextEncoder::new()
-        .encode_to_string(&registry.gather())
-        .unwrap();
+    let text = exporter.text();
     let exposition = Exposition::parse(&text);
     let label = LIMIT_ATTRIBUTE.replace('.', "_");
     for series in [

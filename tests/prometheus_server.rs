@@ -26,18 +26,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::routing::get;
 use axum::Router;
-use opentelemetry::metrics::MeterProvider as _;
-use opentelemetry_sdk::metrics::SdkMeterProvider;
 use serde_json::Value;
 use tower::Layer as _;
 use tower_resources_operation::adaptive::{Adaptive, Aimd};
-use tower_resources_operation::metrics::METER_NAME;
 use tower_resources_operation::{
     Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
 };
 
 use support::http::{serve, Client};
-use support::prometheus::{reads_named_limits, require_binary, TempDir};
+use support::prometheus::{label, reads_named_limits, require_binary, Exporter, TempDir};
 
 /// How long to wait for Prometheus to start, or to have scraped what was done; a safety net so
 /// a broken setup fails instead of hanging, not a performance bound.
@@ -136,31 +133,26 @@ impl Prometheus {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// The `data.result` of an instant query. HTTP/1.0, so Go answers without chunking.
+    /// The `data.result` of an instant query.
     async fn query(&self, promql: &str) -> Vec<Value> {
-        self.query_path(
-            promql,
-            format!(
-                "/api/v1/query?query={}",
-                support::prometheus::urlencode(promql)
-            ),
-        )
-        .await
+        self.instant_query(promql, None).await
     }
 
     /// The `data.result` of an instant query evaluated at `time` (unix seconds).
     async fn query_at(&self, promql: &str, time: f64) -> Vec<Value> {
-        self.query_path(
-            promql,
-            format!(
-                "/api/v1/query?query={}&time={time:.3}",
-                support::prometheus::urlencode(promql)
-            ),
-        )
-        .await
+        self.instant_query(promql, Some(time)).await
     }
 
-    async fn query_path(&self, promql: &str, path: String) -> Vec<Value> {
+    /// The `data.result` of an instant query, evaluated at `time` (unix seconds) if given, else
+    /// now. HTTP/1.0, so Go answers without chunking.
+    async fn instant_query(&self, promql: &str, time: Option<f64>) -> Vec<Value> {
+        let mut path = format!(
+            "/api/v1/query?query={}",
+            support::prometheus::urlencode(promql)
+        );
+        if let Some(time) = time {
+            path.push_str(&format!("&time={time:.3}"));
+        }
         let (status, body) = app::http_get(self.addr, &path, "HTTP/1.0")
             .await
             .unwrap_or_else(|e| panic!("query {promql}: {e}"));
@@ -193,35 +185,17 @@ impl Prometheus {
             "histogram_quantile(0.95, sum by (le, nemo_gym_resources_operation) \
              (rate({histogram}_bucket[1m])))"
         );
-        self.by_label(&promql, "nemo_gym_resources_operation").await
+        self.by_label(&promql, label::OPERATION).await
     }
 
     /// The value of each element of a query's result, by the value of `label`.
     async fn by_label(&self, promql: &str, label: &str) -> BTreeMap<String, f64> {
-        self.query(promql)
-            .await
-            .iter()
-            .map(|element| {
-                (
-                    element["metric"][label].as_str().unwrap_or("").to_owned(),
-                    sample_value(&element["value"]),
-                )
-            })
-            .collect()
+        values_by_label(&self.query(promql).await, label)
     }
 
     /// [`Prometheus::by_label`] of a query evaluated at `time` (unix seconds).
     async fn by_label_at(&self, promql: &str, label: &str, time: f64) -> BTreeMap<String, f64> {
-        self.query_at(promql, time)
-            .await
-            .iter()
-            .map(|element| {
-                (
-                    element["metric"][label].as_str().unwrap_or("").to_owned(),
-                    sample_value(&element["value"]),
-                )
-            })
-            .collect()
+        values_by_label(&self.query_at(promql, time).await, label)
     }
 
     /// Polls `promql` until it returns `expected`.
@@ -263,6 +237,19 @@ impl Drop for Prometheus {
     }
 }
 
+/// The value of each element of a query's `result`, by the value of its `label`.
+fn values_by_label(result: &[Value], label: &str) -> BTreeMap<String, f64> {
+    result
+        .iter()
+        .map(|element| {
+            (
+                element["metric"][label].as_str().unwrap_or("").to_owned(),
+                sample_value(&element["value"]),
+            )
+        })
+        .collect()
+}
+
 /// `[timestamp, "value"]` to the value.
 fn sample_value(pair: &Value) -> f64 {
     let text = pair[1].as_str().expect("sample value string");
@@ -281,8 +268,13 @@ fn unix_now() -> f64 {
         .as_secs_f64()
 }
 
-const SHARED_LIMIT: usize = 2;
-const TOOL_LIMIT: usize = 2;
+/// The example's app as the first test runs it: limits of 2, and a deadline that the burst's
+/// verifies stay well within.
+const CONFIG: app::Config = app::Config {
+    shared_limit: 2,
+    tool_limit: 2,
+    verify_deadline: Duration::from_secs(10),
+};
 /// How long each operation of the burst runs.
 const WORK_MS: u64 = 150;
 const VERIFIES: usize = 16;
@@ -296,12 +288,7 @@ async fn a_real_prometheus_sees_the_limit_bind() {
     };
 
     let telemetry = app::Telemetry::new(None).expect("telemetry");
-    let config = app::Config {
-        shared_limit: SHARED_LIMIT,
-        tool_limit: TOOL_LIMIT,
-        verify_deadline: Duration::from_secs(10),
-    };
-    let target = serve(app::app(&config, &telemetry)).await;
+    let target = serve(app::app(&CONFIG, &telemetry)).await;
 
     // One request per route first, so that every histogram series exists in the first scrape:
     // `rate` counts increases from a series' first sample on.
@@ -371,7 +358,7 @@ async fn a_real_prometheus_sees_the_limit_bind() {
     let per_operation = prometheus
         .by_label(
             "sum by (nemo_gym_resources_operation) (gym_resources_operation_duration_ms_count)",
-            "nemo_gym_resources_operation",
+            label::OPERATION,
         )
         .await;
     assert_eq!(
@@ -423,7 +410,7 @@ async fn a_real_prometheus_sees_the_limit_bind() {
               / sum by (nemo_gym_resources_operation) (rate(gym_resources_operation_queue_duration_ms_count[1m]))) \
              / (sum by (nemo_gym_resources_operation) (rate(gym_resources_operation_duration_ms_sum[1m])) \
               / sum by (nemo_gym_resources_operation) (rate(gym_resources_operation_duration_ms_count[1m])))",
-            "nemo_gym_resources_operation",
+            label::OPERATION,
         )
         .await;
     assert!(verify(&ratio) > 1.0, "{ratio:?}");
@@ -438,14 +425,14 @@ async fn a_real_prometheus_sees_the_limit_bind() {
         .raw_sums(&format!("gym_resources_operation_queued{shared}[2m]"))
         .await;
     assert!(
-        active.values().all(|&v| v <= SHARED_LIMIT as f64),
+        active.values().all(|&v| v <= CONFIG.shared_limit as f64),
         "{active:?}"
     );
     let tool_peak = prometheus
         .scalar(r#"max_over_time(gym_resources_operation_active{nemo_gym_resources_operation="tool"}[2m])"#)
         .await;
     assert!(
-        tool_peak.is_some_and(|v| v <= TOOL_LIMIT as f64),
+        tool_peak.is_some_and(|v| v <= CONFIG.tool_limit as f64),
         "{tool_peak:?}"
     );
     let (from, to) = (
@@ -469,7 +456,10 @@ async fn a_real_prometheus_sees_the_limit_bind() {
         );
     }
     for &(t, active, queued) in &inside {
-        assert_eq!(active, SHARED_LIMIT as f64, "active at {t}: {inside:?}");
+        assert_eq!(
+            active, CONFIG.shared_limit as f64,
+            "active at {t}: {inside:?}"
+        );
         assert!(queued > 0.0, "queued at {t}: {inside:?}");
     }
 
@@ -569,9 +559,7 @@ fn quick_rules(for_: &str) -> String {
 
 /// The Prometheus text exposition of `registry`.
 async fn exposition(registry: prometheus::Registry) -> String {
-    prometheus::TextEncoder::new()
-        .encode_to_string(&registry.gather())
-        .expect("encode the registry")
+    support::prometheus::text(&registry)
 }
 
 /// Stands in for a verifier or a judge.
@@ -607,33 +595,24 @@ async fn a_real_prometheus_fires_the_saturated_alert_for_a_named_limit_that_two_
 
     // The Getting-started app: the exporter without unit suffixes, one named limit shared by
     // two routes, and /metrics.
-    let registry = prometheus::Registry::new();
-    let exporter = opentelemetry_prometheus::exporter()
-        .with_registry(registry.clone())
-        .without_units()
-        .build()
-        .expect("exporter");
-    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-    let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
+    let exporter = Exporter::without_units();
     let limit = Limit::builder(NAMED_CAPACITY)
         .max_queued(NAMED_MAX_QUEUED)
         .name(NAMED_LIMIT)
         .build();
-    let layer = |operation, executor| {
-        ResourcesOperationLayer::new_for_http(limit.clone())
-            .operation(operation)
-            .executor(executor)
-            .metrics(metrics.clone())
+    // A route of `work` under the named limit, tagged with its operation and executor.
+    let limited = |operation, executor| {
+        get(work).layer(
+            ResourcesOperationLayer::new_for_http(limit.clone())
+                .operation(operation)
+                .executor(executor)
+                .metrics(exporter.metrics.clone()),
+        )
     };
+    let registry = exporter.registry.clone();
     let router = Router::new()
-        .route(
-            "/verify",
-            get(work).layer(layer(Operation::Verify, Executor::Subprocess)),
-        )
-        .route(
-            "/judge",
-            get(work).layer(layer(Operation::Judge, Executor::Inline)),
-        )
+        .route("/verify", limited(Operation::Verify, Executor::Subprocess))
+        .route("/judge", limited(Operation::Judge, Executor::Inline))
         .route("/metrics", get(move || exposition(registry.clone())));
     let target = serve(router).await;
 
@@ -704,7 +683,7 @@ async fn a_real_prometheus_fires_the_saturated_alert_for_a_named_limit_that_two_
             ("alertstate", "firing"),
             ("instance", &target.to_string()),
             ("job", "app"),
-            ("nemo_gym_resources_limit", NAMED_LIMIT),
+            (label::LIMIT, NAMED_LIMIT),
             ("scope", "limit"),
             ("severity", "warning"),
         ]
@@ -795,7 +774,7 @@ async fn a_real_prometheus_fires_the_saturated_alert_for_a_named_limit_that_two_
             &format!(
                 "sum by (nemo_gym_resources_operation) (increase(gym_resources_operation_rejected_total[{window}]))"
             ),
-            "nemo_gym_resources_operation",
+            label::OPERATION,
             load_end,
         )
         .await;
@@ -813,35 +792,19 @@ async fn a_real_prometheus_fires_the_saturated_alert_for_a_named_limit_that_two_
     // which averages the scrapes, reads about the same and never full.
     let dashboard = support::prometheus::load_dashboard();
     let queries = support::prometheus::panel_queries(&dashboard);
-    let panel_query = |title: &str, ref_id: &str| {
+    // What query A of the panel `title` reads over the load, by `label`.
+    let panel_reading = |title: &str, label: &'static str| {
         let query = queries
             .iter()
-            .find(|query| query.panel == title && query.ref_id == ref_id)
-            .unwrap_or_else(|| panic!("no query {ref_id} in a panel {title:?}"));
-        support::prometheus::substitute_grafana_variables(&query.expr, &window)
+            .find(|query| query.panel == title && query.ref_id == "A")
+            .unwrap_or_else(|| panic!("no query A in a panel {title:?}"));
+        let expr = support::prometheus::substitute_grafana_variables(&query.expr, &window);
+        let prometheus = &prometheus;
+        async move { prometheus.by_label_at(&expr, label, load_end).await }
     };
-    let operation = "nemo_gym_resources_operation";
-    let per_limit = prometheus
-        .by_label_at(
-            &panel_query("Utilisation per named limit", "A"),
-            "nemo_gym_resources_limit",
-            load_end,
-        )
-        .await;
-    let per_series = prometheus
-        .by_label_at(
-            &panel_query("Utilisation of the limit", "A"),
-            operation,
-            load_end,
-        )
-        .await;
-    let busy = prometheus
-        .by_label_at(
-            &panel_query("Busy slots (Little's law) and limit", "A"),
-            operation,
-            load_end,
-        )
-        .await;
+    let per_limit = panel_reading("Utilisation per named limit", label::LIMIT).await;
+    let per_series = panel_reading("Utilisation of the limit", label::OPERATION).await;
+    let busy = panel_reading("Busy slots (Little's law) and limit", label::OPERATION).await;
     let busy_share: BTreeMap<&String, f64> = busy
         .iter()
         .map(|(route, slots)| (route, slots / NAMED_CAPACITY as f64))

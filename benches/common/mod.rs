@@ -2,6 +2,10 @@
 //! ways to drive a service: reused, `clone().oneshot()`, and the contended run.
 #![allow(dead_code, unreachable_pub)]
 
+/// The `redis-server` and the drive of the fleet-limit benches.
+#[cfg(feature = "redis")]
+pub mod fleet;
+
 use std::convert::Infallible;
 use std::future::{ready, Future, Ready};
 use std::pin::Pin;
@@ -70,6 +74,14 @@ pub fn sdk_meter() -> (SdkMeterProvider, Meter) {
     (provider, meter)
 }
 
+/// Criterion as the `overhead` and `adaptive` benches configure it: a second of warm-up and
+/// three of measurement per case.
+pub fn short_criterion() -> criterion::Criterion {
+    criterion::Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+}
+
 pub fn layer(max: usize, metrics: OperationMetrics) -> ResourcesOperationLayer {
     ResourcesOperationLayer::new(max)
         .operation(Operation::Verify)
@@ -115,6 +127,16 @@ pub mod naive {
     pub(crate) struct Naive<S> {
         pub(crate) inner: ConcurrencyLimit<S>,
         pub(crate) instruments: Instruments,
+    }
+
+    impl<S> Naive<S> {
+        /// `inner` behind tower's limit of `max`, recording through `instruments`.
+        pub(crate) fn new(inner: S, max: usize, instruments: Instruments) -> Self {
+            Self {
+                inner: ConcurrencyLimit::new(inner, max),
+                instruments,
+            }
+        }
     }
 
     impl<S: Service<()>> Service<()> for Naive<S>
@@ -258,6 +280,16 @@ pub mod floor {
     pub(crate) struct Floor<S, R = Shared> {
         pub(crate) inner: ConcurrencyLimit<S>,
         pub(crate) shared: Arc<R>,
+    }
+
+    impl<S, R> Floor<S, R> {
+        /// `inner` behind tower's limit of `max`, recording into `shared`.
+        pub(crate) fn new(inner: S, max: usize, shared: Arc<R>) -> Self {
+            Self {
+                inner: ConcurrencyLimit::new(inner, max),
+                shared,
+            }
+        }
     }
 
     impl<S: Clone, R> Clone for Floor<S, R> {

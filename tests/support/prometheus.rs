@@ -1,10 +1,80 @@
-//! Shared by the tests that use a real Prometheus (`prometheus`, `promtool`) and the dashboard
-//! files: finding the binaries, the `REQUIRE_PROMETHEUS=1` convention, temp dirs, free ports,
-//! and the dashboard's queries.
+//! Shared by the tests that read the crate's series as Prometheus does (through the real
+//! exporter, `prometheus`, `promtool`) and the dashboard files: the exporter pipeline and its text
+//! format, the labels' names, finding the binaries, the `REQUIRE_PROMETHEUS=1` convention, temp
+//! dirs, free ports, and the dashboard's queries.
 #![allow(dead_code, unreachable_pub)]
 
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+use tower_resources_operation::metrics::METER_NAME;
+use tower_resources_operation::OperationMetrics;
+
+/// The crate's labels as Prometheus has them: the attribute keys with dots as underscores.
+/// Spelled out, not derived from the attribute keys, so that a test of the names catches a
+/// change to them.
+pub mod label {
+    pub const OPERATION: &str = "nemo_gym_resources_operation";
+    pub const EXECUTOR: &str = "nemo_gym_resources_executor";
+    pub const OUTCOME: &str = "nemo_gym_resources_operation_outcome";
+    pub const REJECTION: &str = "nemo_gym_resources_operation_rejection";
+    pub const LIMIT: &str = "nemo_gym_resources_limit";
+}
+
+/// The crate's metrics through the real `opentelemetry-prometheus` exporter into a registry of
+/// their own: what an app's `/metrics` serves, without the app.
+pub struct Exporter {
+    /// What `/metrics` encodes.
+    pub registry: prometheus::Registry,
+    /// Kept as long as the exporter is read: dropping it shuts the reader down.
+    pub provider: SdkMeterProvider,
+    /// On the provider's meter named [`METER_NAME`], as an app makes them.
+    pub metrics: OperationMetrics,
+}
+
+impl Exporter {
+    /// The exporter as the README sets it up, `without_units()`: the names the dashboards and
+    /// the alerts query.
+    pub fn without_units() -> Self {
+        Self::build(false)
+    }
+
+    /// The exporter left at its default, which appends each instrument's unit to its name.
+    pub fn with_units() -> Self {
+        Self::build(true)
+    }
+
+    fn build(units: bool) -> Self {
+        let registry = prometheus::Registry::new();
+        let mut exporter = opentelemetry_prometheus::exporter().with_registry(registry.clone());
+        if !units {
+            exporter = exporter.without_units();
+        }
+        let provider = SdkMeterProvider::builder()
+            .with_reader(exporter.build().expect("exporter"))
+            .build();
+        let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
+        Self {
+            registry,
+            provider,
+            metrics,
+        }
+    }
+
+    /// What `/metrics` would serve now.
+    pub fn text(&self) -> String {
+        text(&self.registry)
+    }
+}
+
+/// `registry` in the Prometheus text format, as `/metrics` serves it.
+pub fn text(registry: &prometheus::Registry) -> String {
+    prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .expect("encode the registry")
+}
 
 /// Set to `1` (as CI does) to make a missing `prometheus`/`promtool` a failure, not a skip.
 pub const REQUIRE_VAR: &str = "REQUIRE_PROMETHEUS";

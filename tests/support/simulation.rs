@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
+use std::ops::RangeInclusive;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -235,6 +236,71 @@ impl fmt::Display for Figures {
             100.0 * self.failures
         )
     }
+}
+
+/// One of the [`Figures`] a test bounds, by the name its failure message gives it.
+#[derive(Clone, Copy, Debug)]
+pub enum Figure {
+    LimitMean,
+    LimitMode,
+    LowestLimit,
+    InFlight,
+    Throughput,
+    Failures,
+}
+
+impl Figure {
+    /// What a failure message calls it.
+    fn name(self) -> &'static str {
+        match self {
+            Self::LimitMean => "limit mean",
+            Self::LimitMode => "limit mode",
+            Self::LowestLimit => "lowest limit",
+            Self::InFlight => "in flight",
+            Self::Throughput => "op/s",
+            Self::Failures => "failures",
+        }
+    }
+}
+
+impl Figures {
+    /// The value of `figure`, as an `f64` (the whole numbers are exact).
+    pub fn get(&self, figure: Figure) -> f64 {
+        match figure {
+            Figure::LimitMean => self.limit_mean,
+            Figure::LimitMode => self.limit_mode as f64,
+            Figure::LowestLimit => self.limit_min as f64,
+            Figure::InFlight => self.in_flight_mean,
+            Figure::Throughput => self.throughput,
+            Figure::Failures => self.failures,
+        }
+    }
+
+    /// Each figure of `bounds` lies in the range given with it, or the test fails naming `what`
+    /// (a scenario, or a phase of one) and the figure: so that a scenario states each range
+    /// once, next to the reason for it, however many figures it bounds.
+    #[track_caller]
+    pub fn assert_within(&self, what: &str, bounds: &[(&[Figure], RangeInclusive<f64>)]) {
+        for (figures, range) in bounds {
+            for figure in *figures {
+                within(
+                    &format!("{what} {}", figure.name()),
+                    self.get(*figure),
+                    range.clone(),
+                );
+            }
+        }
+    }
+}
+
+/// `value` lies in `range`, or the test fails saying what it was (in full: a share of failures
+/// that rounds to nothing is still not none).
+#[track_caller]
+pub fn within(what: &str, value: f64, range: RangeInclusive<f64>) {
+    assert!(
+        range.contains(&value),
+        "{what} = {value}, outside {range:?}"
+    );
 }
 
 fn mode(values: impl Iterator<Item = i64>) -> i64 {

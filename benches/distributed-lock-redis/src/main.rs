@@ -3,9 +3,12 @@
 //! (from `INFO commandstats`), and the throughput of 3 replicas (3 handles, each with its own
 //! connection) sharing a limit of 6, 8 workers each, operations of 2 ms.
 
-use std::process::{Child, Command, Stdio};
+// The `redis-server`, the script-call count and the drive the crate's `redis` bench uses too.
+#[path = "../../common/fleet.rs"]
+mod fleet;
+
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use distributed_lock_core::traits::{DistributedSemaphore, LockHandle, SemaphoreProvider};
 use distributed_lock_redis::{RedisDistributedSemaphore, RedisLockProvider, RedisSemaphoreHandle};
@@ -42,46 +45,9 @@ impl Acquire for Semaphore {
     }
 }
 
-fn start_redis() -> (Child, u16) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no", "--loglevel", "warning"])
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server (apt-get install redis-server)");
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    (child, port)
-}
-
-fn script_calls(url: &str) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut redis::Client::open(url).unwrap().get_connection().unwrap())
-        .unwrap();
-    ["cmdstat_evalsha:calls=", "cmdstat_eval:calls="]
-        .iter()
-        .filter_map(|prefix| info.lines().find_map(|line| line.strip_prefix(prefix)))
-        .filter_map(|rest| rest.split(',').next()?.parse::<u64>().ok())
-        .sum()
-}
-
+/// Waits until the script calls stop growing (the last releases landed); returns them.
 async fn settled_calls(url: &str) -> u64 {
-    let mut last = script_calls(url);
-    loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let now = script_calls(url);
-        if now == last {
-            return now;
-        }
-        last = now;
-    }
+    fleet::settled_calls(url, Duration::from_millis(200)).await
 }
 
 async fn uncontended<A: Acquire>(url: &str, limit: &A) -> f64 {
@@ -101,30 +67,8 @@ where
     const WORKERS: usize = 8;
     const OPS: usize = 600;
     let before = settled_calls(url).await;
-    let started = Instant::now();
-    let mut tasks = Vec::new();
     let replicas = limits.len();
-    for limit in limits {
-        let remaining = Arc::new(std::sync::atomic::AtomicUsize::new(OPS));
-        for _ in 0..WORKERS {
-            let (limit, remaining) = (limit.clone(), Arc::clone(&remaining));
-            tasks.push(tokio::spawn(async move {
-                use std::sync::atomic::Ordering::Relaxed;
-                while remaining
-                    .fetch_update(Relaxed, Relaxed, |left| left.checked_sub(1))
-                    .is_ok()
-                {
-                    let permit = limit.acquire().await.expect("a place");
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                    drop(permit);
-                }
-            }));
-        }
-    }
-    for task in tasks {
-        task.await.unwrap();
-    }
-    let elapsed = started.elapsed();
+    let elapsed = fleet::drive(limits, WORKERS, OPS, Duration::from_millis(2)).await;
     let total = (replicas * OPS) as f64;
     let calls = settled_calls(url).await - before;
     (total / elapsed.as_secs_f64(), calls as f64 / total)
@@ -132,7 +76,8 @@ where
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let (mut server, port) = start_redis();
+    let (mut server, port) =
+        fleet::start_redis().expect("redis-server (apt-get install redis-server)");
     let url = format!("redis://127.0.0.1:{port}/");
 
     let fleet: Vec<RedisLimit> = (0..3)
