@@ -251,7 +251,7 @@ impl<P> Lifecycle<P> {
     /// queue time; turned away, or refused by a limit that failed, it is counted by reason
     /// ([`AcquireError::rejection`]: a failure is `unavailable`) and the error is returned for
     /// the caller to answer.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn poll_admit(
         &mut self,
         asking: &mut impl Asking<Permit = P>,
