@@ -452,6 +452,7 @@ pub mod adaptive;
 mod attributes;
 pub mod classify;
 mod diagnostics;
+mod guard;
 pub mod layer;
 pub mod limit;
 pub mod metrics;

@@ -13,17 +13,17 @@
 //! The three places a reader looks for are here: where the permit is taken
 //! ([`Lifecycle::poll_admit`], the one acquire-or-refuse step), where the outcome is decided
 //! ([`decide`]), and where user code runs guarded ([`Lifecycle::run`] for the work,
-//! [`guarded`] for everything else). With metrics off an operation takes the same path with
+//! [`guarded`](crate::guard::guarded) for everything else). With metrics off an operation takes the same path with
 //! nothing to record: it only holds its permit.
 
 use std::cell::Cell;
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::guard::guarded;
 use crate::limit::{AcquireError, Asking};
 use crate::metrics::Series;
 use crate::Outcome;
@@ -32,13 +32,6 @@ use crate::Outcome;
 /// the deadline (or a tenth of it, for short ones): the operation started to wait a little after
 /// its caller started the clock.
 const DEADLINE_SLACK: Duration = Duration::from_millis(10);
-
-/// Runs user code (a classifier, a chooser, a deadline reader, a meter): a panic costs what the
-/// code would have returned, never the request that ran it.
-#[inline]
-pub(crate) fn guarded<T>(user_code: impl FnOnce() -> T) -> Option<T> {
-    catch_unwind(AssertUnwindSafe(user_code)).ok()
-}
 
 /// One operation: the permit it holds, and what it records.
 ///

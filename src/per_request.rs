@@ -28,10 +28,10 @@ use tower_service::Service;
 
 use crate::classify::ClassifyOutcome;
 use crate::diagnostics::{self, Mistake};
+use crate::guard::guarded;
 use crate::layer::{Config, End, ResourcesOperation, ResourcesOperationLayer};
 use crate::limit::Acquire;
 use crate::metrics::MetricsSource;
-use crate::operation::guarded;
 use crate::protocol::Protocol;
 use crate::{Executor, Operation};
 

@@ -86,7 +86,7 @@ use tokio::time::Instant;
 pub use aimd::Aimd;
 pub use gradient::Gradient;
 
-use crate::operation::guarded;
+use crate::guard::guarded;
 use crate::Outcome;
 
 #[cfg(doc)]

@@ -13,8 +13,9 @@ use super::body::{AtHead, End};
 use super::future::ResponseFuture;
 use super::Config;
 use crate::classify::{ClassifyOutcome, DefaultClassifier};
+use crate::guard::guarded;
 use crate::limit::{limit_failed, Acquire, AcquireError, IntoLimit, Waiting};
-use crate::operation::{guarded, Ending, Lifecycle};
+use crate::operation::{Ending, Lifecycle};
 use crate::protocol::{unanswerable, Plain, Protocol, Rejected};
 use crate::Limit;
 

@@ -26,6 +26,7 @@ pub(crate) use capacity::Reading;
 
 use crate::adaptive::Controller;
 use crate::diagnostics::{self, Mistake};
+use crate::guard::guarded;
 use crate::{
     Executor, Operation, Outcome, Rejection, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
     EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE,
@@ -335,7 +336,7 @@ impl Series {
     /// (tokio's paused clock panics once its runtime's thread-locals are gone).
     #[inline]
     pub(crate) fn now(&self) -> Option<Instant> {
-        quietly(Instant::now)
+        guarded(Instant::now)
     }
 
     /// One more operation of the series waits.
@@ -355,7 +356,7 @@ impl Series {
         if let Some(controller) = &self.0.controller {
             controller.admitted();
         }
-        quietly(|| shared.record_queue(index, millis(queued)));
+        guarded(|| shared.record_queue(index, millis(queued)));
     }
 
     /// An operation was turned away, after waiting or not.
@@ -385,7 +386,7 @@ impl Series {
     pub(crate) fn end(&self, outcome: Outcome, ran: Duration, now: Option<Instant>) {
         let (shared, cell, index) = self.parts();
         cell.active.fetch_sub(1, Ordering::Relaxed);
-        quietly(|| shared.record_duration(index, outcome, millis(ran)));
+        guarded(|| shared.record_duration(index, outcome, millis(ran)));
         if let Some(controller) = &self.0.controller {
             controller.ended(outcome, ran, now);
         }
@@ -713,12 +714,6 @@ fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
             )
         })
         .build();
-}
-
-/// Reads the clock or records into the SDK: a panic there costs that number, never the request.
-#[inline]
-fn quietly<T>(read_or_record: impl FnOnce() -> T) -> Option<T> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(read_or_record)).ok()
 }
 
 /// A duration in the milliseconds the histograms take.
