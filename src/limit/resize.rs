@@ -1,6 +1,6 @@
 //! The places of a limit whose capacity changes while it serves.
 //!
-//! A place is free (in the semaphore), held (by a running operation), or owed: when the capacity
+//! A place is free (in the front or its queue), held (by a running operation), or owed: when the capacity
 //! is lowered below what is held, the places above it are a debt, paid by the operations that
 //! hold them as they finish, so that lowering never revokes a running operation. Every step
 //! keeps `capacity = free + held - debt`: a release pays one unit of debt or frees its place; a
