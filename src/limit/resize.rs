@@ -1,12 +1,12 @@
 //! The places of a limit whose capacity changes while it serves.
 //!
-//! A place is free (in the front or its queue), held (by a running operation), or owed: when
-//! the capacity is lowered below what is held, the places above it are a debt, paid by the
-//! operations that hold them as they finish, so that lowering never revokes a running operation. Every step
+//! A place is free (in the front or its queue), held (by a running operation), or owed: when the
+//! capacity is lowered below what is held, the places above it are a debt, paid by the operations
+//! that hold them as they finish, so that lowering never revokes a running operation. Every step
 //! keeps `capacity = free + held - debt`: a release pays one unit of debt or frees its place; a
-//! sweep takes free places out only to pay debt, and frees again any it took that it could not
-//! pay with. So no place is lost and none is made up, whatever the interleaving; the loom tests
-//! below check every interleaving of it:
+//! sweep takes free places out only to pay debt, and frees again any it took that it could not pay
+//! with. So no place is lost and none is made up, whatever the interleaving; the loom tests below
+//! check every interleaving of it:
 //!
 //! ```text
 //! RUSTFLAGS="--cfg tro_loom" cargo test --release --lib limit::
