@@ -52,8 +52,9 @@ use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
 use tower_resources_operation::limit::AcquireError;
+use tower_resources_operation::limit::Capacity;
 use tower_resources_operation::metrics::{
-    Capacity, ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT,
+    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT,
 };
 use tower_resources_operation::{
     Acquire, Executor, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,

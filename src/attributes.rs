@@ -21,6 +21,7 @@ macro_rules! bounded_attribute {
         $(#[$meta])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
         #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+        #[cfg_attr(all(docsrs, feature = "serde"), doc(cfg(feature = "serde")))]
         pub enum $name {
             $( $(#[$variant_meta])* #[cfg_attr(feature = "serde", serde(rename = $value))] $variant, )+
         }
@@ -66,7 +67,7 @@ macro_rules! bounded_attribute {
 bounded_attribute! {
     /// What kind of limited work this is. Exported as
     /// [`OPERATION_ATTRIBUTE`](crate::OPERATION_ATTRIBUTE).
-    Operation, "operation", crate::OPERATIONS {
+    Operation, "operation", crate::names::OPERATIONS {
         /// Checking a result, such as running a verifier.
         Verify => "verify",
         /// Running a tool on behalf of a caller.
@@ -80,7 +81,7 @@ bounded_attribute! {
 
 bounded_attribute! {
     /// Where the limited work runs. Exported as [`EXECUTOR_ATTRIBUTE`](crate::EXECUTOR_ATTRIBUTE).
-    Executor, "executor", crate::EXECUTORS {
+    Executor, "executor", crate::names::EXECUTORS {
         /// On the task that handles the request.
         Inline => "inline",
         /// On a thread, such as `tokio::task::spawn_blocking`.
@@ -97,7 +98,7 @@ bounded_attribute! {
 bounded_attribute! {
     /// How admitted work ended. Exported as [`OUTCOME_ATTRIBUTE`](crate::OUTCOME_ATTRIBUTE) on the
     /// duration histogram, whose count per outcome is the number of operations that ended so.
-    Outcome, "outcome", crate::OUTCOMES {
+    Outcome, "outcome", crate::names::OUTCOMES {
         /// The work returned normally.
         Ok => "ok",
         /// The work failed.
@@ -116,7 +117,7 @@ bounded_attribute! {
     /// [`REJECTION_ATTRIBUTE`](crate::metrics::REJECTION_ATTRIBUTE) on
     /// [`REJECTED_INSTRUMENT`](crate::metrics::REJECTED_INSTRUMENT), an addition of this crate to NeMo Gym's
     /// instruments.
-    Rejection, "rejection", crate::metrics::REJECTIONS {
+    Rejection, "rejection", crate::names::REJECTIONS {
         /// The limit's queue was full ([`Limit::with_max_queued`](crate::Limit::with_max_queued)).
         QueueFull => "queue_full",
         /// The operation waited as long as its layer lets one wait

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// A mistake worth one warning.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Mistake {
-    /// The global meter provider is OpenTelemetry's no-op one.
+    /// The global meter provider is OpenTelemetry's no-op one (or keeps no callback: it has no
+    /// reader).
     NoGlobalProvider,
     /// More than one `OperationMetrics` is alive: if two share a meter, each hides the other's
     /// live counts.
@@ -23,7 +24,8 @@ impl Mistake {
         match self {
             Mistake::NoGlobalProvider => {
                 "no OpenTelemetry meter provider is installed (the global one is OpenTelemetry's \
-                 no-op provider), so operations are limited but not recorded. Install yours with \
+                 no-op provider, or one without a reader, which keeps nothing to export), so \
+                 operations are limited but not recorded. Install yours with \
                  opentelemetry::global::set_meter_provider before the first request, or give the \
                  layer its metrics with .metrics(OperationMetrics::new(&meter))"
             }

@@ -161,11 +161,11 @@
 //! | a limit on a tower service, axum route or tonic service | [`ResourcesOperationLayer`]: [`new`](ResourcesOperationLayer::new), [`new_for_http`](ResourcesOperationLayer::new_for_http), [`new_for_grpc`](ResourcesOperationLayer::new_for_grpc) |
 //! | a cap that several routes share, resized while it serves, with a bounded queue | [`Limit`] |
 //! | a cap that finds its own capacity from the run times and outcomes it sees | [`adaptive`] |
-//! | one limit for a whole fleet of replicas, kept in Redis | `limit::redis::RedisLimit` (feature `redis`; see [A limit for the whole fleet](#a-limit-for-the-whole-fleet)) |
-//! | a limit of your own: a pool, a weighted semaphore | [`Acquire`] |
+//! | one limit for a whole fleet of replicas, kept in Redis | the companion crate `tower-resources-operation-redis` (see [A limit for the whole fleet](#a-limit-for-the-whole-fleet)) |
+//! | a limit of your own: a pool, a weighted semaphore, a fleet limit on another store | [`Acquire`], reporting through [`limit::Capacity::of_limit`] and hearing each end through [`Acquire::ended`] |
 //! | how results become outcomes | [`classify`] |
 //! | how a rejection is answered, and where a caller's deadline is read | [`protocol`] |
-//! | one layer over a whole `Router` or tonic `Server` | [`per_request`] |
+//! | one layer over a whole `Router` or tonic `Server` | [`per_request`], [`PerRequestLayer`](per_request::PerRequestLayer) |
 //! | operations that last until the response body ends | [`until_body_end`](ResourcesOperationLayer::until_body_end), [`layer::OperationBody`] |
 //! | work that is not a tower service | [`resources_operation`] |
 //! | the outcome the classifier cannot see | [`set_outcome`] |
@@ -187,8 +187,6 @@
 //! | [`LIMIT_QUEUED_INSTRUMENT`](metrics::LIMIT_QUEUED_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations waiting for a named limit now |
 //! | [`LIMIT_BASELINE_INSTRUMENT`](metrics::LIMIT_BASELINE_INSTRUMENT) (this crate's) | observable gauge (f64) | `ms` | limit | at each collection: the run time a named [adaptive] limit's algorithm takes as normal, once it has one |
 //! | [`LIMIT_ESTIMATE_INSTRUMENT`](metrics::LIMIT_ESTIMATE_INSTRUMENT) (this crate's) | observable gauge (f64) | `ms` | limit | at each collection: the recent run time a named adaptive limit's algorithm compares with its baseline |
-//! | [`LIMIT_FAILED_OPEN_INSTRUMENT`](metrics::LIMIT_FAILED_OPEN_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | limit | at each collection, for a limit that can fail open (the fleet limit): operations it admitted without itself because it could not reach its store |
-//! | [`LIMIT_LEASES_LOST_INSTRUMENT`](metrics::LIMIT_LEASES_LOST_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | limit | at each collection, for a limit of leases (the fleet limit): leases found lost while their operations ran |
 //!
 //! - Attribute keys: [`OPERATION_ATTRIBUTE`] ([`OPERATIONS`]), [`EXECUTOR_ATTRIBUTE`]
 //!   ([`EXECUTORS`]), [`OUTCOME_ATTRIBUTE`] ([`OUTCOMES`]), and this crate's
@@ -228,8 +226,9 @@
 //!   disabled: `global().is_enabled()` is the check to call), a second [`OperationMetrics`]
 //!   alive (two from one meter hide each other's live counts), a per-request choice naming a
 //!   limit its layer was not given.
-//! - [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit (and
-//!   feeds an adaptive limit's controller, which needs every operation's run time and outcome).
+//! - [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit. An
+//!   adaptive limit's controller hears each operation's end from the limit itself, so it learns
+//!   with metrics off too.
 //!
 //! The histograms' buckets are NeMo Gym's ([`OPERATION_BOUNDARIES_MS`]), given to
 //! OpenTelemetry as advice. Where they are too coarse for
@@ -305,39 +304,15 @@
 //! # A limit for the whole fleet
 //!
 //! A [`Limit`] of N on each of 8 replicas is a fleet limit of 8N, wrong as soon as one dies or
-//! one is added. With the `redis` feature, `limit::redis::RedisLimit` is one limit of N for
-//! every process that names it, kept in the Redis they all reach: leases refreshed while held
-//! (a process killed with `kill -9` gives its places back within the lease TTL), a queue served
-//! first come, first served across the fleet, waiters woken by pub/sub, a capacity read and
-//! changed at runtime for the whole fleet, a fleet-wide queue bound, and every step one Lua
-//! script on the server's clock. It is an [`Acquire`], so it goes wherever a [`Limit`] goes.
-//!
-//! ```no_run
-//! # #[cfg(feature = "redis")]
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use tower_resources_operation::limit::redis::RedisLimit;
-//! use tower_resources_operation::{Operation, ResourcesOperationLayer};
-//!
-//! let judges = RedisLimit::builder("judges", 8).build("redis://redis.internal:6379/")?;
-//! let layer = ResourcesOperationLayer::new_for_http(judges).operation(Operation::Judge);
-//! # drop(layer);
-//! # Ok(())
-//! # }
-//! # #[cfg(not(feature = "redis"))]
-//! # fn main() {}
-//! ```
-//!
-//! Every call to Redis has a timeout. When Redis cannot be reached the limit fails closed
-//! (operations are turned away as `unavailable`: HTTP `503`, gRPC `UNAVAILABLE`) or, if told,
-//! fails open (admitted without the fleet limit, counted in `gym.resources.limit.failed_open`);
-//! a lease lost while its operation runs is counted in `gym.resources.limit.leases_lost` and
-//! never knowingly given twice. Each replica reports its own queue time, run time, `queued` and
-//! `active`; the `limit` gauge is the fleet's capacity, so the fleet's saturation is `active`
-//! summed over instances against `limit` (the fleet row of
-//! `dashboards/grafana/resources-operations.json`). The module's docs (`limit::redis`) cover
-//! setup, how to choose the TTL, each failure and its answer, and what each metric means
-//! across a fleet; `cargo run --example fleet --features redis` runs three replicas on a local
-//! `redis-server`.
+//! one is added. The companion crate `tower-resources-operation-redis` is one limit of N for
+//! every process that names it, kept in the Redis they all reach: leases refreshed while held,
+//! a queue served first come, first served across the fleet, a capacity changed at runtime for
+//! the whole fleet. It is an [`Acquire`], so it goes wherever a [`Limit`] goes, and it reports
+//! through the same seams any limit of your own can use: [`limit::Capacity::of_limit`] for its
+//! name, capacity and live counts, [`Acquire::ended`] for what its controller hears. Each
+//! replica reports its own queue time, run time, `queued` and `active`; the `limit` gauge is
+//! the fleet's capacity, so the fleet's saturation is `active` summed over instances against
+//! `limit` (the fleet row of `dashboards/grafana/resources-operations.json`).
 //!
 //! # Where it differs from tower's `ConcurrencyLimitLayer`
 //!
@@ -431,14 +406,15 @@
 //!   matched route.
 //! - `serde`: [`Operation`], [`Executor`], [`Outcome`] and [`Rejection`] (de)serialize as their
 //!   attribute strings.
-//! - `redis`: `limit::redis::RedisLimit`, one limit for a whole fleet of replicas, kept in
-//!   Redis (on the `redis` crate, 0.32).
-//! - `tracing` (default): the warnings above, through `tracing` (and, with `redis`, when a
-//!   fleet limit stops or starts reaching Redis).
+//! - `load`: the service implements tower's `Load`, forwarded from the inner service (for
+//!   tower's balancers; tower's `load` brings `tracing` with it).
+//! - `tracing` (default): the warnings above, through `tracing`; without it, on standard
+//!   error. Off, `tracing` is not in the dependency tree.
 //! - `experimental-bound-instruments`: records through OpenTelemetry's bound instruments
 //!   (`Histogram::bind`), several times cheaper per record. Turn on `opentelemetry_sdk`'s
 //!   `experimental_metrics_bound_instruments` feature too: without it the SDK silently drops
 //!   every bound measurement.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
 #![warn(
     missing_docs,
@@ -456,6 +432,7 @@ mod guard;
 pub mod layer;
 pub mod limit;
 pub mod metrics;
+mod names;
 mod operation;
 pub mod per_request;
 pub mod protocol;
@@ -465,46 +442,11 @@ pub use attributes::{Executor, Operation, Outcome, ParseAttributeError, Rejectio
 pub use layer::{ResourcesOperation, ResourcesOperationLayer};
 pub use limit::{Acquire, Limit};
 pub use metrics::OperationMetrics;
+pub use names::{
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS,
+    OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOMES, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
+};
 pub use operation::set_outcome;
 pub use protocol::Rejected;
 pub use scoped::{resources_operation, resources_operation_with};
-
-/// Observable up-down counter: operations holding a permit now.
-pub const ACTIVE_INSTRUMENT: &str = "gym.resources.operation.active";
-/// Histogram, milliseconds: time an operation ran inside the limit, by outcome.
-pub const DURATION_INSTRUMENT: &str = "gym.resources.operation.duration_ms";
-/// Observable up-down counter: operations waiting for a permit now.
-pub const QUEUED_INSTRUMENT: &str = "gym.resources.operation.queued";
-/// Histogram, milliseconds: time an operation waited for the limit.
-pub const QUEUE_DURATION_INSTRUMENT: &str = "gym.resources.operation.queue_duration_ms";
-
-/// Attribute key of the [`Operation`].
-pub const OPERATION_ATTRIBUTE: &str = "nemo.gym.resources.operation";
-/// Attribute key of the [`Executor`].
-pub const EXECUTOR_ATTRIBUTE: &str = "nemo.gym.resources.executor";
-/// Attribute key of the [`Outcome`], on the duration histogram only.
-pub const OUTCOME_ATTRIBUTE: &str = "nemo.gym.resources.operation.outcome";
-
-/// Explicit bucket boundaries of both histograms, in milliseconds: 1 ms to 30 minutes.
-pub const OPERATION_BOUNDARIES_MS: [f64; 13] = [
-    1.0,
-    5.0,
-    10.0,
-    50.0,
-    100.0,
-    500.0,
-    1_000.0,
-    5_000.0,
-    10_000.0,
-    30_000.0,
-    60_000.0,
-    300_000.0,
-    1_800_000.0,
-];
-
-/// The values of [`OPERATION_ATTRIBUTE`], one per [`Operation`].
-pub const OPERATIONS: &[&str] = &["verify", "tool", "judge", "other"];
-/// The values of [`EXECUTOR_ATTRIBUTE`], one per [`Executor`].
-pub const EXECUTORS: &[&str] = &["inline", "thread", "process", "subprocess", "other"];
-/// The values of [`OUTCOME_ATTRIBUTE`], one per [`Outcome`].
-pub const OUTCOMES: &[&str] = &["ok", "error", "timeout", "cancelled", "crashed"];

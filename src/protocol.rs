@@ -22,7 +22,7 @@ use std::time::Duration;
 use http::header::{HeaderName, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Request, Response, StatusCode};
 
-use crate::Rejection;
+use crate::attributes::Rejection;
 
 /// An operation turned away without a permit: the error of
 /// [`resources_operation`](crate::resources_operation), and the error that [`RejectAsError`]
@@ -98,7 +98,7 @@ impl Error for Rejected {}
 /// assert!(verifier.oneshot(42).await.unwrap());
 /// # }
 /// ```
-pub trait Protocol<Req, Res, Err> {
+pub trait Protocol<Req, Res, Err>: CanAnswer {
     /// The answer to an operation turned away for `rejected`.
     fn answer(&self, rejected: Rejected) -> Result<Res, Err>;
 
@@ -110,6 +110,18 @@ pub trait Protocol<Req, Res, Err> {
         None
     }
 }
+
+/// Whether a protocol can answer a rejection at all: every protocol but [`Plain`]. A layer
+/// whose protocol cannot refuses, when it makes its service, a limit that
+/// [may reject](crate::Acquire::may_reject).
+///
+/// A protocol type of your own says so with an empty `impl CanAnswer for MyProtocol {}`.
+pub trait CanAnswer {
+    /// `true` unless the protocol has no answer to give. Defaults to `true`.
+    const CAN_ANSWER: bool = true;
+}
+
+impl<F, R> CanAnswer for F where F: Fn(Rejected) -> R {}
 
 impl<F, Req, Res, Err> Protocol<Req, Res, Err> for F
 where
@@ -132,6 +144,10 @@ where
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Plain;
 
+impl CanAnswer for Plain {
+    const CAN_ANSWER: bool = false;
+}
+
 impl<Req, Res, Err> Protocol<Req, Res, Err> for Plain {
     #[track_caller]
     fn answer(&self, rejected: Rejected) -> Result<Res, Err> {
@@ -143,6 +159,8 @@ impl<Req, Res, Err> Protocol<Req, Res, Err> for Plain {
 /// whose error converts from it, as `BoxError` does (found again with `downcast_ref`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RejectAsError;
+
+impl CanAnswer for RejectAsError {}
 
 impl<Req, Res, Err: From<Rejected>> Protocol<Req, Res, Err> for RejectAsError {
     fn answer(&self, rejected: Rejected) -> Result<Res, Err> {
@@ -220,6 +238,8 @@ impl Http {
     }
 }
 
+impl CanAnswer for Http {}
+
 impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
     fn answer(&self, rejected: Rejected) -> Result<Response<RB>, Err> {
         let mut response = Response::new(RB::default());
@@ -277,6 +297,8 @@ impl Grpc {
         self
     }
 }
+
+impl CanAnswer for Grpc {}
 
 impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Grpc {
     fn answer(&self, rejected: Rejected) -> Result<Response<RB>, Err> {

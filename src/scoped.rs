@@ -6,11 +6,12 @@ use std::task::{Context, Poll};
 
 use pin_project_lite::pin_project;
 
+use crate::attributes::{Executor, Operation};
 use crate::classify::OperationOutput;
 use crate::limit::{self, Acquire};
+use crate::metrics::OperationMetrics;
 use crate::operation::{Ending, Lifecycle};
 use crate::protocol::Rejected;
-use crate::{Executor, Operation, OperationMetrics};
 
 /// Runs `work` inside `limit` and reports it through [`OperationMetrics::global`]; returns the
 /// work's output, or [`Rejected`] if the limit turned the operation away.
@@ -136,9 +137,13 @@ impl OperationMetrics {
         F: Future,
         F::Output: OperationOutput,
     {
-        let (permit, mut running) = self.admit(&limit, operation, executor).await?;
-        // The permit is held here, and the operation, declared after it, records its end
-        // before the permit goes back, however the work ends.
+        let (permit, running) = self.admit(&limit, operation, executor).await?;
+        // The permit is held here, and the operation, declared after it, records its end and
+        // tells the limit before the permit goes back, however the work ends.
+        let mut running = Running {
+            operation: running,
+            permit: &permit,
+        };
         let output = run(work, &mut running).await;
         drop(running);
         drop(permit);
@@ -158,7 +163,11 @@ impl OperationMetrics {
         W: AsyncFnOnce(&A::Permit) -> T,
         T: OperationOutput,
     {
-        let (permit, mut running) = self.admit(&limit, operation, executor).await?;
+        let (permit, running) = self.admit(&limit, operation, executor).await?;
+        let mut running = Running {
+            operation: running,
+            permit: &permit,
+        };
         let output = run(work(&permit), &mut running).await;
         drop(running);
         drop(permit);
@@ -173,9 +182,8 @@ impl OperationMetrics {
         limit: &A,
         operation: Operation,
         executor: Executor,
-    ) -> Result<(A::Permit, Lifecycle<()>), Rejected> {
+    ) -> Result<(A::Permit, Lifecycle<A>), Rejected> {
         let series = self.series(operation, executor, limit.capacity().as_ref());
-        let series = series.as_deref();
         let mut asked = Lifecycle::new();
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);
@@ -187,35 +195,54 @@ impl OperationMetrics {
 }
 
 /// Runs `work` as the admitted operation `running`, and ends it with the work's outcome.
-async fn run<F>(work: F, running: &mut Lifecycle<()>) -> F::Output
+/// An operation whose permit its work borrows: dropped before its work returned (the caller
+/// went away), it ends as cancelled and tells its limit through the permit.
+struct Running<'p, A: Acquire> {
+    operation: Lifecycle<A>,
+    permit: &'p A::Permit,
+}
+
+impl<A: Acquire> Drop for Running<'_, A> {
+    fn drop(&mut self) {
+        self.operation
+            .end_lent(self.permit, Ending::Dropped, |()| None);
+    }
+}
+
+async fn run<F, A>(work: F, running: &mut Running<'_, A>) -> F::Output
 where
     F: Future,
     F::Output: OperationOutput,
+    A: Acquire,
 {
     let output = Scoped {
         work,
         running: &mut *running,
     }
     .await;
-    running.end(Ending::Returned, |()| Some(output.outcome()));
+    let permit = running.permit;
+    running
+        .operation
+        .end_lent(permit, Ending::Returned, |()| Some(output.outcome()));
     output
 }
 
 pin_project! {
-    /// Polls the work as the running operation.
-    struct Scoped<'a, F> {
+    struct Scoped<'a, 'p, F, A: Acquire> {
         #[pin]
         work: F,
-        running: &'a mut Lifecycle<()>,
+        running: &'a mut Running<'p, A>,
     }
 }
 
-impl<F: Future> Future for Scoped<'_, F> {
+impl<F: Future, A: Acquire> Future for Scoped<'_, '_, F, A> {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let work = this.work;
-        this.running.poll(|| work.poll(cx))
+        let running = &mut **this.running;
+        let permit = running.permit;
+        running.operation.run_lent(Some(permit), || work.poll(cx))
     }
 }

@@ -33,8 +33,9 @@ use limits::{Checkout, Sandboxes, Weighted};
 use support::{abandoned, live, panic_message, panic_of, settle, Telemetry, DEADLINE};
 use tower_resources_operation::classify::DefaultClassifier;
 use tower_resources_operation::limit::AcquireError;
+use tower_resources_operation::limit::Capacity;
 use tower_resources_operation::metrics::{
-    Capacity, ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{

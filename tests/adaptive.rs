@@ -26,7 +26,7 @@ use tower_resources_operation::metrics::{
     LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT,
     LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT,
 };
-use tower_resources_operation::per_request::Choice;
+use tower_resources_operation::per_request::{choose_fn, Choice};
 use tower_resources_operation::{
     Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer, OPERATION_ATTRIBUTE,
 };
@@ -486,7 +486,9 @@ async fn a_per_request_named_limit_adapts() {
     let server = flat();
     let layer = ResourcesOperationLayer::new(64)
         .metrics(telemetry.metrics.clone())
-        .per_request(|_: &()| Choice::limited(Operation::Judge, Executor::Inline).on("judges"))
+        .per_request(choose_fn(|_: &()| {
+            Choice::limited(Operation::Judge, Executor::Inline).on("judges")
+        }))
         .limits([judges.clone()]);
     let service = layer.layer(service_fn(move |()| {
         let server = Arc::clone(&server);

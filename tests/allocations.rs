@@ -20,7 +20,7 @@ use support::Telemetry;
 use tower::{Layer, Service, ServiceExt};
 use tower_resources_operation::adaptive::{Adaptive, Gradient};
 use tower_resources_operation::metrics::REJECTED_INSTRUMENT;
-use tower_resources_operation::per_request::Choice;
+use tower_resources_operation::per_request::{choose_fn, Choice};
 use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{
     resources_operation, set_outcome, Acquire, Executor, Limit, Operation, OperationMetrics,
@@ -334,10 +334,10 @@ fn no_allocation_per_body_end_operation_with_metrics_enabled_or_disabled() {
 fn per_request_steady_state_allocations(metrics: OperationMetrics) -> u64 {
     let layer = ResourcesOperationLayer::new(4)
         .metrics(metrics)
-        .per_request(|n: &u32| match n % 2 {
+        .per_request(choose_fn(|n: &u32| match n % 2 {
             1 => Choice::limited(Operation::Verify, Executor::Inline),
             _ => Choice::Unlimited,
-        });
+        }));
     let service = layer.layer(Noop);
     steady_state(|n| {
         let service = service.clone();

@@ -26,7 +26,7 @@ use tower_test::mock;
 use support::{abandoned, live, panic_message, rejection_of, settle, take, Telemetry};
 use tower_resources_operation::classify::DefaultClassifier;
 use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTIONS, REJECTION_ATTRIBUTE};
-use tower_resources_operation::per_request::Choice;
+use tower_resources_operation::per_request::{choose_fn, Choice};
 use tower_resources_operation::protocol::{Http, RejectAsError};
 use tower_resources_operation::{
     Acquire, Executor, Limit, Operation, OperationMetrics, Rejected, Rejection,
@@ -650,7 +650,7 @@ async fn a_per_request_layer_answers_a_rejection_from_its_response_future() {
     });
     let service = ResourcesOperationLayer::new_for_http(limit.clone())
         .metrics(t.metrics.clone())
-        .per_request(choose)
+        .per_request(choose_fn(choose))
         .layer(inner);
     let get = |path: &str| Request::get(path).body(()).unwrap();
 
@@ -679,14 +679,14 @@ fn a_per_request_layer_that_cannot_answer_refuses_a_limit_with_a_bound_and_an_ht
         || service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new(String::new())) });
     let plain = ResourcesOperationLayer::new(limit.clone())
         .metrics(OperationMetrics::disabled())
-        .per_request(choose);
+        .per_request(choose_fn(choose));
     let message = refusal(&plain, inner());
     assert!(message.contains("cannot answer a rejection"), "{message}");
 
     // An HTTP layer answers rejections from the start.
     let _ = ResourcesOperationLayer::new_for_http(limit)
         .metrics(OperationMetrics::disabled())
-        .per_request(choose)
+        .per_request(choose_fn(choose))
         .layer(inner());
 }
 

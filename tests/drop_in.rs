@@ -13,7 +13,6 @@ mod support;
 use std::convert::Infallible;
 use std::time::Duration;
 
-use tower::load::{Constant, Load};
 use tower::util::BoxCloneService;
 use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_resources_operation::classify::TimeoutClassifier;
@@ -115,8 +114,11 @@ async fn a_stack_with_towers_timeout_runs_spawned_directly_or_boxed() {
     assert_eq!(count(&telemetry, "ok"), 2);
 }
 
+#[cfg(feature = "load")]
 #[tokio::test]
 async fn the_service_forwards_the_inner_services_load() {
+    use tower::load::{Constant, Load};
+
     let inner = Constant::new(
         service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }),
         7,

@@ -22,7 +22,8 @@ use tower::{service_fn, Layer as _, ServiceExt as _};
 use support::{held, settle, spawn_held, Telemetry};
 use tower_resources_operation::classify::DefaultClassifier;
 use tower_resources_operation::limit::AcquireError;
-use tower_resources_operation::metrics::{Capacity, LIMIT_INSTRUMENT};
+use tower_resources_operation::limit::Capacity;
+use tower_resources_operation::metrics::LIMIT_INSTRUMENT;
 use tower_resources_operation::{
     Acquire, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
     ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,

@@ -22,7 +22,7 @@ use tower_resources_operation::metrics::{
     LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_CAPACITY_INSTRUMENT, LIMIT_INSTRUMENT,
     LIMIT_QUEUED_INSTRUMENT, REJECTED_INSTRUMENT,
 };
-use tower_resources_operation::per_request::{ByMatchedPath, Choice};
+use tower_resources_operation::per_request::{choose_fn, ByMatchedPath, Choice};
 use tower_resources_operation::{
     Executor, Limit, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE,
     OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
@@ -300,7 +300,7 @@ async fn a_choice_naming_an_unknown_limit_takes_the_layers_own() {
     let router = Router::new().route("/verify", gate.route(&load)).layer(
         ResourcesOperationLayer::new_for_http(2)
             .metrics(telemetry.metrics.clone())
-            .per_request(chooser)
+            .per_request(choose_fn(chooser))
             .limits([Limit::builder(4).name("verifiers").build()]),
     );
     let addr = serve(router).await;
@@ -322,7 +322,7 @@ async fn a_choice_naming_an_unknown_limit_takes_the_layers_own() {
 #[should_panic(expected = "chosen by name")]
 fn a_per_request_layer_refuses_an_unnamed_limit() {
     let _ = ResourcesOperationLayer::new(1)
-        .per_request(|_: &()| Choice::Unlimited)
+        .per_request(choose_fn(|_: &()| Choice::Unlimited))
         .limits([Limit::new(2)]);
 }
 
@@ -330,7 +330,7 @@ fn a_per_request_layer_refuses_an_unnamed_limit() {
 #[should_panic(expected = "named \"a\"")]
 fn a_per_request_layer_refuses_two_limits_of_one_name() {
     let _ = ResourcesOperationLayer::new(1)
-        .per_request(|_: &()| Choice::Unlimited)
+        .per_request(choose_fn(|_: &()| Choice::Unlimited))
         .limits([
             Limit::builder(1).name("a").build(),
             Limit::builder(2).name("a").build(),

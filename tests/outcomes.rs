@@ -15,7 +15,7 @@ use tokio_test::{assert_pending, task};
 use tower::timeout::TimeoutLayer;
 use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_resources_operation::classify::{ClassifyOutcome, TimeoutClassifier};
-use tower_resources_operation::protocol::Protocol;
+use tower_resources_operation::protocol::{CanAnswer, Protocol};
 use tower_resources_operation::{
     set_outcome, Acquire, Limit, Operation, Outcome, Rejected, ResourcesOperationLayer,
     ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE,
@@ -273,6 +273,8 @@ async fn classifier_whose_clone_panics_keeps_the_response_and_records_error() {
 /// limit has no queue bound).
 #[derive(Clone)]
 struct PanicsReadingTheDeadline(Panics);
+
+impl CanAnswer for PanicsReadingTheDeadline {}
 
 impl<Req, Res, Err> Protocol<Req, Res, Err> for PanicsReadingTheDeadline {
     fn answer(&self, rejected: Rejected) -> Result<Res, Err> {

@@ -35,7 +35,7 @@ use support::{eventually, Load, Telemetry, DEADLINE};
 use tower_resources_operation::classify::HttpClassifier;
 use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
 use tower_resources_operation::per_request::{
-    ByGrpcMethod, ByMatchedPath, Choice, ChooseOperation,
+    choose_fn, ByGrpcMethod, ByMatchedPath, Choice, ChooseOperation,
 };
 use tower_resources_operation::protocol::Http;
 use tower_resources_operation::{
@@ -395,7 +395,7 @@ async fn a_closure_chooser_maps_arbitrary_header_values_onto_the_bounded_values_
         Some(b"health") => Choice::Unlimited,
         _ => Choice::OTHER,
     };
-    let addr = work_server(&telemetry, chooser).await;
+    let addr = work_server(&telemetry, choose_fn(chooser)).await;
 
     let long = "x".repeat(2000);
     // (HTTP trims whitespace around a header value, so "verify " would arrive as "verify".)
@@ -465,7 +465,7 @@ async fn a_chooser_that_panics_leaves_the_request_served_and_counted_as_other() 
             panic!("chooser bug")
         }
     };
-    let addr = work_server(&telemetry, chooser).await;
+    let addr = work_server(&telemetry, choose_fn(chooser)).await;
 
     let answer = send(addr, Method::GET, "/work", &[("x-operation", "verify")]).await;
     assert_eq!(answer, (200, "done".into()), "the request is served");
@@ -623,13 +623,11 @@ async fn per_request_in_the_body_end_form_holds_a_streamed_route_until_its_body_
         .route("/stream", stream)
         .route("/metrics", get(|| async { "# metrics" }))
         .layer(
-            http_layer(&telemetry, &limit)
-                .per_request(
-                    ByMatchedPath::new()
-                        .route("/stream", JUDGE)
-                        .route("/metrics", Choice::Unlimited),
-                )
-                .until_body_end(),
+            http_layer(&telemetry, &limit).until_body_end().per_request(
+                ByMatchedPath::new()
+                    .route("/stream", JUDGE)
+                    .route("/metrics", Choice::Unlimited),
+            ),
         );
     let addr = serve(router).await;
 

@@ -17,7 +17,7 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};
 
-use tower_resources_operation::per_request::Choice;
+use tower_resources_operation::per_request::{choose_fn, Choice};
 use tower_resources_operation::{
     resources_operation, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
 };
@@ -106,7 +106,9 @@ async fn each_silent_mistake_is_reported_once() {
     // reported once.
     let layer = ResourcesOperationLayer::new(1)
         .metrics(first)
-        .per_request(|_: &u32| Choice::limited(Operation::Tool, Executor::Thread).on("missing"))
+        .per_request(choose_fn(|_: &u32| {
+            Choice::limited(Operation::Tool, Executor::Thread).on("missing")
+        }))
         .limits([Limit::builder(2).name("present").build()]);
     let service = layer.layer(service_fn(|n: u32| async move { Ok::<_, Infallible>(n) }));
     for n in 0..3 {

@@ -2,10 +2,6 @@
 //! ways to drive a service: reused, `clone().oneshot()`, and the contended run.
 #![allow(dead_code, unreachable_pub)]
 
-/// The `redis-server` and the drive of the fleet-limit benches.
-#[cfg(feature = "redis")]
-pub mod fleet;
-
 use std::convert::Infallible;
 use std::future::{ready, Future, Ready};
 use std::pin::Pin;

@@ -3,7 +3,7 @@
 use http::{HeaderMap, Response, StatusCode};
 
 use super::{ClassifyOutcome, ClassifyTrailers};
-use crate::Outcome;
+use crate::attributes::Outcome;
 
 /// Lowest and highest status code an [`HttpClassifier`] can be told about.
 const FIRST_STATUS: u16 = 100;

@@ -17,7 +17,7 @@ use std::error::Error;
 
 use ::http::HeaderMap;
 
-use crate::Outcome;
+use crate::attributes::Outcome;
 
 mod http;
 

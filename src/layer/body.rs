@@ -9,9 +9,10 @@ use http::{HeaderMap, Response};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use crate::attributes::Outcome;
 use crate::classify::{ClassifyOutcome, ClassifyTrailers};
+use crate::limit::{Acquire, Limit};
 use crate::operation::{Ending, Lifecycle};
-use crate::Outcome;
 
 /// The operation ends when the inner service's future completes, and its permit goes back when
 /// that future is dropped, as with tower's `ConcurrencyLimit`. The default.
@@ -31,8 +32,8 @@ mod sealed {
 }
 
 /// Where an operation ends: [`AtHead`] or [`AtBodyEnd`]; for a service that answers `Res` or
-/// fails with `Err`, classified by `C`, holding a permit `P`.
-pub trait End<Res, Err, C, P>: sealed::Sealed {
+/// fails with `Err`, classified by `C`, holding a permit of the limit `L`.
+pub trait End<Res, Err, C, L: Acquire>: sealed::Sealed {
     /// What the layered service answers.
     type Response;
 
@@ -40,7 +41,7 @@ pub trait End<Res, Err, C, P>: sealed::Sealed {
     #[doc(hidden)]
     fn complete(
         result: Result<Res, Err>,
-        operation: &mut Lifecycle<P, Option<C>>,
+        operation: &mut Lifecycle<L, Option<C>>,
     ) -> Result<Self::Response, Err>;
 
     /// An answer no operation measured: a rejection's, or an unlimited request's.
@@ -48,13 +49,13 @@ pub trait End<Res, Err, C, P>: sealed::Sealed {
     fn unmetered(result: Result<Res, Err>) -> Result<Self::Response, Err>;
 }
 
-impl<Res, Err, C: ClassifyOutcome<Res, Err>, P> End<Res, Err, C, P> for AtHead {
+impl<Res, Err, C: ClassifyOutcome<Res, Err>, L: Acquire> End<Res, Err, C, L> for AtHead {
     type Response = Res;
 
     #[inline]
     fn complete(
         result: Result<Res, Err>,
-        operation: &mut Lifecycle<P, Option<C>>,
+        operation: &mut Lifecycle<L, Option<C>>,
     ) -> Result<Res, Err> {
         operation.finish(Ending::Returned, |classifier| {
             classifier.as_ref().map(|c| c.classify(result.as_ref()))
@@ -68,16 +69,17 @@ impl<Res, Err, C: ClassifyOutcome<Res, Err>, P> End<Res, Err, C, P> for AtHead {
     }
 }
 
-impl<B, Err, C, P> End<Response<B>, Err, C, P> for AtBodyEnd
+impl<B, Err, C, L> End<Response<B>, Err, C, L> for AtBodyEnd
 where
     B: Body,
+    L: Acquire,
     C: ClassifyOutcome<Response<B>, Err>,
 {
-    type Response = Response<OperationBody<B, P>>;
+    type Response = Response<OperationBody<B, L>>;
 
     fn complete(
         result: Result<Response<B>, Err>,
-        operation: &mut Lifecycle<P, Option<C>>,
+        operation: &mut Lifecycle<L, Option<C>>,
     ) -> Result<Self::Response, Err> {
         match result {
             Ok(response) => {
@@ -134,15 +136,15 @@ pin_project! {
     /// - a panic while it is polled ends it as `crashed`, and the panic goes on;
     /// - [`set_outcome`](crate::set_outcome) called while the body is polled wins over all of
     ///   these.
-    pub struct OperationBody<B, P> {
+    pub struct OperationBody<B, L: Acquire = Limit> {
         #[pin]
         inner: B,
-        operation: Lifecycle<P, Option<StreamEnd>>,
+        operation: Lifecycle<L, Option<StreamEnd>>,
     }
 }
 
-impl<B: Body, P> OperationBody<B, P> {
-    fn new(inner: B, mut operation: Lifecycle<P, Option<StreamEnd>>) -> Self {
+impl<B: Body, L: Acquire> OperationBody<B, L> {
+    fn new(inner: B, mut operation: Lifecycle<L, Option<StreamEnd>>) -> Self {
         if inner.is_end_stream() {
             operation.end(Ending::Returned, |end| {
                 end.as_ref().map(|end| end.outcome(None))
@@ -152,7 +154,7 @@ impl<B: Body, P> OperationBody<B, P> {
     }
 }
 
-impl<B, P> OperationBody<B, P> {
+impl<B, L: Acquire> OperationBody<B, L> {
     /// The body inside.
     pub fn get_ref(&self) -> &B {
         &self.inner
@@ -164,7 +166,7 @@ impl<B, P> OperationBody<B, P> {
     }
 }
 
-impl<B: Body, P> Body for OperationBody<B, P> {
+impl<B: Body, L: Acquire> Body for OperationBody<B, L> {
     type Data = B::Data;
     type Error = B::Error;
 
@@ -203,8 +205,8 @@ impl<B: Body, P> Body for OperationBody<B, P> {
 
 /// The stream ended with the frame (or error, or end) of `polled`: ends the operation. Out of
 /// line: once per operation, not per frame.
-fn end_of_stream<P, D, E>(
-    operation: &mut Lifecycle<P, Option<StreamEnd>>,
+fn end_of_stream<L: Acquire, D, E>(
+    operation: &mut Lifecycle<L, Option<StreamEnd>>,
     polled: &Poll<Option<Result<Frame<D>, E>>>,
 ) {
     let trailers = match polled {
@@ -217,7 +219,7 @@ fn end_of_stream<P, D, E>(
     });
 }
 
-impl<B, P> fmt::Debug for OperationBody<B, P> {
+impl<B, L: Acquire> fmt::Debug for OperationBody<B, L> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OperationBody")
             .field("ended", &!self.operation.is_admitted())

@@ -10,6 +10,7 @@ use std::task::{ready, Context, Poll};
 use pin_project_lite::pin_project;
 
 use super::body::End;
+use crate::limit::Acquire;
 use crate::operation::Lifecycle;
 
 pin_project! {
@@ -20,10 +21,10 @@ pin_project! {
     /// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form, the body it
     /// returns takes both over. Dropped before it completed, the operation ends as
     /// [`Outcome::Cancelled`](crate::Outcome::Cancelled).
-    pub struct ResponseFuture<F, C, P, R, E> {
+    pub struct ResponseFuture<F, C, L: Acquire, R, E> {
         #[pin]
         state: State<F, R>,
-        operation: Lifecycle<P, Option<C>>,
+        operation: Lifecycle<L, Option<C>>,
         _end: PhantomData<fn() -> E>,
     }
 }
@@ -41,9 +42,9 @@ pin_project! {
     }
 }
 
-impl<F, C, P, R, E> ResponseFuture<F, C, P, R, E> {
+impl<F, C, L: Acquire, R, E> ResponseFuture<F, C, L, R, E> {
     #[inline]
-    pub(crate) fn called(inner: F, operation: Lifecycle<P, Option<C>>) -> Self {
+    pub(crate) fn called(inner: F, operation: Lifecycle<L, Option<C>>) -> Self {
         Self {
             state: State::Called { inner },
             operation,
@@ -62,10 +63,11 @@ impl<F, C, P, R, E> ResponseFuture<F, C, P, R, E> {
     }
 }
 
-impl<F, C, P, E, Res, Err> Future for ResponseFuture<F, C, P, Result<Res, Err>, E>
+impl<F, C, L, E, Res, Err> Future for ResponseFuture<F, C, L, Result<Res, Err>, E>
 where
     F: Future<Output = Result<Res, Err>>,
-    E: End<Res, Err, C, P>,
+    L: Acquire,
+    E: End<Res, Err, C, L>,
 {
     type Output = Result<E::Response, Err>;
 
@@ -87,7 +89,7 @@ where
     }
 }
 
-impl<F, C, P, R, E> fmt::Debug for ResponseFuture<F, C, P, R, E> {
+impl<F, C, L: Acquire, R, E> fmt::Debug for ResponseFuture<F, C, L, R, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
             State::Called { .. } if self.operation.is_admitted() => "called",

@@ -16,11 +16,11 @@ pub use body::{AtBodyEnd, AtHead, End, OperationBody};
 pub use future::ResponseFuture;
 pub use service::ResourcesOperation;
 
+use crate::attributes::{Executor, Operation};
 use crate::classify::{DefaultClassifier, GrpcClassifier, HttpClassifier};
-use crate::limit::{Acquire, IntoLimit, QueueTimeout};
-use crate::metrics::{Capacity, MetricsSource, Series};
-use crate::protocol::{Grpc, Http, Plain};
-use crate::{Executor, Limit, Operation, OperationMetrics};
+use crate::limit::{Acquire, Capacity, IntoLimit, Limit, QueueTimeout};
+use crate::metrics::{MetricsSource, OperationMetrics, Series};
+use crate::protocol::{CanAnswer, Grpc, Http, Plain};
 
 /// Limits the wrapped service to a number of operations at once, like tower's
 /// `ConcurrencyLimitLayer`, and reports how long each waited, how long it ran, and how it ended.
@@ -60,25 +60,19 @@ use crate::{Executor, Limit, Operation, OperationMetrics};
 /// ([`AtHead`]). The type parameters are set by the builder methods: `C` the classifier
 /// ([`classifier`](Self::classifier)), `L` the limit, `P` the protocol
 /// ([`protocol`](Self::protocol)), `E` where an operation ends
-/// ([`until_body_end`](Self::until_body_end)), `T` how operations are tagged
-/// ([`per_request`](Self::per_request)).
-pub struct ResourcesOperationLayer<
-    C = DefaultClassifier,
-    L = Limit,
-    P = Plain,
-    E = AtHead,
-    T = Fixed,
-> {
+/// ([`until_body_end`](Self::until_body_end)). [`HttpLayer`] and [`GrpcLayer`] name the
+/// common ones; [`per_request`](Self::per_request) makes a
+/// [`PerRequestLayer`](crate::per_request::PerRequestLayer).
+pub struct ResourcesOperationLayer<C = DefaultClassifier, L = Limit, P = Plain, E = AtHead> {
     pub(crate) config: Arc<Config<C, L, P>>,
-    pub(crate) tags: T,
     pub(crate) _end: PhantomData<fn() -> E>,
 }
 
-/// Every operation of a layer has the same [`Operation`] and [`Executor`], set with
-/// [`operation`](ResourcesOperationLayer::operation) and
-/// [`executor`](ResourcesOperationLayer::executor). The default.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Fixed;
+/// The layer [`new_for_http`](ResourcesOperationLayer::new_for_http) makes, on a limit `L`.
+pub type HttpLayer<L = Limit, E = AtHead> = ResourcesOperationLayer<HttpClassifier, L, Http, E>;
+
+/// The layer [`new_for_grpc`](ResourcesOperationLayer::new_for_grpc) makes, on a limit `L`.
+pub type GrpcLayer<L = Limit, E = AtHead> = ResourcesOperationLayer<GrpcClassifier, L, Grpc, E>;
 
 /// What a layer shares with every service it makes.
 pub(crate) struct Config<C, L, P> {
@@ -107,7 +101,7 @@ impl<C, L: Acquire, P> Config<C, L, P> {
                 self.metrics
                     .resolve()
                     .series(self.operation, self.executor, capacity.as_ref())
-                    .map(std::borrow::Cow::into_owned)
+                    .cloned()
             })
             .as_ref()
     }
@@ -117,13 +111,38 @@ impl<C, L: Acquire, P> Config<C, L, P> {
     pub(crate) fn check(&self) {
         if !self.answers && self.limit.may_reject() {
             panic!(
-                "tower-resources-operation: this limit ({}) may turn operations away (a queue \
-                 bound or a queue timeout), but this layer cannot answer a rejection: give it a \
-                 protocol that answers, such as .protocol(RejectAsError) for a BoxError \
+                "tower-resources-operation: this limit ({}, {:?}) may turn operations away (a \
+                 queue bound or a queue timeout), but this layer cannot answer a rejection: give \
+                 it a protocol that answers, such as .protocol(RejectAsError) for a BoxError \
                  service, or use new_for_http / new_for_grpc",
-                std::any::type_name::<L>()
+                std::any::type_name::<L>(),
+                self.described_limit()
             );
         }
+    }
+
+    /// The limit, as `Debug` shows it: its name and capacity, as the metrics see them.
+    pub(crate) fn described_limit(&self) -> DescribedLimit {
+        let capacity = self.capacity.clone().or_else(|| self.limit.capacity());
+        DescribedLimit {
+            name: capacity.as_ref().and_then(Capacity::name),
+            capacity: capacity.as_ref().and_then(Capacity::get),
+        }
+    }
+}
+
+/// A layer's limit in its `Debug` output.
+pub(crate) struct DescribedLimit {
+    name: Option<&'static str>,
+    capacity: Option<usize>,
+}
+
+impl fmt::Debug for DescribedLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Limit")
+            .field("name", &self.name)
+            .field("capacity", &self.capacity)
+            .finish()
     }
 }
 
@@ -225,57 +244,6 @@ impl ResourcesOperationLayer {
     }
 }
 
-/// The names of the previous release, kept for one release.
-impl ResourcesOperationLayer {
-    /// Use [`new`](Self::new) with the `Limit` or any `Acquire`.
-    #[deprecated(since = "0.3.0", note = "use `ResourcesOperationLayer::new(limit)`")]
-    pub fn with_limit<L: Acquire>(limit: L) -> ResourcesOperationLayer<DefaultClassifier, L> {
-        Self::new(limit)
-    }
-
-    /// Use [`new`](Self::new) with the semaphore.
-    #[deprecated(
-        since = "0.3.0",
-        note = "use `ResourcesOperationLayer::new(semaphore)`"
-    )]
-    pub fn with_semaphore(
-        semaphore: Arc<tokio::sync::Semaphore>,
-    ) -> ResourcesOperationLayer<DefaultClassifier, Arc<tokio::sync::Semaphore>> {
-        Self::new(semaphore)
-    }
-
-    /// Use [`new`](Self::new) with [`Limit::try_new`].
-    #[deprecated(
-        since = "0.3.0",
-        note = "use `ResourcesOperationLayer::new(Limit::try_new(max)?)`"
-    )]
-    pub fn try_new(max: usize) -> Result<Self, crate::limit::LimitTooLarge> {
-        Ok(Self::new(Limit::try_new(max)?))
-    }
-
-    /// Use [`new_for_http`](Self::new_for_http) with the `Limit` or any `Acquire`.
-    #[deprecated(
-        since = "0.3.0",
-        note = "use `ResourcesOperationLayer::new_for_http(limit)`"
-    )]
-    pub fn with_limit_for_http<L: Acquire>(
-        limit: L,
-    ) -> ResourcesOperationLayer<HttpClassifier, L, Http> {
-        Self::new_for_http(limit)
-    }
-
-    /// Use [`new_for_grpc`](Self::new_for_grpc) with the `Limit` or any `Acquire`.
-    #[deprecated(
-        since = "0.3.0",
-        note = "use `ResourcesOperationLayer::new_for_grpc(limit)`"
-    )]
-    pub fn with_limit_for_grpc<L: Acquire>(
-        limit: L,
-    ) -> ResourcesOperationLayer<GrpcClassifier, L, Grpc> {
-        Self::new_for_grpc(limit)
-    }
-}
-
 impl<C, L, P> ResourcesOperationLayer<C, L, P> {
     fn from_parts(limit: L, classifier: C, protocol: P, answers: bool) -> Self {
         Self {
@@ -290,13 +258,12 @@ impl<C, L, P> ResourcesOperationLayer<C, L, P> {
                 capacity: None,
                 series: OnceLock::new(),
             }),
-            tags: Fixed,
             _end: PhantomData,
         }
     }
 }
 
-impl<C, L, P, E, T> ResourcesOperationLayer<C, L, P, E, T>
+impl<C, L, P, E> ResourcesOperationLayer<C, L, P, E>
 where
     C: Clone,
     L: Clone,
@@ -314,12 +281,10 @@ where
     fn reconfigure<D, M, Q>(
         self,
         change: impl FnOnce(Parts<C, L, P>) -> Parts<D, M, Q>,
-    ) -> ResourcesOperationLayer<D, M, Q, E, T> {
-        let Self { config, tags, .. } = self;
-        let config = Arc::try_unwrap(config).unwrap_or_else(|shared| (*shared).clone());
+    ) -> ResourcesOperationLayer<D, M, Q, E> {
+        let config = Arc::try_unwrap(self.config).unwrap_or_else(|shared| (*shared).clone());
         ResourcesOperationLayer {
             config: Arc::new(config.map(change)),
-            tags,
             _end: PhantomData,
         }
     }
@@ -344,7 +309,7 @@ where
     /// Decides outcomes with `classifier`, a
     /// [`ClassifyOutcome`](crate::classify::ClassifyOutcome) (closures included), cloned for each
     /// operation that records.
-    pub fn classifier<D: Clone>(self, classifier: D) -> ResourcesOperationLayer<D, L, P, E, T> {
+    pub fn classifier<D: Clone>(self, classifier: D) -> ResourcesOperationLayer<D, L, P, E> {
         self.reconfigure(|parts| Parts {
             classifier,
             limit: parts.limit,
@@ -356,9 +321,8 @@ where
     /// Speaks `protocol`: how a rejection is answered, and where a caller's deadline is read
     /// (see [`protocol`](crate::protocol); a closure `Fn(Rejected) -> Result<Res, Err>` answers
     /// with what it returns).
-    pub fn protocol<Q>(self, protocol: Q) -> ResourcesOperationLayer<C, L, Q, E, T> {
-        // Every protocol answers rejections but `Plain`.
-        let answers = std::any::type_name::<Q>() != std::any::type_name::<Plain>();
+    pub fn protocol<Q: CanAnswer>(self, protocol: Q) -> ResourcesOperationLayer<C, L, Q, E> {
+        let answers = Q::CAN_ANSWER;
         self.reconfigure(|parts| Parts {
             protocol,
             answers,
@@ -374,7 +338,7 @@ where
     pub fn queue_timeout(
         self,
         timeout: Duration,
-    ) -> ResourcesOperationLayer<C, QueueTimeout<L>, P, E, T>
+    ) -> ResourcesOperationLayer<C, QueueTimeout<L>, P, E>
     where
         L: Acquire,
     {
@@ -390,10 +354,9 @@ where
     /// service answers: the permit, the `active` count and the run time last while the body
     /// streams (server-sent events, streamed tokens, gRPC server streams), and the outcome can
     /// come from the trailers. The response body becomes an [`OperationBody`].
-    pub fn until_body_end(self) -> ResourcesOperationLayer<C, L, P, AtBodyEnd, T> {
+    pub fn until_body_end(self) -> ResourcesOperationLayer<C, L, P, AtBodyEnd> {
         ResourcesOperationLayer {
             config: self.config,
-            tags: self.tags,
             _end: PhantomData,
         }
     }
@@ -404,7 +367,7 @@ where
     }
 }
 
-impl<C: Clone, L: Clone, P: Clone, E> ResourcesOperationLayer<C, L, P, E, Fixed> {
+impl<C: Clone, L: Clone, P: Clone, E> ResourcesOperationLayer<C, L, P, E> {
     /// Tags this layer's operations with `operation`. Defaults to [`Operation::Other`].
     pub fn operation(self, operation: Operation) -> Self {
         self.configure(|config| config.operation = operation)
@@ -416,7 +379,7 @@ impl<C: Clone, L: Clone, P: Clone, E> ResourcesOperationLayer<C, L, P, E, Fixed>
     }
 }
 
-impl<C: Clone, L: Clone, E, T> ResourcesOperationLayer<C, L, Http, E, T> {
+impl<C: Clone, L: Clone, E> ResourcesOperationLayer<C, L, Http, E> {
     /// The server gives up on every request after `timeout` (tower-http's `TimeoutLayer`
     /// outside this layer, or Router-wide): an operation it drops past that is `timeout`, not
     /// `cancelled`. See [`Http::server_timeout`].
@@ -425,7 +388,7 @@ impl<C: Clone, L: Clone, E, T> ResourcesOperationLayer<C, L, Http, E, T> {
     }
 }
 
-impl<C: Clone, L: Clone, E, T> ResourcesOperationLayer<C, L, Grpc, E, T> {
+impl<C: Clone, L: Clone, E> ResourcesOperationLayer<C, L, Grpc, E> {
     /// The server gives up on every call after `timeout` (tonic's `Server::timeout`): a call it
     /// drops past that is `timeout`, not `cancelled`. See [`Grpc::server_timeout`].
     pub fn server_timeout(self, timeout: Duration) -> Self {
@@ -433,7 +396,7 @@ impl<C: Clone, L: Clone, E, T> ResourcesOperationLayer<C, L, Grpc, E, T> {
     }
 }
 
-impl<S, C, L, P, E> Layer<S> for ResourcesOperationLayer<C, L, P, E, Fixed>
+impl<S, C, L, P, E> Layer<S> for ResourcesOperationLayer<C, L, P, E>
 where
     L: Acquire + Clone,
 {
@@ -450,28 +413,24 @@ where
     }
 }
 
-impl<C, L, P, E, T: Clone> Clone for ResourcesOperationLayer<C, L, P, E, T> {
+impl<C, L, P, E> Clone for ResourcesOperationLayer<C, L, P, E> {
     fn clone(&self) -> Self {
         Self {
             config: Arc::clone(&self.config),
-            tags: self.tags.clone(),
             _end: PhantomData,
         }
     }
 }
 
-impl<C, L, P, E, T: fmt::Debug> fmt::Debug for ResourcesOperationLayer<C, L, P, E, T> {
+impl<C, L: Acquire, P, E> fmt::Debug for ResourcesOperationLayer<C, L, P, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let config = &*self.config;
         f.debug_struct("ResourcesOperationLayer")
             .field("operation", &config.operation)
             .field("executor", &config.executor)
-            .field("tags", &self.tags)
+            .field("limit", &config.described_limit())
+            .field("answers_rejections", &config.answers)
             .field("metrics", &config.metrics)
-            .field("limit", &std::any::type_name::<L>())
-            .field("classifier", &std::any::type_name::<C>())
-            .field("protocol", &std::any::type_name::<P>())
-            .field("end", &std::any::type_name::<E>())
-            .finish()
+            .finish_non_exhaustive()
     }
 }

@@ -6,7 +6,6 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use tower::load::Load;
 use tower_service::Service;
 
 use super::body::{AtHead, End};
@@ -14,10 +13,9 @@ use super::future::ResponseFuture;
 use super::Config;
 use crate::classify::{ClassifyOutcome, DefaultClassifier};
 use crate::guard::guarded;
-use crate::limit::{limit_failed, Acquire, AcquireError, IntoLimit, Waiting};
+use crate::limit::{limit_failed, Acquire, AcquireError, IntoLimit, Limit, Waiting};
 use crate::operation::{Ending, Lifecycle};
 use crate::protocol::{unanswerable, Plain, Protocol, Rejected};
-use crate::Limit;
 
 /// A service limited to a number of operations at once, made by
 /// [`ResourcesOperationLayer`](crate::ResourcesOperationLayer).
@@ -42,7 +40,7 @@ pub struct ResourcesOperation<S, C = DefaultClassifier, L: Acquire = Limit, P = 
     /// it away, if it did (for `call` to answer).
     waiting: Waiting<L::Permit>,
     /// The next operation, which `poll_ready` prepares and `call` hands to its future.
-    operation: Lifecycle<L::Permit>,
+    operation: Lifecycle<L>,
     _end: PhantomData<fn() -> E>,
 }
 
@@ -101,11 +99,11 @@ where
     L: Acquire + Clone + Send + Sync + 'static,
     L::Permit: Send + 'static,
     P: Protocol<Request, S::Response, S::Error>,
-    E: End<S::Response, S::Error, C, L::Permit>,
+    E: End<S::Response, S::Error, C, L>,
 {
     type Response = E::Response;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future, C, L::Permit, Result<S::Response, S::Error>, E>;
+    type Future = ResponseFuture<S::Future, C, L, Result<S::Response, S::Error>, E>;
 
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
@@ -196,7 +194,11 @@ impl<S: Clone, C, L: Acquire, P, E> Clone for ResourcesOperation<S, C, L, P, E> 
     }
 }
 
-impl<S: Load, C, L: Acquire, P, E> Load for ResourcesOperation<S, C, L, P, E> {
+#[cfg(feature = "load")]
+#[cfg_attr(docsrs, doc(cfg(feature = "load")))]
+impl<S: tower::load::Load, C, L: Acquire, P, E> tower::load::Load
+    for ResourcesOperation<S, C, L, P, E>
+{
     type Metric = S::Metric;
 
     /// The inner service's load.
@@ -218,13 +220,14 @@ impl<S: fmt::Debug, C, L: Acquire, P, E> fmt::Debug for ResourcesOperation<S, C,
         };
         f.debug_struct("ResourcesOperation")
             .field("inner", &self.inner)
-            .field("limit", &std::any::type_name::<L>())
+            .field("limit", &self.config.described_limit())
             .field("state", &state)
             .finish_non_exhaustive()
     }
 }
 
 #[cfg(feature = "tonic")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
 impl<S, C, L, P, E> tonic::server::NamedService for ResourcesOperation<S, C, L, P, E>
 where
     S: tonic::server::NamedService,

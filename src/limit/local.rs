@@ -5,12 +5,12 @@ use std::sync::{Arc, Weak};
 
 use tokio::sync::{Semaphore, TryAcquireError};
 
+use super::feedback::{Control, Ended, MakeControl, Resize};
 use super::front::{Front, Joined};
+use super::report::{check_name, Capacity, Reading};
 use super::resize::Resizable;
 use super::{Acquire, AcquireError};
-use crate::adaptive::{Adaptive, Controller, Resize};
-use crate::metrics::{Capacity, Reading};
-use crate::Rejection;
+use crate::attributes::Rejection;
 
 /// A limit of operations at once, shared by every clone, that knows its capacity, can bound its
 /// queue, and can be resized while it serves.
@@ -50,6 +50,8 @@ struct State {
     max_queued: usize,
     /// What the metrics read, and the limit's identity there.
     gauge: Capacity,
+    /// An adaptive limit's controller, which hears each operation's end.
+    control: Option<Arc<dyn Control>>,
 }
 
 impl Limit {
@@ -101,20 +103,24 @@ impl Limit {
         max: usize,
         max_queued: usize,
         name: Option<&'static str>,
-        adaptive: Option<&Adaptive>,
+        adaptive: Option<&dyn MakeControl>,
     ) -> Self {
-        let max = adaptive.map_or(max, |adaptive| adaptive.start(max));
+        let max = adaptive.map_or(max, |adaptive| {
+            let bounds = adaptive.bounds();
+            max.clamp(*bounds.start(), *bounds.end())
+        });
         let state = Arc::new_cyclic(|state: &Weak<State>| {
-            let controller = adaptive.map(|adaptive| {
+            let control = adaptive.map(|adaptive| {
                 let limit: Weak<dyn Resize> = state.clone();
-                Arc::new(Controller::new(adaptive, limit, max))
+                adaptive.make(limit, max)
             });
             let state = state.clone();
             let read = move || state.upgrade().map(|state| state.read());
             State {
                 places: Resizable::new(Front::new(max, Semaphore::new(0)), max),
                 max_queued,
-                gauge: Capacity::of_limit(name, read, controller),
+                gauge: Capacity::of_limit(name, read),
+                control,
             }
         });
         Self { state }
@@ -150,7 +156,7 @@ impl Limit {
 
     /// Whether a controller sets its capacity (see [`LimitBuilder::adaptive`]).
     pub fn is_adaptive(&self) -> bool {
-        self.state.gauge.controller().is_some()
+        self.state.control.is_some()
     }
 
     /// Changes the capacity while the limit serves.
@@ -182,18 +188,27 @@ impl State {
     fn read(&self) -> Reading {
         let free = self.places.places().available();
         let (baseline, estimate) = self
-            .gauge
-            .controller()
-            .map(Controller::measured)
+            .control
+            .as_ref()
+            .map(|control| control.measured())
             .unwrap_or_default();
-        Reading {
-            capacity: self.places.capacity(),
-            active: self.places.held(free),
-            queued: self.places.places().waiting(),
-            baseline,
-            estimate,
-            ..Reading::default()
+        Reading::new(
+            self.places.capacity(),
+            self.places.held(free),
+            self.places.places().waiting(),
+        )
+        .with_run_times(baseline, estimate)
+    }
+}
+
+impl State {
+    /// The queue is full: the operation is turned away, and the controller hears of it.
+    #[cold]
+    fn queue_full(&self) -> AcquireError {
+        if let Some(control) = &self.control {
+            control.rejected();
         }
+        AcquireError::rejected(Rejection::QueueFull)
     }
 }
 
@@ -223,7 +238,7 @@ pub struct LimitBuilder {
     max: usize,
     max_queued: usize,
     name: Option<&'static str>,
-    adaptive: Option<Adaptive>,
+    adaptive: Option<Arc<dyn MakeControl>>,
 }
 
 impl LimitBuilder {
@@ -268,8 +283,8 @@ impl LimitBuilder {
     ///     .build();
     /// assert!(judges.is_adaptive());
     /// ```
-    pub fn adaptive(mut self, controller: Adaptive) -> Self {
-        self.adaptive = Some(controller);
+    pub fn adaptive(mut self, controller: impl MakeControl + 'static) -> Self {
+        self.adaptive = Some(Arc::new(controller));
         self
     }
 
@@ -299,21 +314,7 @@ impl LimitBuilder {
             self.max,
             self.max_queued,
             self.name,
-            self.adaptive.as_ref(),
-        ))
-    }
-}
-
-/// Whether `name` can name a limit in the metrics.
-pub(crate) fn check_name(name: &str) -> Result<(), String> {
-    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '/' | '-');
-    let starts_with_letter = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic());
-    if (1..=64).contains(&name.len()) && starts_with_letter && name.chars().all(allowed) {
-        Ok(())
-    } else {
-        Err(format!(
-            "tower-resources-operation: a limit's name becomes a metric attribute, so it must be \
-             1 to 64 characters among A-Z a-z 0-9 _ . : / -, starting with a letter; got {name:?}"
+            self.adaptive.as_deref(),
         ))
     }
 }
@@ -365,7 +366,7 @@ impl Acquire for Limit {
             })),
             Err(TryAcquireError::NoPermits) => {
                 let full = state.places.places().waiting() >= state.max_queued;
-                full.then(|| Err(AcquireError::rejected(Rejection::QueueFull)))
+                full.then(|| Err(state.queue_full()))
             }
             Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
         }
@@ -377,6 +378,20 @@ impl Acquire for Limit {
 
     fn may_reject(&self) -> bool {
         self.queue_bound().is_some()
+    }
+
+    #[inline]
+    fn hears_ends(permit: &LimitPermit) -> bool {
+        permit.state.control.is_some()
+    }
+
+    #[inline]
+    fn ended(permit: &LimitPermit, ended: &Ended) {
+        let state = &*permit.state;
+        if let Some(control) = &state.control {
+            let in_flight = state.places.held(state.places.places().available());
+            control.ended(ended, in_flight);
+        }
     }
 }
 
@@ -391,7 +406,7 @@ impl Queued {
     fn counted(state: Arc<State>, ahead: usize) -> Result<Self, AcquireError> {
         let queued = Self { state: Some(state) };
         if ahead >= queued.state().max_queued {
-            return Err(AcquireError::rejected(Rejection::QueueFull));
+            return Err(queued.state().queue_full());
         }
         Ok(queued)
     }
@@ -444,7 +459,7 @@ impl fmt::Debug for Limit {
             .field("queued", &self.queued())
             .field("queue_bound", &self.queue_bound())
             .field("name", &self.name())
-            .field("adaptive", &self.state.gauge.controller())
+            .field("adaptive", &self.state.control)
             .finish()
     }
 }

@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 use tokio_util::sync::ReusableBoxFuture;
 
 use super::{Acquire, AcquireError};
-use crate::Rejection;
+use crate::attributes::Rejection;
 
 /// One way of asking a limit, for [`Lifecycle::poll_admit`](crate::operation::Lifecycle::poll_admit).
 pub(crate) trait Asking {

@@ -10,8 +10,6 @@
 pub mod grpc;
 pub mod http;
 pub mod prometheus;
-#[cfg(feature = "redis")]
-pub mod redis_server;
 pub mod reliability;
 pub mod simulation;
 

@@ -30,9 +30,10 @@ use tower::{service_fn, Layer, Service, ServiceExt as _};
 
 use tower_resources_operation::classify::TimeoutClassifier;
 use tower_resources_operation::layer::AtBodyEnd;
+use tower_resources_operation::limit::Capacity;
 use tower_resources_operation::limit::{AcquireError, IntoLimit};
 use tower_resources_operation::metrics::{
-    Capacity, ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+    ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{

@@ -23,7 +23,7 @@ impl RedisServer {
     /// a loud message, if `redis-server` is not installed (a failure when `REQUIRE_REDIS=1`, as
     /// CI sets it).
     pub fn start() -> Option<Self> {
-        if super::prometheus::find_on_path(SERVER).is_none() {
+        if find_on_path(SERVER).is_none() {
             let message = format!(
                 "`{SERVER}` is not on PATH, so the fleet limit's tests cannot run. Install it \
                  (Debian/Ubuntu: `apt-get install redis-server`)."
@@ -161,4 +161,12 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// The first `program` on `PATH`, if there is one.
+fn find_on_path(program: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|candidate| candidate.is_file())
 }

@@ -16,7 +16,7 @@
 
 use std::sync::LazyLock;
 
-use ::redis::Script;
+use redis::Script;
 
 /// What every script starts with.
 const PRELUDE: &str = r#"
@@ -134,15 +134,15 @@ return {cap, redis.call('ZCARD', holders), redis.call('ZCARD', queue)}
 "#;
 
 /// The scripts, made (and hashed) once per process.
-pub(super) struct Scripts {
-    pub(super) acquire: Script,
-    pub(super) release: Script,
-    pub(super) refresh: Script,
-    pub(super) set_capacity: Script,
-    pub(super) state: Script,
+pub(crate) struct Scripts {
+    pub(crate) acquire: Script,
+    pub(crate) release: Script,
+    pub(crate) refresh: Script,
+    pub(crate) set_capacity: Script,
+    pub(crate) state: Script,
 }
 
-pub(super) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
+pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
     let script = |body: &str| Script::new(&format!("{PRELUDE}{body}"));
     Scripts {
         acquire: script(ACQUIRE),
@@ -155,7 +155,7 @@ pub(super) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
 
 /// What an `ACQUIRE` said.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Asked {
+pub(crate) enum Asked {
     /// The caller holds a lease.
     Granted,
     /// The caller waits in the queue.
@@ -165,7 +165,7 @@ pub(super) enum Asked {
 }
 
 impl Asked {
-    pub(super) fn from_status(status: i64) -> Self {
+    pub(crate) fn from_status(status: i64) -> Self {
         match status {
             1 => Asked::Granted,
             2 => Asked::Full,
@@ -175,8 +175,8 @@ impl Asked {
 }
 
 /// What a `REFRESH` said of one id: it holds a lease (anything else unknown is gone: 0).
-pub(super) const HOLDS: i64 = 1;
+pub(crate) const HOLDS: i64 = 1;
 /// It waits in the queue.
-pub(super) const WAITS: i64 = 2;
+pub(crate) const WAITS: i64 = 2;
 /// Its lease was lost, and taken back.
-pub(super) const TAKEN_BACK: i64 = 3;
+pub(crate) const TAKEN_BACK: i64 = 3;

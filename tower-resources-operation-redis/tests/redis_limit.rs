@@ -7,7 +7,6 @@
 //! failing closed and failing open when Redis is stopped or frozen, for new callers and for
 //! waiters; a lease lost while its operation runs (counted, taken back only if its place is
 //! free); recovery after a restart; and what the metrics say.
-#![cfg(feature = "redis")]
 
 mod support;
 
@@ -21,16 +20,16 @@ use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
 
 use support::redis_server::RedisServer;
 use support::{live, within, Telemetry};
-use tower_resources_operation::limit::redis::{RedisLimit, RedisLimitBuilder, RedisPermit};
 use tower_resources_operation::metrics::{
-    LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_CAPACITY_INSTRUMENT,
-    LIMIT_FAILED_OPEN_INSTRUMENT, LIMIT_INSTRUMENT, LIMIT_LEASES_LOST_INSTRUMENT,
+    LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_CAPACITY_INSTRUMENT, LIMIT_INSTRUMENT,
     REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{
     Acquire, Executor, Operation, Rejected, Rejection, ResourcesOperationLayer, DURATION_INSTRUMENT,
 };
+use tower_resources_operation_redis::metrics::{FAILED_OPEN_INSTRUMENT, LEASES_LOST_INSTRUMENT};
+use tower_resources_operation_redis::{RedisLimit, RedisLimitBuilder, RedisPermit};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -115,9 +114,9 @@ async fn every_handle_built_with_one_name_shares_one_capacity_and_other_names_do
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let replica_a = patient("judges", 2).build(redis.url()).unwrap();
-    let replica_b = patient("judges", 2).build(redis.url()).unwrap();
-    let verifiers = patient("verifiers", 1).build(redis.url()).unwrap();
+    let replica_a = patient("judges", 2).build(&redis.url()).unwrap();
+    let replica_b = patient("judges", 2).build(&redis.url()).unwrap();
+    let verifiers = patient("verifiers", 1).build(&redis.url()).unwrap();
 
     let first = take(&replica_a).await;
     let second = take(&replica_b).await;
@@ -151,7 +150,7 @@ async fn waiters_from_every_replica_are_served_first_come_first_served() {
         return;
     };
     let replicas: Vec<RedisLimit> = (0..3)
-        .map(|_| patient("sandboxes", 1).build(redis.url()).unwrap())
+        .map(|_| patient("sandboxes", 1).build(&redis.url()).unwrap())
         .collect();
     let holding = take(&replicas[0]).await;
 
@@ -181,8 +180,8 @@ async fn a_release_wakes_a_waiter_of_another_replica_without_a_poll() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let replica_a = patient("judges", 1).build(redis.url()).unwrap();
-    let replica_b = patient("judges", 1).build(redis.url()).unwrap();
+    let replica_a = patient("judges", 1).build(&redis.url()).unwrap();
+    let replica_b = patient("judges", 1).build(&redis.url()).unwrap();
     replica_b.ready().await.unwrap();
     let holding = take(&replica_a).await;
     let waiter = wait_for(&replica_b);
@@ -203,7 +202,7 @@ async fn an_uncontended_operation_costs_two_round_trips() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let limit = patient("judges", 4).build(redis.url()).unwrap();
+    let limit = patient("judges", 4).build(&redis.url()).unwrap();
     // The first operation loads the scripts (a NOSCRIPT, then SCRIPT LOAD, once per script).
     drop(take(&limit).await);
     until("the first release", || async { fleet(&limit).await.1 == 0 }).await;
@@ -243,8 +242,8 @@ async fn a_waiter_that_goes_away_leaves_no_ticket_and_a_dropped_permit_no_lease(
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let replica_a = patient("judges", 1).build(redis.url()).unwrap();
-    let replica_b = patient("judges", 1).build(redis.url()).unwrap();
+    let replica_a = patient("judges", 1).build(&redis.url()).unwrap();
+    let replica_b = patient("judges", 1).build(&redis.url()).unwrap();
     let holding = take(&replica_a).await;
 
     let gone = wait_for(&replica_b);
@@ -275,9 +274,9 @@ async fn raising_the_capacity_admits_the_fleets_waiters_at_once_and_lowering_it_
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let replica_a = patient("judges", 1).build(redis.url()).unwrap();
-    let replica_b = patient("judges", 1).build(redis.url()).unwrap();
-    let operator = patient("judges", 1).build(redis.url()).unwrap();
+    let replica_a = patient("judges", 1).build(&redis.url()).unwrap();
+    let replica_b = patient("judges", 1).build(&redis.url()).unwrap();
+    let operator = patient("judges", 1).build(&redis.url()).unwrap();
     replica_b.ready().await.unwrap();
     let first = take(&replica_a).await;
     let waiters = [wait_for(&replica_b), wait_for(&replica_b)];
@@ -324,10 +323,10 @@ async fn the_first_replica_stores_the_capacity_and_later_ones_read_it() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let first = patient("judges", 3).build(redis.url()).unwrap();
+    let first = patient("judges", 3).build(&redis.url()).unwrap();
     first.ready().await.unwrap();
     assert_eq!(fleet(&first).await.0, 3);
-    let later = patient("judges", 7).build(redis.url()).unwrap();
+    let later = patient("judges", 7).build(&redis.url()).unwrap();
     assert_eq!(later.capacity(), 7, "its own, until it reads the fleet's");
     drop(take(&later).await);
     assert_eq!(later.capacity(), 3, "the fleet's, once read");
@@ -345,11 +344,11 @@ async fn the_queue_bound_and_the_queue_timeout_are_answered_as_the_local_limits_
     let t = Telemetry::new();
     let replica_a = patient("judges", 1)
         .max_queued(1)
-        .build(redis.url())
+        .build(&redis.url())
         .unwrap();
     let replica_b = patient("judges", 1)
         .max_queued(1)
-        .build(redis.url())
+        .build(&redis.url())
         .unwrap();
     assert_eq!(replica_a.queue_bound(), Some(1));
     assert!(replica_a.may_reject());
@@ -410,7 +409,7 @@ async fn failing_closed_a_stopped_redis_turns_operations_away_as_unavailable() {
         return;
     };
     let t = Telemetry::new();
-    let limit = quick("judges", 2).build(redis.url()).unwrap();
+    let limit = quick("judges", 2).build(&redis.url()).unwrap();
     limit.ready().await.unwrap();
     assert!(
         limit.may_reject(),
@@ -454,7 +453,11 @@ async fn failing_open_a_stopped_redis_admits_operations_without_the_fleet_limit_
         return;
     };
     let t = Telemetry::new();
-    let limit = quick("judges", 1).fail_open().build(redis.url()).unwrap();
+    let limit = quick("judges", 1)
+        .fail_open()
+        .meter(&t.meter())
+        .build(&redis.url())
+        .unwrap();
     assert!(
         !limit.may_reject(),
         "failing open without a queue bound it never turns an operation away"
@@ -478,7 +481,7 @@ async fn failing_open_a_stopped_redis_admits_operations_without_the_fleet_limit_
         within("a request", service.oneshot(())).await.unwrap(),
         "judged"
     );
-    assert_eq!(named(&t, LIMIT_FAILED_OPEN_INSTRUMENT, "judges"), 3);
+    assert_eq!(named(&t, FAILED_OPEN_INSTRUMENT, "judges"), 3);
     assert_eq!(t.ended(&[], "ok"), 2);
 }
 
@@ -487,8 +490,8 @@ async fn a_waiter_gets_the_configured_answer_when_redis_stops_under_it() {
     let Some(mut redis) = RedisServer::start() else {
         return;
     };
-    let closed = quick("judges", 1).build(redis.url()).unwrap();
-    let open = quick("judges", 1).fail_open().build(redis.url()).unwrap();
+    let closed = quick("judges", 1).build(&redis.url()).unwrap();
+    let open = quick("judges", 1).fail_open().build(&redis.url()).unwrap();
     let holding = take(&closed).await;
     let turned_away = {
         let closed = closed.clone();
@@ -519,7 +522,7 @@ async fn a_frozen_redis_is_answered_within_the_call_timeout_not_waited_for() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let limit = quick("judges", 2).build(redis.url()).unwrap();
+    let limit = quick("judges", 2).build(&redis.url()).unwrap();
     limit.ready().await.unwrap();
     redis.pause();
     let error = within("an acquire", limit.acquire()).await.unwrap_err();
@@ -538,8 +541,11 @@ async fn a_lost_lease_is_counted_and_taken_back_while_its_place_is_free() {
         return;
     };
     let t = Telemetry::new();
-    let limit = quick("judges", 1).build(redis.url()).unwrap();
-    let other = quick("judges", 1).build(redis.url()).unwrap();
+    let limit = quick("judges", 1)
+        .meter(&t.meter())
+        .build(&redis.url())
+        .unwrap();
+    let other = quick("judges", 1).build(&redis.url()).unwrap();
     let _gauge = ResourcesOperationLayer::new_for_http(limit.clone())
         .metrics(t.metrics.clone())
         .layer(service_fn(|_: Request<()>| async {
@@ -562,7 +568,7 @@ async fn a_lost_lease_is_counted_and_taken_back_while_its_place_is_free() {
     until_queued(&limit, 1).await;
     drop(running);
     drop(within("the waiter", waiting).await.unwrap());
-    assert_eq!(named(&t, LIMIT_LEASES_LOST_INSTRUMENT, "judges"), 1);
+    assert_eq!(named(&t, LEASES_LOST_INSTRUMENT, "judges"), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -570,8 +576,8 @@ async fn a_lost_lease_whose_place_was_given_to_another_is_counted_and_never_take
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let limit = quick("judges", 1).build(redis.url()).unwrap();
-    let other = quick("judges", 1).build(redis.url()).unwrap();
+    let limit = quick("judges", 1).build(&redis.url()).unwrap();
+    let other = quick("judges", 1).build(&redis.url()).unwrap();
     let running = take(&limit).await;
     let _: () = ::redis::cmd("DEL")
         .arg("{tro:judges}:holders")
@@ -599,7 +605,7 @@ async fn after_a_restart_the_fleet_recovers_by_itself() {
         return;
     };
     let t = Telemetry::new();
-    let limit = quick("judges", 2).build(redis.url()).unwrap();
+    let limit = quick("judges", 2).build(&redis.url()).unwrap();
     let service = ResourcesOperationLayer::new_for_http(limit.clone())
         .operation(Operation::Judge)
         .metrics(t.metrics.clone())
@@ -649,8 +655,9 @@ async fn the_limit_gauge_is_the_fleets_capacity_and_active_is_this_replicas_own(
         return;
     };
     let t = Telemetry::new();
-    let here = patient("judges", 4).build(redis.url()).unwrap();
-    let elsewhere = patient("judges", 4).build(redis.url()).unwrap();
+    let here = patient("judges", 4).build(&redis.url()).unwrap();
+    here.register_metrics(&t.meter());
+    let elsewhere = patient("judges", 4).build(&redis.url()).unwrap();
     let service = ResourcesOperationLayer::new_for_http(here.clone())
         .operation(Operation::Judge)
         .metrics(t.metrics.clone())
@@ -674,8 +681,8 @@ async fn the_limit_gauge_is_the_fleets_capacity_and_active_is_this_replicas_own(
     support::eventually("the new capacity heard", || here.capacity() == 6).await;
     assert_eq!(t.live_value(LIMIT_INSTRUMENT, &[]), 6);
     assert_eq!(named(&t, LIMIT_CAPACITY_INSTRUMENT, "judges"), 6);
-    assert_eq!(named(&t, LIMIT_FAILED_OPEN_INSTRUMENT, "judges"), 0);
-    assert_eq!(named(&t, LIMIT_LEASES_LOST_INSTRUMENT, "judges"), 0);
+    assert_eq!(named(&t, FAILED_OPEN_INSTRUMENT, "judges"), 0);
+    assert_eq!(named(&t, LEASES_LOST_INSTRUMENT, "judges"), 0);
 
     let response = service.oneshot(Request::new(())).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);

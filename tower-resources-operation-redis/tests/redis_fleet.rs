@@ -9,7 +9,6 @@
 //! - with Redis stopped and restarted in the middle of a load, no caller hangs, each gets the
 //!   answer its replica is configured for (turned away as `unavailable`, or admitted without the
 //!   fleet limit), and every replica takes places again once Redis is back.
-#![cfg(feature = "redis")]
 
 mod support;
 
@@ -21,9 +20,9 @@ use std::time::{Duration, Instant};
 
 use support::redis_server::RedisServer;
 use support::{live, Telemetry};
-use tower_resources_operation::limit::redis::RedisLimit;
 use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
 use tower_resources_operation::{Acquire, Executor, Operation, Rejection, DURATION_INSTRUMENT};
+use tower_resources_operation_redis::RedisLimit;
 
 /// The environment variable that makes [`replica`] a replica, with its settings.
 const REPLICA: &str = "TRO_FLEET_REPLICA";
@@ -123,7 +122,7 @@ async fn run_replica(settings: Settings) {
     if settings.fail_open {
         builder = builder.fail_open();
     }
-    let limit = builder.build(settings.redis.as_str()).unwrap();
+    let limit = builder.build(&settings.redis).unwrap();
     limit.ready().await.expect("Redis at the start");
     if settings.mode == "hold" {
         let mut held = Vec::new();
@@ -310,7 +309,7 @@ fn most_at_once(observer: &RedisServer) -> u64 {
 fn test_handle(redis: &RedisServer, capacity: usize) -> RedisLimit {
     RedisLimit::builder(NAME, capacity)
         .lease_ttl(Duration::from_secs(60))
-        .build(redis.url())
+        .build(&redis.url())
         .unwrap()
 }
 

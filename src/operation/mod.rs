@@ -5,7 +5,8 @@
 //! An operation that asks a limit for a permit is exactly one of:
 //!
 //! - **admitted**: it holds the permit, records its queue time, runs, and ends with an outcome,
-//!   recorded once with its run time, *before* the permit goes back;
+//!   recorded once with its run time and told to its limit
+//!   ([`Acquire::ended`](crate::limit::Acquire::ended)), *before* the permit goes back;
 //! - **rejected**: the limit turned it away (a full queue, a queue timeout), or could not admit
 //!   it (closed, its store out of reach: `unavailable`), counted by reason;
 //! - **abandoned**: its caller went away while it waited.
@@ -13,51 +14,56 @@
 //! The three places a reader looks for are here: where the permit is taken
 //! ([`Lifecycle::poll_admit`], the one acquire-or-refuse step), where the outcome is decided
 //! ([`decide`]), and where user code runs guarded ([`Lifecycle::run`] for the work,
-//! [`guarded`](crate::guard::guarded) for everything else). With metrics off an operation takes the same path with
-//! nothing to record: it only holds its permit.
+//! [`guarded`](crate::guard::guarded) for everything else). With metrics off, and a limit that
+//! does not hear ends, an operation takes the same path with nothing to record: it only holds
+//! its permit.
 
-use std::cell::Cell;
+mod outcome_slot;
+
 use std::fmt;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+pub use outcome_slot::set_outcome;
+
+use self::outcome_slot::{enter, leave, Slot};
+use crate::attributes::Outcome;
 use crate::guard::guarded;
-use crate::limit::{AcquireError, Asking};
+use crate::limit::{Acquire, AcquireError, Asking, Ended};
 use crate::metrics::Series;
-use crate::Outcome;
 
 /// A drop of an operation that had a deadline counts as `timeout` when it comes this close to
 /// the deadline (or a tenth of it, for short ones): the operation started to wait a little after
 /// its caller started the clock.
 const DEADLINE_SLACK: Duration = Duration::from_millis(10);
 
-/// One operation: the permit it holds, and what it records.
+/// One operation on a limit `A`: the permit it holds, and what it records.
 ///
 /// `K` is what it carries to decide its outcome when its work returns: nothing while a service
 /// prepares it, the classifier in a response future, the end-of-stream rule in a body.
 ///
 /// It is admitted while it holds its permit. With nothing to record it is only its permit and a
-/// null pointer, and has no drop code of its own, so that a response future is built, moved and
-/// dropped as cheaply as tower's. What a drop means (an abandoned wait, a cancelled operation) is
-/// the record's to say: it is declared first, so it records before the permit goes back.
-pub struct Lifecycle<P, K = ()> {
-    /// `None`: nothing to record (metrics off, or nothing asked yet).
+/// null word, so that a response future is built, moved and dropped about as cheaply as tower's.
+/// Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
+/// operation), and only then does the permit go back.
+pub struct Lifecycle<A: Acquire, K = ()> {
+    /// `None`: nothing to record (metrics off and a limit that does not hear ends, or nothing
+    /// asked yet).
     record: Option<Record>,
     /// What decides the outcome when the work returns: `()` while a service prepares the
     /// operation, then the classifier (made only for an operation that records).
     decides: K,
     /// Held from admission to the end.
-    permit: Option<P>,
+    permit: Option<A::Permit>,
 }
 
-/// What an operation records, and when it started to. Dropped before it was ended, it records
-/// what the drop means.
+/// What an operation records, and when it started to.
 struct Record {
-    series: Series,
-    /// Where the operation stands: one of the `WAITING`, `ADMITTED`, `CALLED` and `ENDED` below.
-    stage: u8,
+    /// `None` with metrics off: the operation is timed for its limit alone.
+    series: Option<Series>,
+    stage: Stage,
     /// The outcome [`set_outcome`] chose, if it did (see [`Chosen`]).
     chosen: Chosen,
     /// Admitted: how long it waited, in microseconds. Called: how long it may run before a drop
@@ -69,16 +75,20 @@ struct Record {
     at: Option<Instant>,
 }
 
-const WAITING: u8 = 0;
-const ADMITTED: u8 = 1;
-const CALLED: u8 = 2;
-const ENDED: u8 = 3;
+/// Where a recorded operation stands. An enum, so that "nothing to record" takes no word of
+/// its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    Waiting,
+    Admitted,
+    Called,
+    Ended,
+}
 
 /// A called operation's `timing` when its caller set no deadline.
 const NO_DEADLINE: u32 = u32::MAX;
 
-/// An outcome that [`set_outcome`] may have chosen, kept in a plain byte: a record's only
-/// niche is then its series pointer, so that "nothing to record" is one null word.
+/// An outcome that [`set_outcome`] may have chosen, kept in a plain byte.
 #[derive(Clone, Copy)]
 struct Chosen(u8);
 
@@ -110,7 +120,14 @@ pub(crate) enum Ending {
     Dropped,
 }
 
-impl<P, K: Default> Lifecycle<P, K> {
+/// Now, on tokio's clock (so that a paused clock is followed); `None` if it cannot be read
+/// (tokio's paused clock panics once its runtime's thread-locals are gone).
+#[inline]
+fn now() -> Option<Instant> {
+    guarded(Instant::now)
+}
+
+impl<A: Acquire, K: Default> Lifecycle<A, K> {
     /// An operation that has not asked yet.
     pub(crate) fn new() -> Self {
         Self {
@@ -119,9 +136,38 @@ impl<P, K: Default> Lifecycle<P, K> {
             permit: None,
         }
     }
+
+    /// Carries on with `decides` in place of what it carried (a response future handing its
+    /// operation to the body).
+    pub(crate) fn carry<J: Default>(&mut self, decides: impl FnOnce(&K) -> J) -> Lifecycle<A, J> {
+        let carried = match &self.record {
+            Some(_) => guarded(|| decides(&self.decides)).unwrap_or_default(),
+            None => J::default(),
+        };
+        Lifecycle {
+            record: self.record.take(),
+            decides: carried,
+            permit: self.permit.take(),
+        }
+    }
+
+    /// Lends the admitted operation's permit to its work: the operation goes on without it, and
+    /// its owner ends it with [`end_lent`](Self::end_lent) before the permit goes back.
+    pub(crate) fn lend_permit(mut self) -> (A::Permit, Self) {
+        let permit = self
+            .permit
+            .take()
+            .expect("only an admitted operation lends its permit");
+        let lent = Lifecycle {
+            record: self.record.take(),
+            decides: std::mem::take(&mut self.decides),
+            permit: None,
+        };
+        (permit, lent)
+    }
 }
 
-impl<P, K> Lifecycle<P, K> {
+impl<A: Acquire, K> Lifecycle<A, K> {
     /// Whether it holds its permit.
     #[inline]
     pub(crate) fn is_admitted(&self) -> bool {
@@ -135,22 +181,46 @@ impl<P, K> Lifecycle<P, K> {
     }
 
     /// Ends the admitted operation as `end` says, asking `classify` for the outcome if its work
-    /// returned; records it, then gives the permit back. Only the first end counts.
+    /// returned; records it and tells the limit, then gives the permit back. Only the first end
+    /// counts.
     #[inline]
     pub(crate) fn end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Option<Outcome>) {
         if self.record.is_some() {
-            self.record_end(end, classify);
+            self.record_end(end, classify, None);
         }
         self.permit = None;
     }
 
-    #[inline(never)]
-    fn record_end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Option<Outcome>) {
-        if let Some(record) = &mut self.record {
-            let decides = &self.decides;
-            record.end(end, || classify(decides));
+    /// Ends the operation whose permit it lent out (see [`lend_permit`](Self::lend_permit)),
+    /// telling the limit through `permit`.
+    pub(crate) fn end_lent(
+        &mut self,
+        permit: &A::Permit,
+        end: Ending,
+        classify: impl FnOnce(&K) -> Option<Outcome>,
+    ) {
+        if self.record.is_some() {
+            self.record_end(end, classify, Some(permit));
         }
-        self.record = None;
+    }
+
+    #[inline(never)]
+    fn record_end(
+        &mut self,
+        end: Ending,
+        classify: impl FnOnce(&K) -> Option<Outcome>,
+        lent: Option<&A::Permit>,
+    ) {
+        let Some(mut record) = self.record.take() else {
+            return;
+        };
+        let decides = &self.decides;
+        let Some(ended) = record.end(end, || classify(decides)) else {
+            return;
+        };
+        if let Some(permit) = self.permit.as_ref().or(lent) {
+            guarded(|| A::ended(permit, &ended));
+        }
     }
 
     /// Ends the operation as [`end`](Self::end) does, but keeps its permit until the lifecycle
@@ -159,36 +229,8 @@ impl<P, K> Lifecycle<P, K> {
     #[inline]
     pub(crate) fn finish(&mut self, end: Ending, classify: impl FnOnce(&K) -> Option<Outcome>) {
         if self.record.is_some() {
-            self.record_end(end, classify);
+            self.record_end(end, classify, None);
         }
-    }
-
-    /// Carries on with `decides` in place of what it carried (a response future handing its
-    /// operation to the body).
-    pub(crate) fn carry<J: Default>(&mut self, decides: impl FnOnce(&K) -> J) -> Lifecycle<P, J> {
-        let carried = match &self.record {
-            Some(_) => guarded(|| decides(&self.decides)).unwrap_or_default(),
-            None => J::default(),
-        };
-        Lifecycle {
-            record: self.record.take(),
-            decides: carried,
-            permit: self.permit.take(),
-        }
-    }
-
-    /// Lends the admitted operation's permit to its work: the operation goes on holding `()` in
-    /// its place, and its owner ends it before the permit goes back.
-    pub(crate) fn lend_permit(self) -> (P, Lifecycle<(), K>) {
-        let permit = self
-            .permit
-            .expect("only an admitted operation lends its permit");
-        let lent = Lifecycle {
-            record: self.record,
-            decides: self.decides,
-            permit: Some(()),
-        };
-        (permit, lent)
     }
 
     /// Polls `work` (the operation's response future or body) as this operation, for an owner
@@ -199,7 +241,7 @@ impl<P, K> Lifecycle<P, K> {
         if self.record.is_none() {
             return work();
         }
-        self.run(work)
+        self.run_lent(None, work)
     }
 
     /// Runs `work` (one call of the inner service, or one poll of it) as this operation, for an
@@ -208,6 +250,13 @@ impl<P, K> Lifecycle<P, K> {
     /// before the panic goes on.
     #[inline]
     pub(crate) fn run<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        self.run_lent(None, work)
+    }
+
+    /// [`run`](Self::run), for an operation whose permit is `lent` to its work (see
+    /// [`lend_permit`](Self::lend_permit)): a panic is told to the limit through it.
+    #[inline]
+    pub(crate) fn run_lent<R>(&mut self, lent: Option<&A::Permit>, work: impl FnOnce() -> R) -> R {
         let previous = match &self.record {
             Some(record) => enter(record.chosen.get()),
             None => None,
@@ -215,6 +264,7 @@ impl<P, K> Lifecycle<P, K> {
         let unwinding = Unwinding {
             operation: self,
             previous,
+            lent,
         };
         let output = work();
         // The work returned: leave the scope here, in line, and disarm the guard.
@@ -234,9 +284,39 @@ impl<P, K> Lifecycle<P, K> {
             record.chosen = Chosen::new(chosen);
         }
     }
+
+    /// Dropped before it ended: a wait given up is abandoned, an admitted operation ends as
+    /// [`Ending::Dropped`] (out of line: an operation that ended, the common case, is dropped
+    /// with one check).
+    #[inline(never)]
+    fn dropped(&mut self) {
+        let Some(record) = &mut self.record else {
+            return;
+        };
+        match record.stage {
+            Stage::Waiting => {
+                record.stage = Stage::Ended;
+                if let Some(series) = &record.series {
+                    series.abandon(true);
+                }
+                self.record = None;
+            }
+            Stage::Admitted | Stage::Called => self.record_end(Ending::Dropped, |_| None, None),
+            Stage::Ended => self.record = None,
+        }
+    }
 }
 
-impl<P> Lifecycle<P> {
+impl<A: Acquire, K> Drop for Lifecycle<A, K> {
+    #[inline]
+    fn drop(&mut self) {
+        if self.record.is_some() {
+            self.dropped();
+        }
+    }
+}
+
+impl<A: Acquire> Lifecycle<A> {
     /// One step of asking for the permit, in `poll_ready` or in an `async` block: a free permit
     /// is taken at once; otherwise the operation waits (counted as queued from the first
     /// `Pending`), until the limit admits it or turns it away. This is the one
@@ -247,7 +327,7 @@ impl<P> Lifecycle<P> {
     #[inline(always)]
     pub(crate) fn poll_admit(
         &mut self,
-        asking: &mut impl Asking<Permit = P>,
+        asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
@@ -260,12 +340,13 @@ impl<P> Lifecycle<P> {
         };
         Poll::Ready(match acquired {
             Ok(permit) => {
+                let hears = A::hears_ends(&permit);
                 if self.permit.is_none() {
                     self.permit = Some(permit);
                 } else {
                     held_twice(permit);
                 }
-                if series.is_some() {
+                if series.is_some() || hears {
                     self.record_admission(series);
                 }
                 Ok(())
@@ -278,10 +359,10 @@ impl<P> Lifecycle<P> {
     #[inline]
     fn poll_wait(
         &mut self,
-        asking: &mut impl Asking<Permit = P>,
+        asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
         cx: &mut Context<'_>,
-    ) -> Poll<Result<P, AcquireError>> {
+    ) -> Poll<Result<A::Permit, AcquireError>> {
         let polled = asking.poll_wait(cx);
         if polled.is_pending() && self.record.is_none() {
             if let Some(series) = series {
@@ -293,7 +374,7 @@ impl<P> Lifecycle<P> {
 
     fn start_waiting(&mut self, series: &Series) {
         series.start_waiting();
-        self.record = Some(Record::new(series.clone(), series.now()));
+        self.record = Some(Record::new(Some(series.clone()), now()));
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
@@ -302,12 +383,11 @@ impl<P> Lifecycle<P> {
         match &mut self.record {
             Some(waited) => waited.admit(true),
             None => {
-                if let Some(series) = series {
-                    // It never waited: its queue sample is 0, and needs no clock.
-                    let mut record = Record::new(series.clone(), None);
-                    record.admit(false);
-                    self.record = Some(record);
-                }
+                // It never waited (or waited unrecorded, for a limit that hears ends with
+                // metrics off): its queue sample is 0, and needs no clock.
+                let mut record = Record::new(series.cloned(), None);
+                record.admit(false);
+                self.record = Some(record);
             }
         }
     }
@@ -323,8 +403,8 @@ impl<P> Lifecycle<P> {
         // Counted in `queued` only if its wait was recorded.
         let (series, queued) = match self.record.take() {
             Some(mut record) => {
-                record.stage = ENDED;
-                (Some(record.series.clone()), true)
+                record.stage = Stage::Ended;
+                (record.series.clone(), true)
             }
             None => (series.cloned(), false),
         };
@@ -343,7 +423,7 @@ impl<P> Lifecycle<P> {
     pub(crate) fn called<K: Default>(
         &mut self,
         carried: impl FnOnce() -> (K, Option<Duration>),
-    ) -> Lifecycle<P, K> {
+    ) -> Lifecycle<A, K> {
         let permit = self.permit.take();
         if self.record.is_none() {
             // Nothing to record: the lifecycle is its permit, and only that is moved.
@@ -374,7 +454,7 @@ fn held_twice<P>(stale: P) {
     drop(stale);
 }
 
-impl<P, K> fmt::Debug for Lifecycle<P, K> {
+impl<A: Acquire, K> fmt::Debug for Lifecycle<A, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lifecycle")
             .field("admitted", &self.permit.is_some())
@@ -385,10 +465,10 @@ impl<P, K> fmt::Debug for Lifecycle<P, K> {
 
 impl Record {
     /// A record of an operation that started to wait `at`.
-    fn new(series: Series, at: Option<Instant>) -> Self {
+    fn new(series: Option<Series>, at: Option<Instant>) -> Self {
         Record {
             series,
-            stage: WAITING,
+            stage: Stage::Waiting,
             chosen: Chosen::NONE,
             timing: 0,
             at,
@@ -399,14 +479,16 @@ impl Record {
     /// did not wait) and counts it as active.
     #[inline]
     fn admit(&mut self, waited: bool) {
-        let now = self.series.now();
+        let now = now();
         let queued = if waited {
             elapsed(self.at, now)
         } else {
             Duration::ZERO
         };
-        self.series.admit(waited, queued);
-        self.stage = ADMITTED;
+        if let Some(series) = &self.series {
+            series.admit(waited, queued);
+        }
+        self.stage = Stage::Admitted;
         self.at = now;
         self.timing = u32::try_from(queued.as_micros()).unwrap_or(u32::MAX);
     }
@@ -415,7 +497,7 @@ impl Record {
     /// run before a drop is past that deadline (less a slack: the caller started its clock a
     /// little before the operation asked).
     fn called(&mut self, deadline: Option<Duration>) {
-        if self.stage != ADMITTED {
+        if self.stage != Stage::Admitted {
             return;
         }
         let queued = Duration::from_micros(u64::from(self.timing));
@@ -427,48 +509,24 @@ impl Record {
                 .unwrap_or(NO_DEADLINE - 1)
                 .min(NO_DEADLINE - 1)
         });
-        self.stage = CALLED;
+        self.stage = Stage::Called;
     }
-}
 
-impl Record {
     /// Records the end of the admitted operation, once; `classify` says what a returned work's
-    /// outcome is, if it can (`None` when nothing was made to decide it).
-    fn end(&mut self, end: Ending, classify: impl FnOnce() -> Option<Outcome>) {
-        if self.stage != ADMITTED && self.stage != CALLED {
-            return;
+    /// outcome is, if it can (`None` when nothing was made to decide it). Returns how it ended,
+    /// for its limit to hear.
+    fn end(&mut self, end: Ending, classify: impl FnOnce() -> Option<Outcome>) -> Option<Ended> {
+        if self.stage != Stage::Admitted && self.stage != Stage::Called {
+            return None;
         }
-        let now = self.series.now();
+        let now = now();
         let outcome = decide(self, end, classify, now);
-        self.stage = ENDED;
-        self.series.end(outcome, elapsed(self.at, now), now);
-    }
-}
-
-impl Drop for Record {
-    /// Dropped while waiting, the operation is abandoned; dropped admitted, it ends as
-    /// [`Ending::Dropped`] (and the permit, dropped after the record, goes back after that).
-    #[inline]
-    fn drop(&mut self) {
-        if self.stage != ENDED {
-            self.dropped();
+        self.stage = Stage::Ended;
+        let ran = elapsed(self.at, now);
+        if let Some(series) = &self.series {
+            series.end(outcome, ran);
         }
-    }
-}
-
-impl Record {
-    /// Dropped before it ended (out of line: a record that ended, the common case, is dropped
-    /// with one check).
-    #[inline(never)]
-    fn dropped(&mut self) {
-        match self.stage {
-            WAITING => {
-                self.stage = ENDED;
-                self.series.abandon(true);
-            }
-            ADMITTED | CALLED => self.end(Ending::Dropped, || None),
-            _ => {}
-        }
+        Some(Ended::new(outcome, ran, now))
     }
 }
 
@@ -497,7 +555,7 @@ fn decide(
 /// Whether the caller's deadline has passed at `now`, counted from when the operation asked.
 fn past_deadline(record: &Record, now: Option<Instant>) -> bool {
     // Only a called operation has its caller's deadline (admitted, `timing` is its queue time).
-    if record.stage != CALLED || record.timing == NO_DEADLINE {
+    if record.stage != Stage::Called || record.timing == NO_DEADLINE {
         return false;
     }
     if record.at.is_none() || now.is_none() {
@@ -516,98 +574,32 @@ fn elapsed(from: Option<Instant>, to: Option<Instant>) -> Duration {
 }
 
 /// Dropped only while the work unwinds: leaves the scope and ends the operation as crashed.
-struct Unwinding<'a, P, K> {
-    operation: &'a mut Lifecycle<P, K>,
+struct Unwinding<'a, 'p, A: Acquire, K> {
+    operation: &'a mut Lifecycle<A, K>,
     previous: Option<Slot>,
+    lent: Option<&'p A::Permit>,
 }
 
-impl<P, K> Drop for Unwinding<'_, P, K> {
+impl<A: Acquire, K> Drop for Unwinding<'_, '_, A, K> {
     fn drop(&mut self) {
         if let Some(previous) = self.previous {
             self.operation.leave(previous);
         }
-        self.operation.end(Ending::Crashed, |_| None);
+        match self.lent {
+            Some(permit) => self.operation.end_lent(permit, Ending::Crashed, |_| None),
+            None => self.operation.end(Ending::Crashed, |_| None),
+        }
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The slot that `set_outcome` writes to.
-
-#[derive(Clone, Copy)]
-enum Slot {
-    /// No operation is being called or polled on this thread.
-    Outside,
-    /// An operation is; this is its outcome so far.
-    Inside(Option<Outcome>),
-}
-
-thread_local! {
-    static CURRENT: Cell<Slot> = const { Cell::new(Slot::Outside) };
-}
-
-/// Makes the operation whose outcome so far is `chosen` the thread's current one; returns the
-/// slot to give back, or `None` while the thread is being torn down (the work then runs without
-/// a slot rather than fail).
-#[inline]
-fn enter(chosen: Option<Outcome>) -> Option<Slot> {
-    CURRENT
-        .try_with(|slot| slot.replace(Slot::Inside(chosen)))
-        .ok()
-}
-
-/// Gives the thread's slot back as `previous`; returns the outcome the work chose.
-#[inline]
-fn leave(previous: Slot) -> Option<Outcome> {
-    match CURRENT.try_with(|slot| slot.replace(previous)) {
-        Ok(Slot::Inside(chosen)) => chosen,
-        _ => None,
-    }
-}
-
-/// Sets the outcome of the operation whose work is running on this thread, overriding what the
-/// classifier would say: NeMo Gym's `op.outcome = ...`. Returns `true` if the outcome will be
-/// recorded.
-///
-/// Call it from the work itself, for example from an axum handler behind the layer, or from the
-/// future given to [`resources_operation`](crate::resources_operation), when the work ended other
-/// than its result shows: a handler that hit its own deadline and answers with a fallback sets
-/// [`Outcome::Timeout`]. The last call wins, and it wins over every other rule.
-///
-/// Returns `false` and changes nothing outside an operation, and in a task spawned from the work
-/// (`tokio::spawn` runs it elsewhere; set the outcome in the work that awaits it). A limit whose
-/// metrics are [disabled](crate::OperationMetrics::disabled) is only a limit: inside it,
-/// `set_outcome` sets the outcome of the enabled operation around it, if there is one, and
-/// returns `false` otherwise.
-///
-/// ```
-/// use tower_resources_operation::{set_outcome, Outcome};
-///
-/// // Outside any operation there is nothing to set.
-/// assert!(!set_outcome(Outcome::Timeout));
-/// ```
-pub fn set_outcome(outcome: Outcome) -> bool {
-    CURRENT
-        .try_with(|slot| match slot.get() {
-            Slot::Outside => false,
-            Slot::Inside(_) => {
-                slot.set(Slot::Inside(Some(outcome)));
-                true
-            }
-        })
-        .unwrap_or(false)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Executor, Operation, OperationMetrics};
 
-    /// A record admitted at `at` after waiting `queued`, on a meter that exports nothing.
+    /// A record admitted at `at` after waiting `queued`, with nothing to record it to.
     fn admitted(at: Instant, queued: Duration) -> Record {
-        let metrics = OperationMetrics::new(&opentelemetry::global::meter("operation-tests"));
-        let series = metrics.series(Operation::Other, Executor::Other, None);
-        let mut record = Record::new(series.expect("enabled metrics").into_owned(), Some(at));
-        record.stage = ADMITTED;
+        let mut record = Record::new(None, Some(at));
+        record.stage = Stage::Admitted;
         record.timing = u32::try_from(queued.as_micros()).unwrap();
         record
     }
@@ -624,7 +616,7 @@ mod tests {
         record.called(Some(ms(100)));
         assert!(!past_deadline(&record, Some(at + ms(9))));
         assert!(past_deadline(&record, Some(at + ms(10))));
-        record.stage = ENDED;
+        record.stage = Stage::Ended;
     }
 
     #[test]
@@ -633,7 +625,7 @@ mod tests {
         let mut record = admitted(at, ms(150));
         record.called(Some(ms(100)));
         assert!(past_deadline(&record, Some(at)));
-        record.stage = ENDED;
+        record.stage = Stage::Ended;
     }
 
     #[test]
@@ -642,7 +634,7 @@ mod tests {
         let mut no_deadline = admitted(at, ms(0));
         no_deadline.called(None);
         assert!(!past_deadline(&no_deadline, Some(at + ms(3_600_000))));
-        no_deadline.stage = ENDED;
+        no_deadline.stage = Stage::Ended;
 
         // Admitted, never called: its queue time (5 ms, kept as 5000 us) is not a deadline.
         let mut never_called = admitted(at, ms(5));
@@ -653,7 +645,7 @@ mod tests {
             Some(at + ms(6_000)),
         );
         assert_eq!(outcome, Outcome::Cancelled);
-        never_called.stage = ENDED;
+        never_called.stage = Stage::Ended;
     }
 
     #[test]
@@ -663,6 +655,6 @@ mod tests {
         record.called(Some(Duration::from_secs(60 * 60 * 24 * 365)));
         assert_eq!(record.timing, NO_DEADLINE - 1);
         assert!(!past_deadline(&record, Some(at + ms(1_000))));
-        record.stage = ENDED;
+        record.stage = Stage::Ended;
     }
 }

@@ -1,0 +1,93 @@
+//! [`Algorithm`]: how a controller decides, and the [`Sample`] of a window it decides from.
+
+use std::time::Duration;
+
+#[cfg(doc)]
+use super::Adaptive;
+
+/// What one window of operations showed: what an [`Algorithm`] decides from.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Sample {
+    /// The limit's capacity when the window closed.
+    pub capacity: usize,
+    /// The lowest capacity the controller may set.
+    pub min_capacity: usize,
+    /// The highest capacity the controller may set.
+    pub max_capacity: usize,
+    /// Operations that ended in the window, whatever their outcome.
+    pub ended: u64,
+    /// Of those, the ones that ended `timeout`, `error` or `crashed`: signs of congestion.
+    pub congested: u64,
+    /// The share of `ended` that may be signs of congestion before the window counts as
+    /// congested ([`Adaptive::tolerance`]).
+    pub tolerance: f64,
+    /// Operations the limit turned away during the window (a full queue, a queue timeout).
+    pub rejected: u64,
+    /// The mean run time of the operations that ended `ok`; `None` if none did.
+    pub mean_run_time: Option<Duration>,
+    /// The shortest run time of an operation that ended `ok`.
+    pub min_run_time: Option<Duration>,
+    /// The most operations of the limit that ran at once during the window, as their ends saw
+    /// it: whether the limit was used, or the load stayed below it.
+    pub peak_in_flight: usize,
+    /// How long the window lasted (0 if the clock could not be read).
+    pub elapsed: Duration,
+}
+
+impl Sample {
+    /// Whether the load reached at least half the capacity: an algorithm that grows the limit
+    /// only then does not grow a limit that nothing uses.
+    pub fn is_used(&self) -> bool {
+        self.peak_in_flight.saturating_mul(2) >= self.capacity
+    }
+
+    /// Whether the window's signs of congestion passed the tolerance: what the built-in
+    /// algorithms back off for.
+    pub fn is_congested(&self) -> bool {
+        self.congested as f64 > self.tolerance * self.ended as f64
+    }
+}
+
+/// How a controller decides the next capacity of its limit, once per window.
+///
+/// ```
+/// use tower_resources_operation::adaptive::{Adaptive, Algorithm, Sample};
+/// use tower_resources_operation::Limit;
+///
+/// /// One more while nothing fails, half as many when something does.
+/// #[derive(Clone)]
+/// struct Halving;
+///
+/// impl Algorithm for Halving {
+///     fn update(&mut self, sample: &Sample) -> usize {
+///         if sample.congested > 0 {
+///             sample.capacity / 2
+///         } else if sample.is_used() {
+///             sample.capacity + 1
+///         } else {
+///             sample.capacity
+///         }
+///     }
+/// }
+///
+/// let judges = Limit::builder(4).adaptive(Adaptive::new(Halving, 1..=32)).build();
+/// # drop(judges);
+/// ```
+pub trait Algorithm: Send + 'static {
+    /// The capacity for the next window, from what the last one showed. The controller clamps
+    /// it to `[min, max]`. A panic keeps the capacity as it is.
+    fn update(&mut self, sample: &Sample) -> usize;
+
+    /// The run time this algorithm takes as normal (at low load), if it keeps one: reported as
+    /// `gym.resources.limit.adaptive.baseline_ms`. Defaults to `None`.
+    fn baseline(&self) -> Option<Duration> {
+        None
+    }
+
+    /// The recent run time it compares with its baseline, if it keeps one: reported as
+    /// `gym.resources.limit.adaptive.estimate_ms`. Defaults to `None`.
+    fn estimate(&self) -> Option<Duration> {
+        None
+    }
+}

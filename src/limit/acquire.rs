@@ -1,0 +1,279 @@
+//! [`Acquire`]: what a limit is, the contract every limit keeps, and the limits it is
+//! implemented for (tokio's semaphore, and any limit behind a reference or an `Arc`).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit, TryAcquireError};
+
+use super::feedback::Ended;
+use super::local::Limit;
+use super::queue_timeout::QueueTimeout;
+use super::report::Capacity;
+use super::AcquireError;
+#[cfg(doc)]
+use crate::attributes::Rejection;
+
+/// A limit: admits operations one permit at a time, and takes the place back when the permit
+/// drops.
+///
+/// # Contract
+///
+/// - **The permit drops exactly once**, when the operation ends (the layer holds it until the
+///   response future, or the response body, is done; [`resources_operation`] until the work
+///   returns). Dropping it gives the place back; it must not panic.
+/// - **Cancellation-safe.** The future of [`acquire`](Acquire::acquire) may be dropped at any
+///   `.await`: the caller went away. Dropping it must leave the limit as if it had never asked
+///   (no place taken, none leaked).
+/// - **Fairness is the limit's.** The layer asks in the order its callers poll; who gets the next
+///   place is up to the implementation (tokio's [`Semaphore`] and [`Limit`] serve first come,
+///   first served).
+/// - **Never hang on a failure; a failure is answered.** A limit that turns an operation away
+///   returns [`AcquireError::rejected`]. A limit that cannot admit it (closed, shut down, its
+///   store unreachable past a timeout of its own) returns [`AcquireError::closed`] or
+///   [`AcquireError::failed`]: the operation is turned away with
+///   [`Rejection::Unavailable`]. Either way the layer answers it as its
+///   [`protocol`](crate::protocol) says (HTTP `503`, gRPC `UNAVAILABLE` for `unavailable`,
+///   [`RejectAsError`](crate::protocol::RejectAsError)'s error), [`resources_operation`]
+///   returns [`Rejected`](crate::Rejected), and it is counted in
+///   `gym.resources.operation.rejected` by reason. Only a layer whose protocol cannot answer
+///   ([`Plain`](crate::protocol::Plain), tower's drop-in) has no answer to give: it ends the
+///   caller of a failed limit with a panic that names the limit's type and the cause, as
+///   tower's limit does for a closed semaphore, and it refuses up front a limit that says it
+///   [may reject](Acquire::may_reject). A limit that may fail in the normal course of things
+///   (one across a network) says so there.
+///
+/// # Implementing it
+///
+/// ```
+/// use std::future::Future;
+/// use std::sync::Arc;
+/// use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+/// use tower_resources_operation::{limit::AcquireError, Acquire};
+///
+/// /// A limit where a large job takes several places.
+/// #[derive(Clone)]
+/// struct Weighted {
+///     places: Arc<Semaphore>,
+///     weight: u32,
+/// }
+///
+/// impl Acquire for Weighted {
+///     type Permit = OwnedSemaphorePermit;
+///
+///     fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+///         let places = Arc::clone(&self.places);
+///         let weight = self.weight;
+///         async move {
+///             places
+///                 .acquire_many_owned(weight)
+///                 .await
+///                 .map_err(|_| AcquireError::closed())
+///         }
+///     }
+/// }
+/// ```
+///
+/// [`resources_operation`]: crate::resources_operation
+pub trait Acquire {
+    /// What the work holds while it runs; dropping it gives the place back.
+    type Permit;
+
+    /// Waits for a permit.
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send;
+
+    /// Waits for a permit, on a limit given away: a service keeps this future across its
+    /// `poll_ready` calls, so it must own what it borrows. Defaults to
+    /// [`acquire`](Acquire::acquire) on the limit moved into the future; a limit whose handle is
+    /// a reference count can move that count into the permit instead of taking another.
+    fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send
+    where
+        Self: Sized + Send + Sync,
+    {
+        async move { self.acquire().await }
+    }
+
+    /// A permit now if one is free, `None` if the operation would have to wait.
+    ///
+    /// Tried before [`acquire`](Acquire::acquire), so that a free place costs no future and no
+    /// clock read. Defaults to `None`: every operation goes through `acquire`, and a service
+    /// allocates each wait's future (as tokio-util's `PollSemaphore` does).
+    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+        None
+    }
+
+    /// The capacity this limit reports as `gym.resources.operation.limit`, if it knows it.
+    ///
+    /// Defaults to `None`: the series reports no limit (the layer's
+    /// [`capacity`](crate::ResourcesOperationLayer::capacity) can give one). Return clones of one
+    /// [`Capacity`], made with the limit: each distinct `Capacity` counts as another limit. A
+    /// limit of your own reports like the crate's through [`Capacity::of_limit`].
+    fn capacity(&self) -> Option<Capacity> {
+        None
+    }
+
+    /// Whether this limit may turn an operation away: with [`AcquireError::rejected`], or with
+    /// a failure it expects in the normal course of things (a store across a network that
+    /// may be out of reach), answered as [`Rejection::Unavailable`].
+    ///
+    /// A layer that cannot answer a rejection refuses, when it makes its service, a limit that
+    /// says it may reject. Defaults to `false`: a limit that fails only when it is closed on
+    /// purpose (tokio's [`Semaphore`], [`Limit`]) need not say so.
+    fn may_reject(&self) -> bool {
+        false
+    }
+
+    /// Whether this limit hears how each operation that holds `permit` ends, through
+    /// [`ended`](Acquire::ended): an operation is timed for its limit only then (with metrics
+    /// off, it reads no clock otherwise). Defaults to `false`.
+    #[inline]
+    fn hears_ends(permit: &Self::Permit) -> bool {
+        let _ = permit;
+        false
+    }
+
+    /// Hears how an admitted operation that holds `permit` ended, before the permit goes back:
+    /// every form of operation calls it once, whatever the metrics, for a limit that
+    /// [hears ends](Acquire::hears_ends). An adaptive limit feeds its controller here. It must
+    /// not panic (a panic is caught, and costs only what it would have done). Defaults to
+    /// nothing.
+    #[inline]
+    fn ended(permit: &Self::Permit, ended: &Ended) {
+        let _ = (permit, ended);
+    }
+
+    /// This limit, turning away with [`Rejection::QueueTimeout`] an operation that has waited
+    /// `timeout` for its permit.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_resources_operation::{Acquire, Limit};
+    ///
+    /// // Two at once; none waits more than half a second.
+    /// let judges = Limit::new(2).queue_timeout(Duration::from_millis(500));
+    /// assert!(judges.may_reject());
+    /// ```
+    fn queue_timeout(self, timeout: Duration) -> QueueTimeout<Self>
+    where
+        Self: Sized,
+    {
+        QueueTimeout::new(self, timeout)
+    }
+}
+
+/// Something a limit can be made from: a number (a new [`Limit`] of that many operations at
+/// once) or any [`Acquire`] (itself).
+pub trait IntoLimit {
+    /// The limit.
+    type Limit: Acquire;
+
+    /// Makes the limit.
+    ///
+    /// # Panics
+    ///
+    /// A number above tokio's [`Semaphore::MAX_PERMITS`] panics: use [`Limit::try_new`] for an
+    /// error instead.
+    fn into_limit(self) -> Self::Limit;
+}
+
+impl<A: Acquire> IntoLimit for A {
+    type Limit = A;
+
+    fn into_limit(self) -> A {
+        self
+    }
+}
+
+impl IntoLimit for usize {
+    type Limit = Limit;
+
+    #[track_caller]
+    fn into_limit(self) -> Limit {
+        Limit::new(self)
+    }
+}
+
+impl<'a> Acquire for &'a Semaphore {
+    type Permit = SemaphorePermit<'a>;
+
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+        let semaphore: &'a Semaphore = self;
+        async move {
+            semaphore
+                .acquire()
+                .await
+                .map_err(|_| AcquireError::closed())
+        }
+    }
+
+    #[inline]
+    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+        match Semaphore::try_acquire(self) {
+            Ok(permit) => Some(Ok(permit)),
+            Err(TryAcquireError::NoPermits) => None,
+            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
+        }
+    }
+}
+
+impl Acquire for Arc<Semaphore> {
+    type Permit = OwnedSemaphorePermit;
+
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+        Acquire::acquire_owned(Arc::clone(self))
+    }
+
+    async fn acquire_owned(self) -> Result<Self::Permit, AcquireError> {
+        Semaphore::acquire_owned(self)
+            .await
+            .map_err(|_| AcquireError::closed())
+    }
+
+    #[inline]
+    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+        match Arc::clone(self).try_acquire_owned() {
+            Ok(permit) => Some(Ok(permit)),
+            Err(TryAcquireError::NoPermits) => None,
+            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
+        }
+    }
+}
+
+/// A limit reached through a reference, or shared through an `Arc`, is that limit.
+macro_rules! forward_acquire {
+    ($($handle:ty),*) => {$(
+        impl<A: Acquire> Acquire for $handle {
+            type Permit = A::Permit;
+
+            fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+                (**self).acquire()
+            }
+
+            #[inline]
+            fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+                (**self).try_acquire()
+            }
+
+            fn capacity(&self) -> Option<Capacity> {
+                (**self).capacity()
+            }
+
+            fn may_reject(&self) -> bool {
+                (**self).may_reject()
+            }
+
+            #[inline]
+            fn hears_ends(permit: &Self::Permit) -> bool {
+                A::hears_ends(permit)
+            }
+
+            #[inline]
+            fn ended(permit: &Self::Permit, ended: &Ended) {
+                A::ended(permit, ended)
+            }
+        }
+    )*};
+}
+
+forward_acquire!(&A, Arc<A>);

@@ -1,0 +1,90 @@
+//! What a limit hears of the operations it admitted, and what may change its capacity: the seam
+//! between a limit and a controller, as tower's `load::TrackCompletion` is between a service and
+//! its load.
+//!
+//! Every form of operation (the layer's service, its response future or body, the per-request
+//! layer, [`resources_operation`](crate::resources_operation)) tells its limit how it ended,
+//! through [`Acquire::ended`](super::Acquire::ended), before the permit goes back, with metrics
+//! on or off. A limit with a [`Control`] passes that on; the [adaptive](crate::adaptive)
+//! controllers are one.
+
+use std::fmt;
+use std::ops::RangeInclusive;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::attributes::Outcome;
+
+/// How an admitted operation ended: what a limit hears, before its permit goes back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ended {
+    outcome: Outcome,
+    ran: Duration,
+    at: Option<Instant>,
+}
+
+impl Ended {
+    /// An operation that ended `outcome` at `at` (on tokio's clock), after running `ran`.
+    pub fn new(outcome: Outcome, ran: Duration, at: Option<Instant>) -> Self {
+        Self { outcome, ran, at }
+    }
+
+    /// How it ended, as the metrics record it.
+    pub fn outcome(&self) -> Outcome {
+        self.outcome
+    }
+
+    /// How long it ran, from its permit to its end (0 if the clock could not be read).
+    pub fn run_time(&self) -> Duration {
+        self.ran
+    }
+
+    /// When it ended, on tokio's clock; `None` if the clock could not be read.
+    pub fn at(&self) -> Option<Instant> {
+        self.at
+    }
+}
+
+/// A limit whose capacity can change while it serves: what a controller adjusts.
+pub trait Resize: Send + Sync {
+    /// The capacity now.
+    fn capacity(&self) -> usize;
+
+    /// Sets the capacity. Lowering it revokes no running operation.
+    fn resize(&self, capacity: usize);
+}
+
+/// What hears a limit's operations end and may resize it: an adaptive controller.
+///
+/// A limit that has one calls [`ended`](Control::ended) from its
+/// [`Acquire::ended`](super::Acquire::ended), on the operation's own task: keep it to a few
+/// atomic operations, and do anything slower once in a while, on whichever call closes a window.
+pub trait Control: Send + Sync + fmt::Debug {
+    /// An admitted operation ended, with `in_flight` operations of the limit holding a place
+    /// (itself included) as it did.
+    fn ended(&self, ended: &Ended, in_flight: usize);
+
+    /// The limit turned an operation away by a rule of its own (a full queue).
+    fn rejected(&self) {}
+
+    /// What the controller measured: the run time it takes as normal, and its recent estimate,
+    /// reported by a named limit as `gym.resources.limit.adaptive.{baseline,estimate}_ms`.
+    /// Defaults to neither.
+    fn measured(&self) -> (Option<Duration>, Option<Duration>) {
+        (None, None)
+    }
+}
+
+/// What makes a limit's [`Control`], given to
+/// [`LimitBuilder::adaptive`](super::LimitBuilder::adaptive) (the
+/// [`Adaptive`](crate::adaptive::Adaptive) controllers are one). A limit of your own that can
+/// [`Resize`] takes one the same way.
+pub trait MakeControl: Send + Sync + fmt::Debug {
+    /// The capacities the controller may set.
+    fn bounds(&self) -> RangeInclusive<usize>;
+
+    /// The controller of `limit`, which starts at `capacity`.
+    fn make(&self, limit: Weak<dyn Resize>, capacity: usize) -> Arc<dyn Control>;
+}

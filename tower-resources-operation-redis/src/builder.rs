@@ -1,0 +1,240 @@
+//! [`RedisLimitBuilder`]: a fleet limit's settings, and where its background work runs.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use opentelemetry::metrics::Meter;
+use tokio::sync::mpsc::unbounded_channel;
+use tower_resources_operation::limit::{check_name, Capacity};
+
+use crate::core::{Core, Keys, Settings};
+use crate::error::Error;
+use crate::keeper::Background;
+use crate::limit::{RedisLimit, Shared};
+use crate::transport::Transport;
+
+/// Makes a [`RedisLimit`]: its lease TTL, call timeout, queue bound, what it does when Redis
+/// cannot be reached, and where its background work runs.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_resources_operation_redis::RedisLimit;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_resources_operation_redis::Error> {
+/// // Within a tokio runtime: `build` spawns the limit's background task on it.
+/// let sandboxes = RedisLimit::builder("sandboxes", 32)
+///     .lease_ttl(Duration::from_secs(15))
+///     .max_queued(100)
+///     .fail_open()
+///     .build("redis://127.0.0.1:6379/")?; // connects at the first call, not here
+/// assert_eq!((sandboxes.name(), sandboxes.capacity()), ("sandboxes", 32));
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Outside a runtime, `build` says so, and `build_pair` hands the work to the caller:
+///
+/// ```
+/// use tower_resources_operation_redis::{ErrorKind, RedisLimit};
+///
+/// let outside = RedisLimit::builder("sandboxes", 32).build("redis://127.0.0.1:6379/");
+/// assert_eq!(outside.unwrap_err().kind(), ErrorKind::NoRuntime);
+///
+/// let (sandboxes, background) = RedisLimit::builder("sandboxes", 32)
+///     .build_pair("redis://127.0.0.1:6379/")
+///     .unwrap();
+/// let runtime = tokio::runtime::Runtime::new().unwrap();
+/// runtime.spawn(background);
+/// # drop(sandboxes);
+/// ```
+#[derive(Clone, Debug)]
+#[must_use = "a builder makes nothing until `build`"]
+pub struct RedisLimitBuilder {
+    name: &'static str,
+    capacity: usize,
+    lease_ttl: Duration,
+    call_timeout: Duration,
+    fallback_poll: Duration,
+    max_queued: Option<usize>,
+    fail_open: bool,
+    overwrite_capacity: bool,
+    key_prefix: String,
+    meters: Vec<Meter>,
+}
+
+impl RedisLimitBuilder {
+    #[track_caller]
+    pub(crate) fn new(name: &'static str, capacity: usize) -> Self {
+        if let Err(error) = check_name(name) {
+            panic!("{error}");
+        }
+        Self {
+            name,
+            capacity,
+            lease_ttl: Duration::from_secs(10),
+            call_timeout: Duration::from_millis(500),
+            fallback_poll: Duration::from_secs(1),
+            max_queued: None,
+            fail_open: false,
+            overwrite_capacity: false,
+            key_prefix: "tro".to_owned(),
+            meters: Vec::new(),
+        }
+    }
+
+    /// How long a held place outlives a process that stops extending it (see
+    /// [choosing the TTL](crate#choosing-the-lease-ttl)). Defaults to 10 s; at least three
+    /// times the call timeout.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// How long any one call to Redis may take, connecting included, before the limit gives
+    /// the configured answer. Defaults to 500 ms.
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// How often, at most, a waiter learns what became of its ticket while no wake-up reaches
+    /// it (the fallback for a lost wake-up; one call per process, whatever the number of
+    /// waiters), and how often Redis is asked again while it is down. Defaults to 1 s; never
+    /// less often than every third of the TTL.
+    pub fn fallback_poll(mut self, every: Duration) -> Self {
+        self.fallback_poll = every;
+        self
+    }
+
+    /// At most `max_queued` operations wait, across the whole fleet: one more is turned away
+    /// at once with `Rejection::QueueFull`. `0` turns away every operation that finds no free
+    /// place. Defaults to no bound.
+    pub fn max_queued(mut self, max_queued: usize) -> Self {
+        self.max_queued = Some(max_queued);
+        self
+    }
+
+    /// When Redis cannot be reached, admits the operation without the fleet limit, and counts
+    /// it in `gym.resources.limit.failed_open`, instead of turning it away as `unavailable`
+    /// (the default).
+    pub fn fail_open(mut self) -> Self {
+        self.fail_open = true;
+        self
+    }
+
+    /// When Redis cannot be reached, turns the operation away with `Rejection::Unavailable`.
+    /// The default.
+    pub fn fail_closed(mut self) -> Self {
+        self.fail_open = false;
+        self
+    }
+
+    /// Makes the builder's capacity the whole fleet's at this process's first call (as
+    /// [`RedisLimit::set_capacity`] would), whatever Redis stores.
+    ///
+    /// By default the fleet's stored capacity wins: the builder's is stored only if the fleet
+    /// has none yet, and a process built with another one keeps the fleet's, with one warning
+    /// that names both. Give this to the one process (a deploy step, an operator's job) whose
+    /// configuration is the fleet's; every replica that has it resets the fleet's capacity
+    /// when it starts, undoing a `set_capacity` made meanwhile.
+    pub fn overwrite_capacity(mut self) -> Self {
+        self.overwrite_capacity = true;
+        self
+    }
+
+    /// Prefixes the limit's Redis keys and channel with `prefix` (`{prefix:name}:...`, one hash
+    /// slot). Defaults to `tro`.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = prefix.into();
+        self
+    }
+
+    /// Reports the limit's own instruments (`gym.resources.limit.failed_open` and
+    /// `gym.resources.limit.leases_lost`, see [`metrics`](crate::metrics)) through `meter`,
+    /// as [`RedisLimit::register_metrics`] does. Without it, they are not registered: the
+    /// per-limit instruments of `tower-resources-operation` (capacity, active, queued) come
+    /// through the layer's metrics either way.
+    pub fn meter(mut self, meter: &Meter) -> Self {
+        self.meters.push(meter.clone());
+        self
+    }
+
+    /// The limit, on the Redis at `address` (a `redis://host:port/db` URL, or
+    /// `redis+unix:///path`), with its background task spawned on the current tokio runtime.
+    ///
+    /// Call it within the runtime that serves for as long as the limit does (with its time and
+    /// IO drivers enabled); the task ends once every handle and permit is gone. The connection
+    /// is made at the first call, not here, so a process can start while Redis is away (see
+    /// [`RedisLimit::ready`]); its own tasks (the `redis` crate's connection driver) are spawned
+    /// on the runtime of the call that makes it.
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::InvalidAddress`](crate::ErrorKind::InvalidAddress) if `address` is not a
+    /// Redis URL, [`InvalidSettings`](crate::ErrorKind::InvalidSettings) if the TTL is shorter
+    /// than three call timeouts or than 30 ms, and [`NoRuntime`](crate::ErrorKind::NoRuntime)
+    /// outside a tokio runtime (see [`build_pair`](Self::build_pair)).
+    pub fn build(self, address: &str) -> Result<RedisLimit, Error> {
+        let (limit, background) = self.build_pair(address)?;
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|cause| Error::no_runtime(limit.name(), limit.address(), cause))?;
+        runtime.spawn(background);
+        Ok(limit)
+    }
+
+    /// The limit, on the Redis at `address`, and its background work for the caller to run
+    /// (as tower's `Buffer::pair` does): spawn it on the runtime of your choice, or poll it
+    /// alongside your server. Needs no runtime to be called.
+    ///
+    /// The limit works only while [`Background`] runs: see there. Every call of the limit,
+    /// and the future, need a tokio runtime with its time and IO drivers enabled.
+    ///
+    /// # Errors
+    ///
+    /// As [`build`](Self::build), but never `NoRuntime`.
+    pub fn build_pair(self, address: &str) -> Result<(RedisLimit, Background), Error> {
+        let name = self.name;
+        let keys = Keys::new(&self.key_prefix, name);
+        let (pushes, pushed) = unbounded_channel();
+        let transport =
+            Transport::open(name, address, keys.channel.clone(), self.call_timeout, pushes)?;
+        if self.lease_ttl < self.call_timeout * 3 || self.lease_ttl < Duration::from_millis(30) {
+            return Err(Error::invalid_settings(
+                name,
+                transport.address(),
+                format!(
+                    "the lease TTL ({:?}) must be at least three call timeouts ({:?}), and at \
+                     least 30 ms",
+                    self.lease_ttl, self.call_timeout
+                ),
+            ));
+        }
+        let core = Arc::new(Core::new(Settings {
+            name,
+            keys,
+            transport,
+            capacity: self.capacity,
+            overwrite: self.overwrite_capacity,
+            max_queued: self.max_queued,
+            fail_open: self.fail_open,
+            lease_ttl: self.lease_ttl,
+            call_timeout: self.call_timeout,
+            fallback_poll: self.fallback_poll.min(self.lease_ttl / 3),
+        }));
+        let (releases, released) = unbounded_channel();
+        let shared = Arc::new_cyclic(|shared: &Weak<Shared>| {
+            let shared = shared.clone();
+            let gauge = Capacity::of_limit(Some(name), move || {
+                shared.upgrade().map(|shared| shared.core.reading())
+            });
+            Shared::new(Arc::clone(&core), releases, gauge)
+        });
+        let background = Background::new(core, released, pushed);
+        let limit = RedisLimit::from_shared(shared);
+        for meter in &self.meters {
+            limit.register_metrics(meter);
+        }
+        Ok((limit, background))
+    }
+}

@@ -1,0 +1,271 @@
+//! [`Error`]: why a fleet limit could not be built, or a call to Redis failed. It names the
+//! limit, the address (without its password) and the cause; the `redis` crate's error, when
+//! there is one, is only its [`source`](std::error::Error::source).
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::RedisError;
+
+/// Why a fleet limit could not be built, or a call of it to Redis failed.
+///
+/// Cheap to clone. Its message names the limit, the Redis address (never its password) and
+/// the cause; [`kind`](Error::kind) says what went wrong, for a program to act on.
+///
+/// ```
+/// use tower_resources_operation_redis::{ErrorKind, RedisLimit};
+///
+/// let error = RedisLimit::builder("judges", 8)
+///     .build("http://:secret@redis.internal:6379/")
+///     .unwrap_err();
+/// assert_eq!(error.kind(), ErrorKind::InvalidAddress);
+/// assert_eq!(error.limit(), "judges");
+/// assert!(error.to_string().contains("redis.internal:6379"));
+/// assert!(!error.to_string().contains("secret"));
+/// ```
+#[derive(Clone)]
+pub struct Error {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    kind: ErrorKind,
+    limit: &'static str,
+    /// The address, as said in messages: without its password.
+    address: String,
+    /// What went wrong, in words, the cause included.
+    message: String,
+    /// Answered without asking Redis: it failed a moment ago.
+    short_circuited: bool,
+    source: Option<Box<dyn StdError + Send + Sync>>,
+}
+
+/// What kind of [`Error`] it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The address is not a Redis URL the limit can use (`redis://host:port/db`, or
+    /// `redis+unix:///path`).
+    InvalidAddress,
+    /// The builder's settings do not go together (a lease TTL shorter than three call
+    /// timeouts, or than 30 ms).
+    InvalidSettings,
+    /// [`build`](crate::RedisLimitBuilder::build) was called outside a tokio runtime, where
+    /// it has nowhere to spawn the limit's background task. Call it within one, or use
+    /// [`build_pair`](crate::RedisLimitBuilder::build_pair) and run the task yourself.
+    NoRuntime,
+    /// Redis did not answer within the [call timeout](crate::RedisLimitBuilder::call_timeout)
+    /// (frozen, overloaded, or a network that drops packets).
+    Timeout,
+    /// Redis could not be reached: the connection was refused, dropped or could not be made,
+    /// or the server is not ready (loading its data, a replica without its master).
+    Unreachable,
+    /// Redis answered with an error: authentication, a script error, a key of another type
+    /// under the limit's names.
+    Redis,
+}
+
+impl Error {
+    /// What kind of error it is.
+    pub fn kind(&self) -> ErrorKind {
+        self.inner.kind
+    }
+
+    /// The name of the limit it is about.
+    pub fn limit(&self) -> &'static str {
+        self.inner.limit
+    }
+
+    /// The Redis address the limit was given, without its password.
+    pub fn address(&self) -> &str {
+        &self.inner.address
+    }
+
+    /// Whether the limit answered without asking Redis, because Redis failed a moment ago
+    /// (it is asked again in the background; until it answers, every caller is answered at
+    /// once). The failure that started it is the [`source`](StdError::source).
+    pub fn is_short_circuited(&self) -> bool {
+        self.inner.short_circuited
+    }
+
+    /// Whether Redis could not be reached or did not answer in time ([`ErrorKind::Timeout`],
+    /// [`ErrorKind::Unreachable`]): what the limit's fail-open or fail-closed rule answers.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self.kind(), ErrorKind::Timeout | ErrorKind::Unreachable)
+    }
+
+    fn new(
+        kind: ErrorKind,
+        limit: &'static str,
+        address: &str,
+        message: String,
+        source: Option<Box<dyn StdError + Send + Sync>>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                kind,
+                limit,
+                address: address.to_owned(),
+                message,
+                short_circuited: false,
+                source,
+            }),
+        }
+    }
+
+    /// `address` cannot be used: `cause`.
+    pub(crate) fn invalid_address(limit: &'static str, address: &str, cause: RedisError) -> Self {
+        Self::new(
+            ErrorKind::InvalidAddress,
+            limit,
+            address,
+            format!("not a Redis address the limit can use ({cause})"),
+            Some(Box::new(cause)),
+        )
+    }
+
+    /// The builder's settings do not go together: `what`.
+    pub(crate) fn invalid_settings(limit: &'static str, address: &str, what: String) -> Self {
+        Self::new(ErrorKind::InvalidSettings, limit, address, what, None)
+    }
+
+    /// `build` outside a tokio runtime.
+    pub(crate) fn no_runtime(
+        limit: &'static str,
+        address: &str,
+        cause: tokio::runtime::TryCurrentError,
+    ) -> Self {
+        Self::new(
+            ErrorKind::NoRuntime,
+            limit,
+            address,
+            format!(
+                "`build` must be called within a tokio runtime, on which it spawns the limit's \
+                 background task ({cause}); call it within one, or use `build_pair` and run \
+                 the task yourself"
+            ),
+            Some(Box::new(cause)),
+        )
+    }
+
+    /// No answer within `timeout`.
+    pub(crate) fn timeout(limit: &'static str, address: &str, timeout: Duration) -> Self {
+        Self::new(
+            ErrorKind::Timeout,
+            limit,
+            address,
+            format!("Redis did not answer within the call timeout ({timeout:?})"),
+            None,
+        )
+    }
+
+    /// A call that failed with `cause`.
+    pub(crate) fn from_redis(limit: &'static str, address: &str, cause: RedisError) -> Self {
+        use redis::ErrorKind as Redis;
+        let (kind, what) = if cause.is_timeout() {
+            (ErrorKind::Timeout, "Redis did not answer in time")
+        } else if cause.is_io_error()
+            || cause.is_connection_dropped()
+            || cause.is_connection_refusal()
+            || matches!(
+                cause.kind(),
+                Redis::IoError
+                    | Redis::BusyLoadingError
+                    | Redis::TryAgain
+                    | Redis::ClusterDown
+                    | Redis::MasterDown
+            )
+        {
+            (ErrorKind::Unreachable, "Redis cannot be reached")
+        } else {
+            (ErrorKind::Redis, "Redis answered with an error")
+        };
+        Self::new(
+            kind,
+            limit,
+            address,
+            format!("{what}: {cause}"),
+            Some(Box::new(cause)),
+        )
+    }
+
+    /// The answer given without asking Redis, after `self`.
+    pub(crate) fn short_circuited(&self) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                kind: self.kind(),
+                limit: self.inner.limit,
+                address: self.inner.address.clone(),
+                message: format!(
+                    "not asked: Redis failed a moment ago ({}), and the limit answers at once \
+                     until it is reached again (retried in the background)",
+                    self.inner.message
+                ),
+                short_circuited: true,
+                source: Some(Box::new(self.clone())),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "tower-resources-operation-redis: the fleet limit {:?} on Redis at {}: {}",
+            self.inner.limit, self.inner.address, self.inner.message
+        )
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Error")
+            .field("kind", &self.inner.kind)
+            .field("limit", &self.inner.limit)
+            .field("address", &self.inner.address)
+            .field("message", &self.inner.message)
+            .field("short_circuited", &self.inner.short_circuited)
+            .finish()
+    }
+}
+
+impl StdError for Error {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.inner
+            .source
+            .as_deref()
+            .map(|source| source as &(dyn StdError + 'static))
+    }
+}
+
+/// `address` as messages say it: the host, port and database of a URL, never its user or
+/// password; an address that does not parse, with whatever is between `://` and `@` hidden.
+pub(crate) fn redact(address: &str, parsed: Option<&redis::ConnectionInfo>) -> String {
+    use redis::ConnectionAddr;
+    if let Some(info) = parsed {
+        let db = info.redis.db;
+        return match &info.addr {
+            ConnectionAddr::Tcp(host, port) => format!("redis://{host}:{port}/{db}"),
+            ConnectionAddr::TcpTls { host, port, .. } => format!("rediss://{host}:{port}/{db}"),
+            ConnectionAddr::Unix(path) => format!("redis+unix://{}?db={db}", path.display()),
+        };
+    }
+    let mut shown = match (address.find("://"), address.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}://***{}", &address[..scheme], &address[at..])
+        }
+        _ => address.to_owned(),
+    };
+    if shown.len() > 200 {
+        let mut end = 200;
+        while !shown.is_char_boundary(end) {
+            end -= 1;
+        }
+        shown.truncate(end);
+        shown.push('…');
+    }
+    shown
+}

@@ -1,0 +1,292 @@
+//! [`RedisLimit`], the handle: how an operation takes a place of the fleet ([`Acquire`]), what
+//! it holds meanwhile ([`RedisPermit`]), and what a process can read or change of the fleet.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use opentelemetry::metrics::Meter;
+use tokio::sync::mpsc::UnboundedSender;
+use tower_resources_operation::limit::{Acquire, AcquireError, Capacity};
+use tower_resources_operation::Rejection;
+
+use crate::builder::RedisLimitBuilder;
+use crate::core::Core;
+use crate::error::Error;
+use crate::scripts::Asked;
+use crate::waiters::{lock, Waiter};
+
+/// A limit of operations at once shared by every process that names it, kept in Redis: see
+/// [the crate](crate).
+///
+/// Clones share it. It implements [`Acquire`], so it goes wherever a `Limit` of
+/// `tower-resources-operation` goes: a layer, a per-request layer's named limits,
+/// `resources_operation`.
+///
+/// Made by [`RedisLimit::builder`]; its background work runs on the tokio runtime
+/// [`build`](RedisLimitBuilder::build) was called on, or wherever the caller of
+/// [`build_pair`](RedisLimitBuilder::build_pair) runs it.
+#[derive(Clone)]
+pub struct RedisLimit {
+    shared: Arc<Shared>,
+}
+
+/// What the handles, waiters and permits share.
+pub(crate) struct Shared {
+    pub(crate) core: Arc<Core>,
+    /// Leases and tickets to give back, for the background task.
+    releases: UnboundedSender<String>,
+    /// What the metrics read, and the limit's identity there.
+    gauge: Capacity,
+}
+
+impl Shared {
+    pub(crate) fn new(core: Arc<Core>, releases: UnboundedSender<String>, gauge: Capacity) -> Self {
+        Self {
+            core,
+            releases,
+            gauge,
+        }
+    }
+
+    /// Gives the lease or ticket `id` back, by the background task, at once.
+    pub(crate) fn release(&self, id: String) {
+        // If the task is gone, the lease or ticket expires within the TTL.
+        let _ = self.releases.send(id);
+    }
+
+    /// The answer to an operation that could not reach Redis: turned away, or admitted without
+    /// the fleet limit.
+    fn failed(self: &Arc<Self>, error: Error) -> Result<RedisPermit, AcquireError> {
+        if self.core.fail_open {
+            self.core.failed_open.fetch_add(1, Ordering::Relaxed);
+            Ok(RedisPermit::new(Arc::clone(self), None))
+        } else {
+            Err(AcquireError::failed(error))
+        }
+    }
+
+    /// Takes a place of the fleet, waiting for one in its queue if it has to.
+    async fn acquire(self: Arc<Self>) -> Result<RedisPermit, AcquireError> {
+        let mut waiter = Waiter::new(&self);
+        loop {
+            let asked_before = waiter.asked;
+            waiter.asked = true;
+            match self.core.ask(&waiter.id).await {
+                Ok(Asked::Granted) => return Ok(waiter.admitted()),
+                Ok(Asked::Waiting) => {
+                    waiter.queue();
+                    if waiter.wait().await {
+                        return Ok(waiter.admitted());
+                    }
+                }
+                Ok(Asked::Full) => {
+                    // No ticket and no lease of this id is left in Redis.
+                    waiter.asked = false;
+                    return Err(AcquireError::rejected(Rejection::QueueFull));
+                }
+                Err(error) => {
+                    if error.is_short_circuited() {
+                        // Not asked this time: only an earlier ask may have left a ticket.
+                        waiter.asked = asked_before;
+                    }
+                    return self.failed(error);
+                }
+            }
+        }
+    }
+}
+
+impl RedisLimit {
+    /// A limit named `name` (shared by every process that names it), of `capacity` operations
+    /// at once across the fleet if the fleet has no capacity yet: see [`RedisLimitBuilder`].
+    ///
+    /// The name is also the limit's attribute in the metrics, so it is written in code: 1 to
+    /// 64 characters among `A-Z a-z 0-9 _ . : / -`, starting with a letter.
+    ///
+    /// # Panics
+    ///
+    /// If `name` cannot name a limit ([`check_name`](tower_resources_operation::limit::check_name)
+    /// says why), as `LimitBuilder::name` of `tower-resources-operation` does.
+    #[track_caller]
+    pub fn builder(name: &'static str, capacity: usize) -> RedisLimitBuilder {
+        RedisLimitBuilder::new(name, capacity)
+    }
+
+    pub(crate) fn from_shared(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+
+    /// The limit's name: its Redis keys, and its attribute in the metrics.
+    pub fn name(&self) -> &'static str {
+        self.shared.core.name
+    }
+
+    /// The Redis the limit was given, as its messages say it (without a password).
+    pub fn address(&self) -> &str {
+        self.shared.core.transport.address()
+    }
+
+    /// The fleet's capacity, as last read from Redis (the builder's until then).
+    pub fn capacity(&self) -> usize {
+        self.shared.core.capacity.load(Ordering::Relaxed)
+    }
+
+    /// Places this process holds now.
+    pub fn active(&self) -> usize {
+        self.shared.core.active.load(Ordering::Relaxed)
+    }
+
+    /// Operations of this process waiting in the fleet's queue now.
+    pub fn queued(&self) -> usize {
+        self.shared.core.queued.load(Ordering::Relaxed)
+    }
+
+    /// Operations this process admitted without the fleet limit, failing open, so far.
+    pub fn failed_open(&self) -> u64 {
+        self.shared.core.failed_open.load(Ordering::Relaxed)
+    }
+
+    /// Leases of this process found lost while their operations ran, so far.
+    pub fn leases_lost(&self) -> u64 {
+        self.shared.core.leases_lost.load(Ordering::Relaxed)
+    }
+
+    /// The bound on the fleet's queue, if there is one.
+    pub fn queue_bound(&self) -> Option<usize> {
+        self.shared.core.max_queued
+    }
+
+    /// Whether the last call reached Redis. While it did not, callers are answered at once
+    /// (turned away, or admitted without the fleet limit), and Redis is asked again in the
+    /// background every [fallback poll](RedisLimitBuilder::fallback_poll).
+    pub fn is_reachable(&self) -> bool {
+        !self.shared.core.health.is_down()
+    }
+
+    /// Connects to Redis and subscribes to the limit's channel, if that is not done yet: to
+    /// find out at startup whether Redis can be reached. Calls connect by themselves, so this
+    /// is optional.
+    ///
+    /// Always asks Redis, even while it is down (as [`set_capacity`](Self::set_capacity) and
+    /// [`fleet`](Self::fleet) do); its answer ends an outage.
+    pub async fn ready(&self) -> Result<(), Error> {
+        self.shared.core.connect().await
+    }
+
+    /// Sets the capacity of the whole fleet. Raising it hands the new places to the fleet's
+    /// waiters at once; lowering it revokes nobody: places above the new capacity are taken
+    /// out as their operations end. Every process is told.
+    pub async fn set_capacity(&self, capacity: usize) -> Result<(), Error> {
+        self.shared.core.set_capacity(capacity).await.map(drop)
+    }
+
+    /// The fleet's capacity, leases held and tickets waiting, read from Redis now.
+    pub async fn fleet(&self) -> Result<Fleet, Error> {
+        self.shared.core.state().await
+    }
+
+    /// Reports this limit's own instruments, `gym.resources.limit.failed_open` and
+    /// `gym.resources.limit.leases_lost` (see [`metrics`](crate::metrics)), through `meter`,
+    /// for as long as the limit lives. The same as [`RedisLimitBuilder::meter`].
+    ///
+    /// Register each limit once per meter provider: one limit per name in a process, cloned
+    /// where it is needed. Two limits of one name registered on one provider observe the same
+    /// series, and OpenTelemetry keeps the last observation.
+    pub fn register_metrics(&self, meter: &Meter) {
+        crate::metrics::register(meter, &self.shared);
+    }
+}
+
+/// The state of a fleet limit across every process: [`RedisLimit::fleet`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Fleet {
+    /// Operations the fleet admits at once.
+    pub capacity: usize,
+    /// Leases held now, by every process (above `capacity` for a while after it was lowered).
+    pub active: usize,
+    /// Tickets waiting now, from every process.
+    pub queued: usize,
+}
+
+/// A place of a [`RedisLimit`]: a lease the process extends while the permit lives, given
+/// back when it drops. A permit admitted while Redis could not be reached, by a limit that
+/// fails open, holds no lease.
+pub struct RedisPermit {
+    shared: Arc<Shared>,
+    lease: Option<String>,
+}
+
+impl RedisPermit {
+    pub(crate) fn new(shared: Arc<Shared>, lease: Option<String>) -> Self {
+        Self { shared, lease }
+    }
+
+    /// Whether it was admitted without the fleet limit, because Redis could not be reached
+    /// and the limit fails open.
+    pub fn failed_open(&self) -> bool {
+        self.lease.is_none()
+    }
+}
+
+impl Drop for RedisPermit {
+    fn drop(&mut self) {
+        if let Some(id) = self.lease.take() {
+            let core = &self.shared.core;
+            lock(&core.local).held.remove(&id);
+            core.active.fetch_sub(1, Ordering::Relaxed);
+            self.shared.release(id);
+        }
+    }
+}
+
+impl fmt::Debug for RedisPermit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisPermit")
+            .field("limit", &self.shared.core.name)
+            .field("lease", &self.lease)
+            .finish()
+    }
+}
+
+impl Acquire for RedisLimit {
+    type Permit = RedisPermit;
+
+    async fn acquire(&self) -> Result<Self::Permit, AcquireError> {
+        Arc::clone(&self.shared).acquire().await
+    }
+
+    async fn acquire_owned(self) -> Result<Self::Permit, AcquireError> {
+        self.shared.acquire().await
+    }
+
+    fn capacity(&self) -> Option<Capacity> {
+        Some(self.shared.gauge.clone())
+    }
+
+    /// `true` when it fails closed (Redis unreachable turns operations away) or bounds its
+    /// queue.
+    fn may_reject(&self) -> bool {
+        !self.shared.core.fail_open || self.shared.core.max_queued.is_some()
+    }
+}
+
+impl fmt::Debug for RedisLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let core = &self.shared.core;
+        f.debug_struct("RedisLimit")
+            .field("name", &core.name)
+            .field("address", &self.address())
+            .field("capacity", &self.capacity())
+            .field("active", &self.active())
+            .field("queued", &self.queued())
+            .field("queue_bound", &core.max_queued)
+            .field("lease_ttl", &core.lease_ttl)
+            .field("call_timeout", &core.call_timeout)
+            .field("fail_open", &core.fail_open)
+            .field("reachable", &self.is_reachable())
+            .field("keys", &core.keys)
+            .finish()
+    }
+}
