@@ -127,6 +127,11 @@ bounded_attribute! {
         /// could not be reached in time ([`AcquireError::failed`](crate::limit::AcquireError::failed),
         /// [`AcquireError::closed`](crate::limit::AcquireError::closed)).
         Unavailable => "unavailable",
+        /// The server's deadline for the request passed while it waited for the limit, and the
+        /// server dropped it ([`server_timeout`](crate::ResourcesOperationLayer::server_timeout)):
+        /// work the limit made wait past the server's patience, before it ever ran. A caller
+        /// who left before any deadline the layer knows is `abandoned` instead.
+        Deadline => "deadline",
     }
 }
 

@@ -1,6 +1,7 @@
 //! Mistakes that would otherwise record nothing, or the wrong thing, without a word: each is
-//! reported once per process, as a `tracing` warning (with the `tracing` feature, on by default),
-//! or on standard error without it.
+//! reported once per process, as a `tracing` warning to the subscriber in place (with the
+//! `tracing` feature, on by default), or on standard error when there is none, or without the
+//! feature.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -49,18 +50,14 @@ pub(crate) fn report(mistake: Mistake, detail: &str) {
     if REPORTED[mistake as usize].swap(true, Ordering::Relaxed) {
         return;
     }
+    let message = format!("tower-resources-operation: {}{}", mistake.message(), detail);
+    // Without a subscriber (the default setup), `tracing` would drop it: standard error then.
     #[cfg(feature = "tracing")]
-    tracing::warn!(
-        target: "tower_resources_operation",
-        "tower-resources-operation: {}{}",
-        mistake.message(),
-        detail
-    );
-    // Without `tracing`, standard error: once per process, as loud.
-    #[cfg(not(feature = "tracing"))]
-    eprintln!(
-        "WARN tower_resources_operation: tower-resources-operation: {}{}",
-        mistake.message(),
-        detail
-    );
+    if !tracing::dispatcher::get_default(|dispatch| {
+        dispatch.is::<tracing::subscriber::NoSubscriber>()
+    }) {
+        tracing::warn!(target: "tower_resources_operation", "{message}");
+        return;
+    }
+    eprintln!("WARN tower_resources_operation: {message}");
 }

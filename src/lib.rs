@@ -338,7 +338,9 @@
 //! - Otherwise the same: the permit is taken in `poll_ready`, waiters are served first come
 //!   first served, a clone starts without a permit, the permit goes back when the response
 //!   future completes, errors or is dropped, or when a service holding an unused permit is
-//!   dropped; `new(0)` is never ready; `call` without `poll_ready` panics, saying so. `Response`
+//!   dropped; `call` without `poll_ready` panics, saying so. (tower's `new(0)` is never
+//!   ready; here a limit of 0 is refused when it is built, naming the value: one rule for
+//!   every bad value, a panic at build as tower does, or an error from `try_new` / `try_build`.) `Response`
 //!   and `Error` are the inner service's, `tower::load::Load` is forwarded, and
 //!   [`ResourcesOperation::new`] makes the service without the layer.
 //!

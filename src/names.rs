@@ -58,7 +58,7 @@ pub const ABANDONED_INSTRUMENT: &str = "gym.resources.operation.abandoned";
 /// Attribute key of the [`Rejection`], on [`REJECTED_INSTRUMENT`] only.
 pub const REJECTION_ATTRIBUTE: &str = "nemo.gym.resources.operation.rejection";
 /// The values of [`REJECTION_ATTRIBUTE`], one per [`Rejection`].
-pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout", "unavailable"];
+pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout", "unavailable", "deadline"];
 
 /// Observable gauge, `{operation}`: how many operations a [named](crate::limit::LimitBuilder::name)
 /// limit admits at once, by [`LIMIT_ATTRIBUTE`]. An addition of this crate.

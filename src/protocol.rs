@@ -63,6 +63,7 @@ impl Rejected {
             Rejection::Unavailable => {
                 "rejected: the limit cannot admit operations now (closed, or its store is out of reach)"
             }
+            Rejection::Deadline => "rejected: the server's deadline passed while it waited for the limit",
         }
     }
 }
@@ -107,6 +108,14 @@ pub trait Protocol<Req, Res, Err>: CanAnswer {
     /// `timeout`, not `cancelled`. Defaults to `None`.
     fn deadline(&self, request: &Req) -> Option<Duration> {
         let _ = request;
+        None
+    }
+
+    /// How long the server lets any request take, if the protocol was told
+    /// (`server_timeout`): an operation dropped while it still waits for its permit once that
+    /// long has passed is counted as [`Rejection::Deadline`], not as a caller who left.
+    /// Defaults to `None`.
+    fn server_deadline(&self) -> Option<Duration> {
         None
     }
 }
@@ -245,6 +254,7 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
         let mut response = Response::new(RB::default());
         *response.status_mut() = match rejected.rejection() {
             Rejection::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::Deadline => StatusCode::GATEWAY_TIMEOUT,
             Rejection::QueueFull | Rejection::QueueTimeout => self.status,
         };
         if let Some(after) = &self.retry_after {
@@ -255,6 +265,10 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
 
     fn deadline(&self, request: &Request<B>) -> Option<Duration> {
         self.deadline.read(request)
+    }
+
+    fn server_deadline(&self) -> Option<Duration> {
+        self.deadline.at_most
     }
 }
 
@@ -307,6 +321,7 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Grpc {
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         let status = match rejected.rejection() {
             Rejection::Unavailable => "14",
+            Rejection::Deadline => "4",
             Rejection::QueueFull | Rejection::QueueTimeout => "8",
         };
         headers.insert("grpc-status", HeaderValue::from_static(status));
@@ -316,6 +331,10 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Grpc {
 
     fn deadline(&self, request: &Request<B>) -> Option<Duration> {
         self.deadline.read(request)
+    }
+
+    fn server_deadline(&self) -> Option<Duration> {
+        self.deadline.at_most
     }
 }
 

@@ -6,6 +6,8 @@ use std::task::{Context, Poll};
 
 use pin_project_lite::pin_project;
 
+#[cfg(doc)]
+use crate::attributes::Rejection;
 use crate::attributes::{Executor, Operation};
 use crate::classify::OperationOutput;
 use crate::limit::{self, Acquire};
@@ -31,7 +33,7 @@ use crate::protocol::Rejected;
 /// `limit` is any [`Acquire`]: `&Semaphore`, `&Arc<Semaphore>`, `&Limit`, or a limit of your
 /// own; [`Acquire::queue_timeout`] bounds how long it waits. Its permit is held for exactly the
 /// work. A limit that cannot admit the operation (a closed semaphore, a store out of reach)
-/// turns it away: `Err(Rejected)` with [`Rejection::Unavailable`](crate::Rejection::Unavailable),
+/// turns it away: `Err(Rejected)` with [`Rejection::Unavailable`](Rejection::Unavailable),
 /// never a panic or a hang.
 ///
 /// ```
@@ -187,7 +189,7 @@ impl OperationMetrics {
         let mut asked = Lifecycle::new();
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);
-        poll_fn(|cx| asked.poll_admit(&mut asking, series, cx))
+        poll_fn(|cx| asked.poll_admit(&mut asking, series, || None, cx))
             .await
             .map_err(|refused| Rejected::new(refused.rejection()))?;
         Ok(asked.lend_permit())

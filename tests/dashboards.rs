@@ -808,6 +808,7 @@ fn alert_rules_query_only_the_crates_series_per_limit() {
             ("ResourcesOperationRejectionRateHigh", None),
             ("ResourcesOperationCancelledWhileQueueTimeHigh", None),
             ("ResourcesOperationTimeoutRateHigh", None),
+            ("ResourcesOperationDeadlinePassedInQueue", None),
         ]
     );
     let mut problems = Vec::new();

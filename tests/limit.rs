@@ -274,18 +274,16 @@ async fn permit_is_freed_when_the_response_future_is_dropped() {
     assert_ready_ok!(s2.poll_ready());
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn limit_of_zero_is_never_ready() {
-    let (mut service, _handle) = mock::spawn_layer::<(), (), _>(quiet(0));
-
-    assert_pending!(service.poll_ready());
-    assert!(!service.is_woken());
-    assert_pending!(service.poll_ready());
-
-    // Neither does a clone get anything.
-    let mut clone = service.clone();
-    assert_pending!(clone.poll_ready());
-    assert!(!service.is_woken());
+#[test]
+fn a_limit_of_zero_is_refused_when_it_is_built_naming_the_value() {
+    // tower's `ConcurrencyLimit::new(0)` is never ready; a limit of 0 here is a mistake caught
+    // where it is made.
+    let error = Limit::try_new(0).unwrap_err();
+    assert_eq!(error.capacity(), 0);
+    assert!(error.to_string().contains("a limit of 0"), "{error}");
+    assert!(Limit::builder(0).try_build().is_err());
+    let panic = std::panic::catch_unwind(|| quiet(0)).unwrap_err();
+    assert!(panic_message(&*panic).contains("a limit of 0"));
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -876,7 +874,8 @@ async fn a_capacity_of_zero_pauses_admission_until_it_is_raised() {
     assert!(waiter.is_woken());
     assert_ready_ok!(waiter.poll_ready());
 
-    let paused = Limit::with_max_queued(0, 0);
+    let paused = Limit::with_max_queued(1, 0);
+    paused.set_capacity(0).unwrap();
     let (mut turned_away, _handle) =
         mock::spawn_layer::<(), (), _>(quiet_on(&paused).protocol(RejectAsError));
     assert_ready_ok!(turned_away.poll_ready());

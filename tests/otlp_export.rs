@@ -178,7 +178,7 @@ async fn otlp_exporter_pushes_the_instruments_to_a_collector() {
                         .collect();
                     assert_eq!(
                         reasons,
-                        ["queue_full", "queue_timeout", "unavailable"]
+                        ["deadline", "queue_full", "queue_timeout", "unavailable"]
                             .map(String::from)
                             .into()
                     );

@@ -23,6 +23,9 @@ use tower_http::timeout::TimeoutLayer;
 use support::http::{serve, Client};
 use support::{eventually, only, Load, Telemetry, DEADLINE};
 use tower_resources_operation::classify::HttpClassifier;
+use tower_resources_operation::metrics::{
+    ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+};
 use tower_resources_operation::per_request::{ByMatchedPath, Choice};
 use tower_resources_operation::protocol::Http;
 use tower_resources_operation::{
@@ -259,4 +262,100 @@ async fn towers_per_service_limit_under_axum_limits_each_connection_not_the_rout
     // shares one limit however many services it makes; so does tower's
     // `GlobalConcurrencyLimitLayer`.
     assert_eq!(ran, 3);
+}
+
+/// The setup: a capacity of 1, a Router-wide `TimeoutLayer` of 1 s the layer is told
+/// of, and 10 requests of 300 ms at once. Nobody hangs up: the server drops 7 at its deadline.
+/// The one it drops while it runs is `timeout`; the six it drops before they ever ran are
+/// `rejected{rejection="deadline"}`, not callers who left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_dropped_in_the_queue_at_the_servers_deadline_is_a_deadline_rejection() {
+    const DEADLINE_OF_SERVER: Duration = Duration::from_secs(1);
+    let telemetry = Telemetry::new();
+    let layer = ResourcesOperationLayer::new_for_http(1)
+        .operation(Operation::Verify)
+        .executor(Executor::Subprocess)
+        .server_timeout(DEADLINE_OF_SERVER)
+        .metrics(telemetry.metrics.clone());
+    let route = get(|| async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        "verified"
+    })
+    .layer::<_, Infallible>(layer);
+    let router = Router::new()
+        .route("/verify", route)
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            DEADLINE_OF_SERVER,
+        ));
+    let addr = serve(router).await;
+    let clients: Vec<_> = (0..10)
+        .map(|_| tokio::spawn(async move { Client::open(addr).await.get("/verify").await.0 }))
+        .collect();
+    let mut statuses = BTreeMap::new();
+    for client in clients {
+        *statuses.entry(client.await.unwrap()).or_insert(0) += 1;
+    }
+    assert_eq!(statuses, BTreeMap::from([(200, 3), (408, 7)]));
+
+    let deadline = [
+        (OPERATION_ATTRIBUTE, "verify"),
+        (REJECTION_ATTRIBUTE, "deadline"),
+    ];
+    let books = || {
+        (
+            telemetry.outcomes(&VERIFY),
+            telemetry.live_value(REJECTED_INSTRUMENT, &deadline),
+            telemetry.live_value(ABANDONED_INSTRUMENT, &VERIFY),
+        )
+    };
+    eventually("every operation is counted", || {
+        let (outcomes, deadline, abandoned) = books();
+        outcomes.values().sum::<u64>() as i64 + deadline + abandoned == 10
+    })
+    .await;
+    // Three ran to the end; the one running at the deadline, and any admitted in the
+    // milliseconds between one request's deadline and the next's, ended `timeout`; every other
+    // one never ran, and was dropped waiting.
+    let (outcomes, deadline, abandoned) = books();
+    let timeout = outcomes.get("timeout").copied().unwrap_or(0) as i64;
+    assert_eq!(outcomes.get("ok"), Some(&3), "{outcomes:?}");
+    assert_eq!(timeout + deadline, 7, "{outcomes:?}, deadline {deadline}");
+    assert!(deadline >= 5, "{outcomes:?}, deadline {deadline}");
+    assert_eq!(abandoned, 0);
+    assert_eq!(telemetry.live_value(QUEUED_INSTRUMENT, &VERIFY), 0);
+}
+
+/// Without the server's timeout told, the layer cannot explain the drop: it stays abandoned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drop_in_the_queue_the_layer_cannot_explain_stays_abandoned() {
+    let telemetry = Telemetry::new();
+    let layer = ResourcesOperationLayer::new_for_http(1)
+        .operation(Operation::Verify)
+        .metrics(telemetry.metrics.clone());
+    let route = slow().layer::<_, Infallible>(layer);
+    let router = Router::new()
+        .route("/verify", route)
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            Duration::from_secs(1),
+        ));
+    let addr = serve(router).await;
+    let clients: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(async move { Client::open(addr).await.get("/verify").await.0 }))
+        .collect();
+    eventually("one runs, two wait", || {
+        telemetry.live_value(QUEUED_INSTRUMENT, &VERIFY) == 2
+    })
+    .await;
+    for client in clients {
+        assert_eq!(client.await.unwrap(), 408);
+    }
+    eventually("every operation is counted", || {
+        telemetry.live_value(ABANDONED_INSTRUMENT, &VERIFY) == 2
+    })
+    .await;
+    let deadline = [(REJECTION_ATTRIBUTE, "deadline")];
+    assert_eq!(telemetry.live_value(REJECTED_INSTRUMENT, &deadline), 0);
+    assert_eq!(telemetry.outcomes(&VERIFY), only("cancelled"));
 }

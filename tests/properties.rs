@@ -157,6 +157,11 @@ fn books_of(
                     "no limit of these schedules closes or fails: {record:?}"
                 )));
             }
+            (Fate::Rejected(Rejection::Deadline), None) => {
+                return Err(TestCaseError::fail(format!(
+                    "no layer of these schedules knows a server deadline: {record:?}"
+                )));
+            }
             (Fate::Abandoned, None) => {}
         }
         books.record(record.series, record.fate);

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Average, Sample};
+use super::{in_range, Algorithm, Average, Sample};
 
 #[cfg(doc)]
 use super::Adaptive;
@@ -64,8 +64,14 @@ impl Aimd {
 
     /// What the capacity is multiplied by after a window with congestion, in `(0, 1)`; it
     /// drops by at least one place. Defaults to 0.9.
+    ///
+    /// # Panics
+    ///
+    /// If `backoff` is outside `(0, 1)` or not a number, with a message that names it.
+    #[track_caller]
     pub fn backoff(mut self, backoff: f64) -> Self {
-        self.backoff = backoff.clamp(0.0, 1.0);
+        let below_one = 1.0 - f64::EPSILON;
+        self.backoff = in_range("Aimd::backoff", backoff, f64::MIN_POSITIVE..=below_one);
         self
     }
 

@@ -2,12 +2,10 @@
 
 use std::fmt;
 use std::ops::RangeInclusive;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::algorithm::Algorithm;
-use super::controller::Controller;
-use crate::limit::{Control, MakeControl, Resize};
 
 /// The controller of an adaptive [`Limit`](crate::Limit): its algorithm, the bounds of its capacity, and
 /// how long its windows are. Give it to [`LimitBuilder::adaptive`](crate::limit::LimitBuilder::adaptive).
@@ -75,24 +73,19 @@ impl Adaptive {
     /// counts as congested, in `[0, 1]`: for a server that fails some requests whatever its
     /// load. A window closes as soon as it passes it. Defaults to 0: the first `timeout`,
     /// `error` or `crashed` closes the window, congested.
+    ///
+    /// # Panics
+    ///
+    /// If `share` is outside `[0, 1]` or not a number, with a message that names it.
+    #[track_caller]
     pub fn tolerance(mut self, share: f64) -> Self {
-        self.tolerance = share.clamp(0.0, 1.0);
+        self.tolerance = super::in_range("Adaptive::tolerance", share, 0.0..=1.0);
         self
     }
 
     /// The bounds of the capacity.
     pub fn bounds(&self) -> RangeInclusive<usize> {
         self.min..=self.max
-    }
-}
-
-impl MakeControl for Adaptive {
-    fn bounds(&self) -> RangeInclusive<usize> {
-        Adaptive::bounds(self)
-    }
-
-    fn make(&self, limit: Weak<dyn Resize>, capacity: usize) -> Arc<dyn Control> {
-        Arc::new(Controller::new(self, limit, capacity))
     }
 }
 

@@ -2,8 +2,9 @@
 //! close that runs the algorithm once per window.
 
 use std::fmt;
+use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -12,7 +13,7 @@ use super::algorithm::{Algorithm, Sample};
 use super::config::Adaptive;
 use crate::attributes::Outcome;
 use crate::guard::guarded;
-use crate::limit::{Control, Ended, Resize};
+use crate::limit::{Control, Ended, MakeControl, Resize};
 
 /// Operations a window counts at most, so that its three counts fit one word.
 const WINDOW_CAP: u64 = 1 << 20;
@@ -266,5 +267,16 @@ impl fmt::Debug for Controller {
             .field("baseline", &baseline)
             .field("estimate", &estimate)
             .finish_non_exhaustive()
+    }
+}
+
+/// Each limit an [`Adaptive`] is given to gets a controller of its own.
+impl MakeControl for Adaptive {
+    fn bounds(&self) -> RangeInclusive<usize> {
+        Adaptive::bounds(self)
+    }
+
+    fn make(&self, limit: Weak<dyn Resize>, capacity: usize) -> Arc<dyn Control> {
+        Arc::new(Controller::new(self, limit, capacity))
     }
 }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::{working, Algorithm, Average, Sample};
+use super::{in_range, working, Algorithm, Average, Sample};
 
 /// A latency gradient, in the manner of Netflix's Gradient2 and Envoy's adaptive concurrency:
 /// the capacity follows the ratio of the run time at low load (the *baseline*) to the recent
@@ -72,21 +72,37 @@ impl Gradient {
     /// How much above its baseline the run time may climb before the limit shrinks, as a
     /// ratio (at least 1). Higher lets more run at once on a server whose run time grows
     /// slowly with load, and rides out more jitter. Defaults to 1.25.
+    ///
+    /// # Panics
+    ///
+    /// If `tolerance` is below 1 or not a number, with a message that names it.
+    #[track_caller]
     pub fn tolerance(mut self, tolerance: f64) -> Self {
-        self.tolerance = tolerance.max(1.0);
+        self.tolerance = in_range("Gradient::tolerance", tolerance, 1.0..=f64::MAX);
         self
     }
 
     /// How much of each step the capacity takes, in `(0, 1]`: lower moves it more slowly and
     /// more steadily. Defaults to 0.5.
+    ///
+    /// # Panics
+    ///
+    /// If `smoothing` is outside `(0, 1]`.
+    #[track_caller]
     pub fn smoothing(mut self, smoothing: f64) -> Self {
-        self.smoothing = smoothing.clamp(0.01, 1.0);
+        self.smoothing = in_range("Gradient::smoothing", smoothing, f64::MIN_POSITIVE..=1.0);
         self
     }
 
-    /// What the capacity is multiplied by after a window with congestion. Defaults to 0.9.
+    /// What the capacity is multiplied by after a window with congestion, in `(0, 1]`.
+    /// Defaults to 0.9.
+    ///
+    /// # Panics
+    ///
+    /// If `backoff` is outside `(0, 1]`.
+    #[track_caller]
     pub fn backoff(mut self, backoff: f64) -> Self {
-        self.backoff = backoff.clamp(0.0, 1.0);
+        self.backoff = in_range("Gradient::backoff", backoff, f64::MIN_POSITIVE..=1.0);
         self
     }
 }

@@ -88,6 +88,20 @@ pub use gradient::Gradient;
 
 use std::time::Duration;
 
+/// `value`, if it is within `range`; otherwise a panic that names the setting and the value
+/// (every configuration value of the crate is checked when it is given, as tower does).
+#[track_caller]
+fn in_range(setting: &str, value: f64, range: std::ops::RangeInclusive<f64>) -> f64 {
+    if range.contains(&value) {
+        return value;
+    }
+    panic!(
+        "tower-resources-operation: {setting} must be within {:?}..={:?}; got {value:?}",
+        range.start(),
+        range.end()
+    )
+}
+
 /// An exponentially weighted moving average of run times, in seconds.
 #[derive(Clone, Copy, Debug, Default)]
 struct Average {

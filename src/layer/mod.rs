@@ -18,7 +18,7 @@ pub use service::ResourcesOperation;
 
 use crate::attributes::{Executor, Operation};
 use crate::classify::{DefaultClassifier, GrpcClassifier, HttpClassifier};
-use crate::limit::{Acquire, Capacity, IntoLimit, Limit, QueueTimeout};
+use crate::limit::{Acquire, Capacity, IntoLimit, Limit};
 use crate::metrics::{MetricsSource, OperationMetrics, Series};
 use crate::protocol::{CanAnswer, Grpc, Http, Plain};
 
@@ -86,6 +86,8 @@ pub(crate) struct Config<C, L, P> {
     pub(crate) metrics: MetricsSource,
     /// The capacity given with [`ResourcesOperationLayer::capacity`].
     pub(crate) capacity: Option<Capacity>,
+    /// How long an operation of the layer may wait ([`ResourcesOperationLayer::queue_timeout`]).
+    pub(crate) queue_timeout: Option<Duration>,
     /// The series its operations record through, once decided.
     series: OnceLock<Option<Series>>,
 }
@@ -109,7 +111,7 @@ impl<C, L: Acquire, P> Config<C, L, P> {
     /// Whether a service of this layer could be left with a rejection it cannot answer.
     #[track_caller]
     pub(crate) fn check(&self) {
-        if !self.answers && self.limit.may_reject() {
+        if !self.answers && (self.limit.may_reject() || self.queue_timeout.is_some()) {
             panic!(
                 "tower-resources-operation: this limit ({}, {:?}) may turn operations away (a \
                  queue bound or a queue timeout), but this layer cannot answer a rejection: give \
@@ -125,7 +127,7 @@ impl<C, L: Acquire, P> Config<C, L, P> {
     pub(crate) fn described_limit(&self) -> DescribedLimit {
         let capacity = self.capacity.clone().or_else(|| self.limit.capacity());
         DescribedLimit {
-            name: capacity.as_ref().and_then(Capacity::name),
+            name: capacity.as_ref().and_then(Capacity::shared_name).cloned(),
             capacity: capacity.as_ref().and_then(Capacity::get),
         }
     }
@@ -133,7 +135,7 @@ impl<C, L: Acquire, P> Config<C, L, P> {
 
 /// A layer's limit in its `Debug` output.
 pub(crate) struct DescribedLimit {
-    name: Option<&'static str>,
+    name: Option<Arc<str>>,
     capacity: Option<usize>,
 }
 
@@ -158,6 +160,7 @@ impl<C: Clone, L: Clone, P: Clone> Clone for Config<C, L, P> {
             executor: self.executor,
             metrics: self.metrics.clone(),
             capacity: self.capacity.clone(),
+            queue_timeout: self.queue_timeout,
             series: OnceLock::new(),
         }
     }
@@ -189,6 +192,7 @@ impl<C, L, P> Config<C, L, P> {
             executor: self.executor,
             metrics: self.metrics,
             capacity: self.capacity,
+            queue_timeout: self.queue_timeout,
             series: OnceLock::new(),
         }
     }
@@ -256,6 +260,7 @@ impl<C, L, P> ResourcesOperationLayer<C, L, P> {
                 executor: Executor::Other,
                 metrics: MetricsSource::Global,
                 capacity: None,
+                queue_timeout: None,
                 series: OnceLock::new(),
             }),
             _end: PhantomData,
@@ -332,22 +337,25 @@ where
     }
 
     /// Turns away, with [`Rejection::QueueTimeout`](crate::Rejection::QueueTimeout), an
-    /// operation of this layer that has waited `timeout` for its permit: the layer's limit
-    /// becomes [`Acquire::queue_timeout`] of it. The layer must answer rejections (see
-    /// [`protocol`](Self::protocol)).
-    pub fn queue_timeout(
-        self,
-        timeout: Duration,
-    ) -> ResourcesOperationLayer<C, QueueTimeout<L>, P, E>
-    where
-        L: Acquire,
-    {
-        self.reconfigure(|parts| Parts {
-            limit: parts.limit.queue_timeout(timeout),
-            classifier: parts.classifier,
-            protocol: parts.protocol,
-            answers: parts.answers,
-        })
+    /// operation of this layer that has waited `timeout` for its permit; `None` lets it wait as
+    /// long as it takes (the default). The layer's type stays the same either way, so a
+    /// timeout read from a config file can be set or not:
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_resources_operation::ResourcesOperationLayer;
+    ///
+    /// let from_config: Option<u64> = Some(250);
+    /// let layer = ResourcesOperationLayer::new_for_http(4)
+    ///     .queue_timeout(from_config.map(Duration::from_millis));
+    /// # drop(layer);
+    /// ```
+    ///
+    /// A layer with a queue timeout must answer rejections (see [`protocol`](Self::protocol)):
+    /// a generic one without refuses, when it makes its service, to go on.
+    pub fn queue_timeout(self, timeout: impl Into<Option<Duration>>) -> Self {
+        let timeout = timeout.into();
+        self.configure(|config| config.queue_timeout = timeout)
     }
 
     /// Holds each operation until its `http::Response` body ends, rather than until the inner

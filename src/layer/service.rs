@@ -114,8 +114,13 @@ where
             }
             let config = &*self.config;
             let admitted = {
-                let mut asking = self.waiting.asking(&config.limit);
-                ready!(self.operation.poll_admit(&mut asking, config.series(), cx))
+                let mut asking = self.waiting.asking(&config.limit, config.queue_timeout);
+                let deadline = || {
+                    Protocol::<Request, S::Response, S::Error>::server_deadline(&config.protocol)
+                };
+                ready!(self
+                    .operation
+                    .poll_admit(&mut asking, config.series(), deadline, cx))
             };
             if let Err(refused) = admitted {
                 return self.rejected(&refused);

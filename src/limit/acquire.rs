@@ -172,8 +172,8 @@ pub trait IntoLimit {
     ///
     /// # Panics
     ///
-    /// A number above tokio's [`Semaphore::MAX_PERMITS`] panics: use [`Limit::try_new`] for an
-    /// error instead.
+    /// A number that is 0 or above tokio's [`Semaphore::MAX_PERMITS`] panics: use
+    /// [`Limit::try_new`] for an error instead.
     fn into_limit(self) -> Self::Limit;
 }
 

@@ -77,6 +77,9 @@ impl fmt::Display for AcquireError {
             ErrorKind::Rejected(Rejection::Unavailable) => {
                 f.write_str("the limit cannot admit operations now")
             }
+            ErrorKind::Rejected(Rejection::Deadline) => {
+                f.write_str("the server's deadline passed while the operation waited")
+            }
             ErrorKind::Closed => f.write_str("the limit is closed"),
             ErrorKind::Failed(source) => write!(f, "the limit failed: {source}"),
         }

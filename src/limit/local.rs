@@ -59,17 +59,17 @@ impl Limit {
     ///
     /// # Panics
     ///
-    /// If `max` is above tokio's [`Semaphore::MAX_PERMITS`]; [`try_new`](Self::try_new) returns
-    /// that as an error instead.
+    /// If `max` is 0 or above tokio's [`Semaphore::MAX_PERMITS`]; [`try_new`](Self::try_new)
+    /// returns that as an error instead.
     #[track_caller]
     pub fn new(max: usize) -> Self {
         Self::with_max_queued(max, usize::MAX)
     }
 
-    /// A limit of `max` operations at once, or an error if `max` is above tokio's
+    /// A limit of `max` operations at once, or an error if `max` is 0 or above tokio's
     /// [`Semaphore::MAX_PERMITS`].
-    pub fn try_new(max: usize) -> Result<Self, LimitTooLarge> {
-        check(max)?;
+    pub fn try_new(max: usize) -> Result<Self, InvalidCapacity> {
+        check_built(max)?;
         Ok(Self::make(max, usize::MAX, None, None))
     }
 
@@ -82,7 +82,7 @@ impl Limit {
     ///
     /// # Panics
     ///
-    /// If `max` is above tokio's [`Semaphore::MAX_PERMITS`].
+    /// If `max` is 0 or above tokio's [`Semaphore::MAX_PERMITS`].
     #[track_caller]
     pub fn with_max_queued(max: usize, max_queued: usize) -> Self {
         Self::builder(max).max_queued(max_queued).build()
@@ -102,7 +102,7 @@ impl Limit {
     fn make(
         max: usize,
         max_queued: usize,
-        name: Option<&'static str>,
+        name: Option<&str>,
         adaptive: Option<&dyn MakeControl>,
     ) -> Self {
         let max = adaptive.map_or(max, |adaptive| {
@@ -127,7 +127,7 @@ impl Limit {
     }
 
     /// Its name, if it was given one.
-    pub fn name(&self) -> Option<&'static str> {
+    pub fn name(&self) -> Option<&str> {
         self.state.gauge.name()
     }
 
@@ -166,7 +166,7 @@ impl Limit {
     /// more may run than the new capacity (the metrics then show `active` above `limit`). No
     /// place is lost or made up, whatever runs meanwhile. An adaptive limit's controller goes
     /// on from the capacity set here, at its next window.
-    pub fn set_capacity(&self, capacity: usize) -> Result<(), LimitTooLarge> {
+    pub fn set_capacity(&self, capacity: usize) -> Result<(), InvalidCapacity> {
         check(capacity)?;
         self.state.places.set_capacity(capacity);
         Ok(())
@@ -237,7 +237,7 @@ impl Resize for State {
 pub struct LimitBuilder {
     max: usize,
     max_queued: usize,
-    name: Option<&'static str>,
+    name: Option<String>,
     adaptive: Option<Arc<dyn MakeControl>>,
 }
 
@@ -254,15 +254,24 @@ impl LimitBuilder {
     /// with `nemo.gym.resources.limit` = `name`, so that one dashboard row or alert covers every
     /// route and operation that shares it. Limits that share a name add up.
     ///
-    /// A name is written in code (`&'static str`), so the attribute stays bounded: 1 to 64
-    /// characters among `A-Z a-z 0-9 _ . : / -`, starting with a letter.
+    /// A name is checked once, here, so the attribute stays bounded: 1 to 64 characters among
+    /// `A-Z a-z 0-9 _ . : / -`, starting with a letter. It may come from a config file:
+    ///
+    /// ```
+    /// use tower_resources_operation::Limit;
+    ///
+    /// let from_config = String::from("judges");
+    /// let judges = Limit::builder(8).name(from_config).build();
+    /// assert_eq!(judges.name(), Some("judges"));
+    /// ```
     ///
     /// # Panics
     ///
     /// If `name` is not such a name.
     #[track_caller]
-    pub fn name(mut self, name: &'static str) -> Self {
-        if let Err(error) = check_name(name) {
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        let name = name.into();
+        if let Err(error) = check_name(&name) {
             panic!("{error}");
         }
         self.name = Some(name);
@@ -292,7 +301,7 @@ impl LimitBuilder {
     ///
     /// # Panics
     ///
-    /// If its capacity, or an adaptive limit's highest, is above tokio's
+    /// If its capacity is 0, or it or an adaptive limit's highest is above tokio's
     /// [`Semaphore::MAX_PERMITS`]; [`try_build`](Self::try_build) returns that as an error
     /// instead.
     #[track_caller]
@@ -305,25 +314,34 @@ impl LimitBuilder {
 
     /// The limit, or an error if its capacity, or an adaptive limit's highest, is above tokio's
     /// [`Semaphore::MAX_PERMITS`].
-    pub fn try_build(self) -> Result<Limit, LimitTooLarge> {
-        check(self.max)?;
+    pub fn try_build(self) -> Result<Limit, InvalidCapacity> {
+        check_built(self.max)?;
         if let Some(adaptive) = &self.adaptive {
             check(*adaptive.bounds().end())?;
         }
         Ok(Limit::make(
             self.max,
             self.max_queued,
-            self.name,
+            self.name.as_deref(),
             self.adaptive.as_deref(),
         ))
     }
 }
 
-fn check(max: usize) -> Result<(), LimitTooLarge> {
+/// Whether a limit can be set to `max` operations at once while it serves (0 pauses it).
+fn check(max: usize) -> Result<(), InvalidCapacity> {
     if max > Semaphore::MAX_PERMITS {
-        Err(LimitTooLarge { max })
+        Err(InvalidCapacity { max })
     } else {
         Ok(())
+    }
+}
+
+/// Whether a limit can be built with `max` operations at once: 0 would admit nothing, ever.
+fn check_built(max: usize) -> Result<(), InvalidCapacity> {
+    match max {
+        0 => Err(InvalidCapacity { max }),
+        max => check(max),
     }
 }
 
@@ -464,14 +482,28 @@ impl fmt::Debug for Limit {
     }
 }
 
-/// A limit above tokio's [`Semaphore::MAX_PERMITS`].
+/// A capacity a limit cannot have: 0 when it is built (it would admit nothing, ever), or above
+/// tokio's [`Semaphore::MAX_PERMITS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LimitTooLarge {
+pub struct InvalidCapacity {
     max: usize,
 }
 
-impl fmt::Display for LimitTooLarge {
+impl InvalidCapacity {
+    /// The capacity that was asked for.
+    pub fn capacity(&self) -> usize {
+        self.max
+    }
+}
+
+impl fmt::Display for InvalidCapacity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.max == 0 {
+            return f.write_str(
+                "tower-resources-operation: a limit of 0 operations would admit nothing, ever; \
+                 give it 1 or more (set_capacity(0) pauses a limit that serves)",
+            );
+        }
         write!(
             f,
             "tower-resources-operation: a limit of {} operations is above tokio's \
@@ -482,4 +514,4 @@ impl fmt::Display for LimitTooLarge {
     }
 }
 
-impl std::error::Error for LimitTooLarge {}
+impl std::error::Error for InvalidCapacity {}

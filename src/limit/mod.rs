@@ -26,7 +26,7 @@ pub use acquire::{Acquire, IntoLimit};
 pub(crate) use error::limit_failed;
 pub use error::AcquireError;
 pub use feedback::{Control, Ended, MakeControl, Resize};
-pub use local::{Limit, LimitBuilder, LimitPermit, LimitTooLarge};
+pub use local::{InvalidCapacity, Limit, LimitBuilder, LimitPermit};
 pub(crate) use poll::{in_place, Asking, Waiting};
 pub use queue_timeout::QueueTimeout;
 pub use report::{check_name, Capacity, InvalidName, Reading};

@@ -4,9 +4,11 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio_util::sync::ReusableBoxFuture;
 
+use super::queue_timeout::timed_out;
 use super::{Acquire, AcquireError};
 use crate::attributes::Rejection;
 
@@ -69,6 +71,15 @@ impl<P> Waiting<P> {
         self.standing = Standing::Rejected(rejection);
     }
 
+    /// Starts the wait `next`, in the allocation of the last one if it fits.
+    fn start(&mut self, next: impl Future<Output = Result<P, AcquireError>> + Send + 'static) {
+        match &mut self.future {
+            Some(future) => future.set(next),
+            None => self.future = Some(ReusableBoxFuture::new(next)),
+        }
+        self.standing = Standing::Waiting;
+    }
+
     /// The rejection to answer, which `call` takes once.
     pub(crate) fn take_rejection(&mut self) -> Option<Rejection> {
         let rejection = self.rejection();
@@ -78,20 +89,30 @@ impl<P> Waiting<P> {
         rejection
     }
 
-    /// Asks `limit` through this wait.
+    /// Asks `limit` through this wait, turning the operation away once it has waited
+    /// `timeout`, if there is one.
     #[inline]
-    pub(crate) fn asking<'a, L>(&'a mut self, limit: &'a L) -> impl Asking<Permit = P> + 'a
+    pub(crate) fn asking<'a, L>(
+        &'a mut self,
+        limit: &'a L,
+        timeout: Option<Duration>,
+    ) -> impl Asking<Permit = P> + 'a
     where
         L: Acquire<Permit = P> + Clone + Send + Sync + 'static,
         P: Send + 'static,
     {
-        Service { limit, wait: self }
+        Service {
+            limit,
+            wait: self,
+            timeout,
+        }
     }
 }
 
 struct Service<'a, L: Acquire> {
     limit: &'a L,
     wait: &'a mut Waiting<L::Permit>,
+    timeout: Option<Duration>,
 }
 
 impl<L> Asking for Service<'_, L>
@@ -115,11 +136,12 @@ where
         let wait = &mut *self.wait;
         if !wait.is_waiting() {
             let next = self.limit.clone().acquire_owned();
-            match &mut wait.future {
-                Some(future) => future.set(next),
-                None => wait.future = Some(ReusableBoxFuture::new(next)),
+            match self.timeout {
+                None => wait.start(next),
+                Some(timeout) => {
+                    wait.start(async move { timed_out(tokio::time::timeout(timeout, next).await) })
+                }
             }
-            wait.standing = Standing::Waiting;
         }
         let Some(future) = &mut wait.future else {
             unreachable!("a wait was started above")

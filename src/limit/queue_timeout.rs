@@ -32,7 +32,7 @@ impl<A> QueueTimeout<A> {
 }
 
 /// `Elapsed` as the rejection it is.
-fn timed_out<P>(
+pub(super) fn timed_out<P>(
     waited: Result<Result<P, AcquireError>, tokio::time::error::Elapsed>,
 ) -> Result<P, AcquireError> {
     waited.unwrap_or_else(|_| Err(AcquireError::rejected(Rejection::QueueTimeout)))

@@ -32,7 +32,7 @@ pub struct Capacity {
     /// Unique to the limit, never reused.
     id: u64,
     /// The limit's name, for a limit that reports instruments of its own.
-    name: Option<&'static str>,
+    name: Option<Arc<str>>,
     read: Arc<dyn Fn() -> Option<Reading> + Send + Sync>,
 }
 
@@ -136,12 +136,13 @@ impl Capacity {
     /// If `name` cannot name a limit (see [`check_name`]).
     #[track_caller]
     pub fn of_limit(
-        name: Option<&'static str>,
+        name: Option<&str>,
         read: impl Fn() -> Option<Reading> + Send + Sync + 'static,
     ) -> Self {
         if let Some(Err(error)) = name.map(check_name) {
             panic!("{error}");
         }
+        let name = name.map(Arc::from);
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Self {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -162,8 +163,13 @@ impl Capacity {
 
     /// The name of the limit, if it has one: a named limit reports `gym.resources.limit.*`
     /// under it.
-    pub fn name(&self) -> Option<&'static str> {
-        self.name
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// The name, shared (for the metrics, which keep it across collections).
+    pub(crate) fn shared_name(&self) -> Option<&Arc<str>> {
+        self.name.as_ref()
     }
 
     /// Whether `self` and `other` describe the same limit (one is a clone of the other).

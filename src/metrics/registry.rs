@@ -2,7 +2,7 @@
 //! and the per-limit instruments.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::guard::guarded;
 use crate::limit::{Capacity, Reading};
@@ -67,18 +67,20 @@ impl<const SERIES: usize> Registry<SERIES> {
 
     /// Each named limit's reading, once per limit however many series draw from it; limits
     /// that share a name add up. In the order the names were first registered.
-    pub(super) fn named(&self) -> Vec<(&'static str, Reading)> {
+    pub(super) fn named(&self) -> Vec<(Arc<str>, Reading)> {
         let mut seen: Vec<u64> = Vec::new();
-        let mut named: Vec<(&'static str, Reading)> = Vec::new();
+        let mut named: Vec<(Arc<str>, Reading)> = Vec::new();
         self.read(|_, capacity, reading| {
-            let Some(name) = capacity.name() else { return };
+            let Some(name) = capacity.shared_name() else {
+                return;
+            };
             if seen.contains(&capacity.id()) {
                 return;
             }
             seen.push(capacity.id());
-            match named.iter_mut().find(|(known, _)| *known == name) {
+            match named.iter_mut().find(|(known, _)| known == name) {
                 Some((_, sum)) => sum.add(&reading),
-                None => named.push((name, reading)),
+                None => named.push((Arc::clone(name), reading)),
             }
         });
         named

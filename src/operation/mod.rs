@@ -29,7 +29,7 @@ use tokio::time::Instant;
 pub use outcome_slot::set_outcome;
 
 use self::outcome_slot::{enter, leave, Slot};
-use crate::attributes::Outcome;
+use crate::attributes::{Outcome, Rejection};
 use crate::guard::guarded;
 use crate::limit::{Acquire, AcquireError, Asking, Ended};
 use crate::metrics::Series;
@@ -66,9 +66,11 @@ struct Record {
     stage: Stage,
     /// The outcome [`set_outcome`] chose, if it did (see [`Chosen`]).
     chosen: Chosen,
-    /// Admitted: how long it waited, in microseconds. Called: how long it may run before a drop
-    /// is past its caller's deadline, in milliseconds ([`NO_DEADLINE`] for none). One field for
-    /// both keeps a record, and so every service and response future, a word smaller.
+    /// Waiting: how long it may wait before a drop is past the server's deadline, in
+    /// milliseconds. Admitted: how long it waited, in microseconds. Called: how long it may run
+    /// before a drop is past its caller's deadline, in milliseconds ([`NO_DEADLINE`] for none,
+    /// waiting or called). One field for all three keeps a record, and so every service and
+    /// response future, a word smaller.
     timing: u32,
     /// When it started to wait (while waiting), or was admitted (once admitted); `None` if the
     /// clock could not be read (a duration from it is then 0).
@@ -296,8 +298,14 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         match record.stage {
             Stage::Waiting => {
                 record.stage = Stage::Ended;
+                let past_deadline = record.timing != NO_DEADLINE
+                    && elapsed(record.at, now()) >= Duration::from_millis(u64::from(record.timing));
                 if let Some(series) = &record.series {
-                    series.abandon(true);
+                    match past_deadline {
+                        // The server gave up on it while the limit kept it waiting.
+                        true => series.reject(Rejection::Deadline, true),
+                        false => series.abandon(true),
+                    }
                 }
                 self.record = None;
             }
@@ -324,19 +332,24 @@ impl<A: Acquire> Lifecycle<A> {
     /// queue time; turned away, or refused by a limit that failed, it is counted by reason
     /// ([`AcquireError::rejection`]: a failure is `unavailable`) and the error is returned for
     /// the caller to answer.
+    ///
+    /// `deadline` is how long the server lets the request take, if the layer knows: a wait
+    /// dropped past it is [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not
+    /// abandoned.
     #[inline(always)]
     pub(crate) fn poll_admit(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
+        deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
         let acquired = match asking.is_waiting() {
             false => match asking.try_now() {
                 Some(now) => now,
-                None => std::task::ready!(self.poll_wait(asking, series, cx)),
+                None => std::task::ready!(self.poll_wait(asking, series, deadline, cx)),
             },
-            true => std::task::ready!(self.poll_wait(asking, series, cx)),
+            true => std::task::ready!(self.poll_wait(asking, series, deadline, cx)),
         };
         Poll::Ready(match acquired {
             Ok(permit) => {
@@ -361,20 +374,27 @@ impl<A: Acquire> Lifecycle<A> {
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
+        deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<A::Permit, AcquireError>> {
         let polled = asking.poll_wait(cx);
         if polled.is_pending() && self.record.is_none() {
             if let Some(series) = series {
-                self.start_waiting(series);
+                self.start_waiting(series, guarded(deadline).flatten());
             }
         }
         polled
     }
 
-    fn start_waiting(&mut self, series: &Series) {
+    #[cold]
+    fn start_waiting(&mut self, series: &Series, deadline: Option<Duration>) {
         series.start_waiting();
-        self.record = Some(Record::new(Some(series.clone()), now()));
+        let mut record = Record::new(Some(series.clone()), now());
+        record.timing = deadline.map_or(NO_DEADLINE, |deadline| {
+            let slack = DEADLINE_SLACK.min(deadline / 10);
+            millis_within_record(deadline.saturating_sub(slack))
+        });
+        self.record = Some(record);
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
@@ -503,11 +523,7 @@ impl Record {
         let queued = Duration::from_micros(u64::from(self.timing));
         self.timing = deadline.map_or(NO_DEADLINE, |deadline| {
             let slack = DEADLINE_SLACK.min(deadline / 10);
-            let may_run = deadline.saturating_sub(queued + slack);
-            let ms = may_run.as_nanos().div_ceil(1_000_000);
-            u32::try_from(ms)
-                .unwrap_or(NO_DEADLINE - 1)
-                .min(NO_DEADLINE - 1)
+            millis_within_record(deadline.saturating_sub(queued + slack))
         });
         self.stage = Stage::Called;
     }
@@ -562,6 +578,15 @@ fn past_deadline(record: &Record, now: Option<Instant>) -> bool {
         return false;
     }
     elapsed(record.at, now) >= Duration::from_millis(u64::from(record.timing))
+}
+
+/// `duration` in whole milliseconds (rounded up), as a record's `timing` keeps it: at most the
+/// longest it holds short of [`NO_DEADLINE`].
+fn millis_within_record(duration: Duration) -> u32 {
+    let ms = duration.as_nanos().div_ceil(1_000_000);
+    u32::try_from(ms)
+        .unwrap_or(NO_DEADLINE - 1)
+        .min(NO_DEADLINE - 1)
 }
 
 /// The time from `from` to `to`: 0 if the clock could not read either, or `to` is earlier.

@@ -21,7 +21,7 @@ pub struct PerRequestLayer<F, C = DefaultClassifier, L = Limit, P = Plain, E = A
     config: Arc<Config<C, L, P>>,
     chooser: F,
     /// The limits a choice can name, each with its name.
-    limits: Arc<[(&'static str, L)]>,
+    limits: Arc<[(Arc<str>, L)]>,
     _end: PhantomData<fn() -> E>,
 }
 
@@ -76,9 +76,10 @@ impl<F, C, L: Acquire, P, E> PerRequestLayer<F, C, L, P, E> {
     /// If a limit has no [name](crate::limit::LimitBuilder::name), or two share one.
     #[track_caller]
     pub fn limits(mut self, limits: impl IntoIterator<Item = L>) -> Self {
-        let mut named: Vec<(&'static str, L)> = Vec::new();
+        let mut named: Vec<(Arc<str>, L)> = Vec::new();
         for limit in limits {
-            let Some(name) = limit.capacity().and_then(|capacity| capacity.name()) else {
+            let name = limit.capacity().and_then(|c| c.shared_name().cloned());
+            let Some(name) = name else {
                 panic!(
                     "tower-resources-operation: a per-request layer's limits are chosen by name: \
                      name each one (Limit::builder(n).name(\"..\").build())"
@@ -145,7 +146,7 @@ impl<F: Clone, C, L, P, E> Clone for PerRequestLayer<F, C, L, P, E> {
 
 impl<F: fmt::Debug, C, L: Acquire, P, E> fmt::Debug for PerRequestLayer<F, C, L, P, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names: Vec<&str> = self.limits.iter().map(|(name, _)| *name).collect();
+        let names: Vec<&str> = self.limits.iter().map(|(name, _)| &**name).collect();
         f.debug_struct("PerRequestLayer")
             .field("chooser", &self.chooser)
             .field("limit", &self.config.described_limit())

@@ -42,7 +42,7 @@ struct Choosing<F, C, L, P> {
     /// layer's).
     bases: Vec<Arc<Config<C, L, P>>>,
     /// The names of the named limits, in the order of `bases[1..]`.
-    names: Vec<&'static str>,
+    names: Vec<Arc<str>>,
     /// The configuration of each (limit, operation, executor), made when a request first
     /// chooses it: `SERIES` per entry of `bases`.
     by_series: Box<[Made<C, L, P>]>,
@@ -54,7 +54,7 @@ impl<S, F: Clone, C: Clone, L: Clone, P: Clone, E> PerRequestOperation<S, F, C, 
     pub(super) fn new(
         inner: S,
         chooser: &F,
-        limits: &[(&'static str, L)],
+        limits: &[(Arc<str>, L)],
         base: &Arc<Config<C, L, P>>,
     ) -> Self {
         let mut bases = vec![Arc::clone(base)];
@@ -69,7 +69,7 @@ impl<S, F: Clone, C: Clone, L: Clone, P: Clone, E> PerRequestOperation<S, F, C, 
             inner,
             choosing: Arc::new(Choosing {
                 chooser: chooser.clone(),
-                names: limits.iter().map(|(name, _)| *name).collect(),
+                names: limits.iter().map(|(name, _)| Arc::clone(name)).collect(),
                 by_series: (0..bases.len() * SERIES).map(|_| OnceLock::new()).collect(),
                 bases,
                 announced: OnceLock::new(),
@@ -110,7 +110,7 @@ impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
     /// the layer was not given is reported once and takes the layer's own limit.
     pub(super) fn slot(&self, limit: Option<&'static str>) -> usize {
         let Some(name) = limit else { return 0 };
-        match self.names.iter().position(|known| *known == name) {
+        match self.names.iter().position(|known| &**known == name) {
             Some(index) => index + 1,
             None => {
                 diagnostics::report(Mistake::UnknownLimit, &format!(": {name:?}"));

@@ -1,7 +1,7 @@
 //! What the fleet limit costs, on a real `redis-server` of its own (127.0.0.1, no persistence).
 //!
 //! ```text
-//! cargo bench --bench redis --features redis
+//! cargo bench -p tower-resources-operation-redis --bench redis
 //! ```
 //!
 //! 1. **Round trips per operation**, read from Redis's `INFO commandstats`: uncontended
@@ -16,13 +16,15 @@
 //!    and tasks, in one process): throughput with a fleet limit of 6 against the same replicas
 //!    each with a local `Limit` of 2.
 
-mod common;
+/// The `redis-server` and the drive, shared with the `distributed-lock-redis` comparison.
+#[path = "common/fleet.rs"]
+mod fleet;
 
 use std::time::{Duration, Instant};
 
-use common::fleet::{admin, drive, start_redis};
-use tower_resources_operation::limit::redis::RedisLimit;
+use fleet::{admin, drive, start_redis};
 use tower_resources_operation::{Acquire, Limit};
+use tower_resources_operation_redis::RedisLimit;
 
 fn main() {
     // `cargo bench` passes `--bench`; a filter is not supported: every section is short.
@@ -50,7 +52,7 @@ fn main() {
 
 /// Waits until the script calls stop growing (the last releases landed); returns them.
 async fn settled_calls(url: &str) -> u64 {
-    common::fleet::settled_calls(url, Duration::from_millis(100)).await
+    fleet::settled_calls(url, Duration::from_millis(100)).await
 }
 
 async fn round_trips(url: &str) {

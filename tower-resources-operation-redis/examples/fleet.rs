@@ -2,7 +2,7 @@
 //! judge calls at once through a local Redis, and each prints what its metrics say.
 //!
 //! ```text
-//! cargo run --example fleet --features redis
+//! cargo run -p tower-resources-operation-redis --example fleet
 //! ```
 //!
 //! It starts a `redis-server` of its own on a free port of 127.0.0.1 (with no persistence), then
@@ -12,22 +12,25 @@
 //! process watches the fleet in Redis (the sum of `active` over the replicas against the fleet's
 //! capacity), and halfway raises the capacity to 6 for the whole fleet.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Telemetry;
 use http::{Request, Response, StatusCode};
-use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, Metric, MetricData};
+use opentelemetry_sdk::metrics::{
+    InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
+};
 use tower::{service_fn, Layer as _, ServiceExt as _};
-use tower_resources_operation::limit::redis::RedisLimit;
 use tower_resources_operation::metrics::{LIMIT_INSTRUMENT, REJECTED_INSTRUMENT};
 use tower_resources_operation::{
-    Executor, Operation, ResourcesOperationLayer, DURATION_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    Executor, Operation, OperationMetrics, ResourcesOperationLayer, DURATION_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
 };
+use tower_resources_operation_redis::metrics::FAILED_OPEN_INSTRUMENT;
+use tower_resources_operation_redis::RedisLimit;
 
 const NAME: &str = "judges";
 const CAPACITY: usize = 4;
@@ -70,9 +73,11 @@ fn fleet() {
         .enable_all()
         .build()
         .unwrap();
-    let watch = RedisLimit::builder(NAME, CAPACITY)
-        .build(url.as_str())
-        .unwrap();
+    // Built within the runtime: its background task is spawned there.
+    let watch = {
+        let _runtime = runtime.enter();
+        RedisLimit::builder(NAME, CAPACITY).build(&url).unwrap()
+    };
     runtime.block_on(watch.ready()).expect("the local Redis");
 
     let me = std::env::current_exe().unwrap();
@@ -171,6 +176,7 @@ fn replica(index: &str, url: &str) {
         let t = Telemetry::new("fleet-replica");
         let limit = RedisLimit::builder(NAME, CAPACITY)
             .lease_ttl(Duration::from_secs(5))
+            .meter(&t.provider.meter("fleet-replica"))
             .build(url)
             .unwrap();
         let service = ResourcesOperationLayer::new_for_http(limit.clone())
@@ -205,7 +211,7 @@ fn replica(index: &str, url: &str) {
 /// What one replica's metrics say.
 fn print_metrics(t: &Telemetry, index: &str, answered_503: usize) {
     let (mut queue, mut run) = ((0, 0.0, 0.0_f64), (0, 0.0, 0.0_f64));
-    let (mut limit, mut rejected) = (0, 0);
+    let (mut limit, mut rejected, mut failed_open) = (0, 0, 0);
     t.read(|metric| match (metric.name(), metric.data()) {
         (QUEUE_DURATION_INSTRUMENT, AggregatedMetrics::F64(MetricData::Histogram(h)))
         | (DURATION_INSTRUMENT, AggregatedMetrics::F64(MetricData::Histogram(h))) => {
@@ -226,16 +232,56 @@ fn print_metrics(t: &Telemetry, index: &str, answered_503: usize) {
         (REJECTED_INSTRUMENT, AggregatedMetrics::U64(MetricData::Sum(s))) => {
             rejected = s.data_points().map(|p| p.value()).sum();
         }
+        (FAILED_OPEN_INSTRUMENT, AggregatedMetrics::U64(MetricData::Sum(s))) => {
+            failed_open = s.data_points().map(|p| p.value()).sum();
+        }
         _ => {}
     });
     let mean = |(count, sum, _): (u64, f64, f64)| if count == 0 { 0.0 } else { sum / count as f64 };
     println!(
         "replica {index}: {} admitted, queue time mean {:>5.1} ms (max {:>5.1}), run time mean \
-         {:>4.1} ms; {rejected} turned away ({answered_503} answered 503); `limit` gauge {limit} \
-         (the fleet's)",
+         {:>4.1} ms; {rejected} turned away ({answered_503} answered 503), {failed_open} admitted \
+         failing open; `limit` gauge {limit} (the fleet's)",
         queue.0,
         mean(queue),
         queue.2,
         mean(run),
     );
+}
+
+/// The crate's metrics on a provider with an in-memory exporter, read back on demand.
+struct Telemetry {
+    provider: SdkMeterProvider,
+    exporter: InMemoryMetricExporter,
+    metrics: OperationMetrics,
+}
+
+impl Telemetry {
+    /// The crate's metrics on the meter `meter` of a provider of their own.
+    fn new(meter: &'static str) -> Self {
+        let exporter = InMemoryMetricExporterBuilder::new().build();
+        // An hour apart: in practice the reader exports only when `read` flushes it.
+        let reader = PeriodicReader::builder(exporter.clone())
+            .with_interval(Duration::from_secs(3600))
+            .build();
+        let provider = SdkMeterProvider::builder().with_reader(reader).build();
+        let metrics = OperationMetrics::new(&provider.meter(meter));
+        Self {
+            provider,
+            exporter,
+            metrics,
+        }
+    }
+
+    /// Flushes the instruments and hands each one's data as of now (cumulative) to `read`.
+    fn read(&self, read: impl FnMut(&Metric)) {
+        self.exporter.reset();
+        self.provider.force_flush().expect("flush metrics");
+        let exported = self.exporter.get_finished_metrics().expect("read metrics");
+        exported
+            .iter()
+            .flat_map(|resource| resource.scope_metrics())
+            .flat_map(|scope| scope.metrics())
+            .for_each(read);
+    }
 }

@@ -197,8 +197,13 @@ impl RedisLimitBuilder {
         let name = self.name;
         let keys = Keys::new(&self.key_prefix, name);
         let (pushes, pushed) = unbounded_channel();
-        let transport =
-            Transport::open(name, address, keys.channel.clone(), self.call_timeout, pushes)?;
+        let transport = Transport::open(
+            name,
+            address,
+            keys.channel.clone(),
+            self.call_timeout,
+            pushes,
+        )?;
         if self.lease_ttl < self.call_timeout * 3 || self.lease_ttl < Duration::from_millis(30) {
             return Err(Error::invalid_settings(
                 name,

@@ -2,6 +2,8 @@
 //! its books, and the fleet's operations, each one script call: ask for a place, give places
 //! back, refresh this process's leases and tickets, set the capacity, read the fleet's state.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -140,20 +142,29 @@ impl Core {
 
     /// Runs `invocation`, noting whether Redis answered; first, once, makes the configured
     /// capacity the fleet's if the limit was built to.
-    async fn call<T: FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> Result<T, Error> {
-        if self.overwrite && !self.overwritten.initialized() {
-            self.overwritten
-                .get_or_try_init(|| async {
-                    let capacity = self.configured;
-                    self.store_capacity(capacity).await.map(drop)
-                })
-                .await?;
-        }
-        self.call_now(invocation).await
+    ///
+    /// Boxed, as every future that holds the `redis` crate's is here at some level: held
+    /// inline, they nest deep enough to pass the compiler's layout depth limit in a caller's
+    /// `async` block (one allocation per round trip to Redis costs nothing next to it).
+    fn call<'a, T: FromRedisValue + Send + 'a>(
+        &'a self,
+        invocation: &'a ScriptInvocation<'_>,
+    ) -> Pin<Box<dyn Future<Output = Result<T, Error>> + Send + 'a>> {
+        Box::pin(async move {
+            if self.overwrite && !self.overwritten.initialized() {
+                self.overwritten
+                    .get_or_try_init(|| async {
+                        let capacity = self.configured;
+                        self.store_capacity(capacity).await.map(drop)
+                    })
+                    .await?;
+            }
+            self.call_now(invocation).await
+        })
     }
 
     /// Runs `invocation`, noting whether Redis answered.
-    async fn call_now<T: FromRedisValue>(
+    async fn call_now<T: FromRedisValue + Send>(
         &self,
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, Error> {

@@ -161,11 +161,19 @@ impl Error {
         )
     }
 
-    /// A call that failed with `cause`.
-    pub(crate) fn from_redis(limit: &'static str, address: &str, cause: RedisError) -> Self {
+    /// A call, bounded by `timeout`, that failed with `cause`.
+    pub(crate) fn from_redis(
+        limit: &'static str,
+        address: &str,
+        timeout: Duration,
+        cause: RedisError,
+    ) -> Self {
         use redis::ErrorKind as Redis;
         let (kind, what) = if cause.is_timeout() {
-            (ErrorKind::Timeout, "Redis did not answer in time")
+            (
+                ErrorKind::Timeout,
+                format!("Redis did not answer within the call timeout ({timeout:?})"),
+            )
         } else if cause.is_io_error()
             || cause.is_connection_dropped()
             || cause.is_connection_refusal()
@@ -178,9 +186,9 @@ impl Error {
                     | Redis::MasterDown
             )
         {
-            (ErrorKind::Unreachable, "Redis cannot be reached")
+            (ErrorKind::Unreachable, "Redis cannot be reached".to_owned())
         } else {
-            (ErrorKind::Redis, "Redis answered with an error")
+            (ErrorKind::Redis, "Redis answered with an error".to_owned())
         };
         Self::new(
             kind,

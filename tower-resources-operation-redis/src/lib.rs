@@ -114,7 +114,7 @@
 //!
 //! | what happens | what the caller gets |
 //! |---|---|
-//! | Redis unreachable or slow (taking a place, or while waiting for one) | failing closed (the default): turned away as [`Rejection::Unavailable`]: HTTP `503`, gRPC `UNAVAILABLE`, `Err(Rejected)`, counted in `gym.resources.operation.rejected{rejection="unavailable"}`. Failing open ([`fail_open`](RedisLimitBuilder::fail_open)): admitted without the fleet limit, counted in `gym.resources.limit.failed_open`. The first caller waits at most a call timeout; the next are answered at once; a waiter hears within the fallback poll and two call timeouts, whatever other callers do |
+//! | Redis unreachable or slow (taking a place, or while waiting for one) | failing closed (the default): turned away as [`Rejection::Unavailable`]: HTTP `503`, gRPC `UNAVAILABLE`, `Err(Rejected)`, counted in `gym.resources.operation.rejected{rejection="unavailable"}`. Failing open ([`fail_open`](RedisLimitBuilder::fail_open)): admitted without the fleet limit, counted in `gym.resources.limit.failed_open`. A caller whose call is under way when Redis goes waits at most that call's timeout; the callers after the first failure are answered at once; a waiter hears within the fallback poll and two call timeouts, whatever other callers do |
 //! | the fleet queue is full ([`max_queued`](RedisLimitBuilder::max_queued)) | turned away at once as [`Rejection::QueueFull`], as a `Limit`'s full queue |
 //! | waited longer than a queue timeout ([`Acquire::queue_timeout`], a layer's `queue_timeout`) | turned away as [`Rejection::QueueTimeout`]; its ticket goes back |
 //! | a lease lost while its operation runs (Redis restarted, a long pause) | the operation runs on; the loss is counted in `gym.resources.limit.leases_lost`; the lease is taken back if its place is still free and nobody waits, and never otherwise, so no place is knowingly given twice |
@@ -193,3 +193,8 @@ pub use limit::{Fleet, RedisLimit, RedisPermit};
 
 #[cfg(doc)]
 use tower_resources_operation::{Acquire, Rejection};
+
+/// The README's snippets, compiled with the doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeSnippets;

@@ -2,6 +2,8 @@
 //! it holds meanwhile ([`RedisPermit`]), and what a process can read or change of the fleet.
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -67,7 +69,16 @@ impl Shared {
     }
 
     /// Takes a place of the fleet, waiting for one in its queue if it has to.
-    async fn acquire(self: Arc<Self>) -> Result<RedisPermit, AcquireError> {
+    ///
+    /// Boxed, so that a caller's future holds a pointer to it, not the whole wait inline (see
+    /// `Core::call`).
+    fn acquire(
+        self: Arc<Self>,
+    ) -> Pin<Box<dyn Future<Output = Result<RedisPermit, AcquireError>> + Send>> {
+        Box::pin(self.wait_for_place())
+    }
+
+    async fn wait_for_place(self: Arc<Self>) -> Result<RedisPermit, AcquireError> {
         let mut waiter = Waiter::new(&self);
         loop {
             let asked_before = waiter.asked;
@@ -164,9 +175,9 @@ impl RedisLimit {
         !self.shared.core.health.is_down()
     }
 
-    /// Connects to Redis and subscribes to the limit's channel, if that is not done yet: to
-    /// find out at startup whether Redis can be reached. Calls connect by themselves, so this
-    /// is optional.
+    /// Connects to Redis and subscribes to the limit's channel if that is not done yet, or else
+    /// sends it a `PING`: to find out (at startup, say) whether Redis answers now. Calls
+    /// connect by themselves, so this is optional.
     ///
     /// Always asks Redis, even while it is down (as [`set_capacity`](Self::set_capacity) and
     /// [`fleet`](Self::fleet) do); its answer ends an outage.
@@ -253,12 +264,12 @@ impl fmt::Debug for RedisPermit {
 impl Acquire for RedisLimit {
     type Permit = RedisPermit;
 
-    async fn acquire(&self) -> Result<Self::Permit, AcquireError> {
-        Arc::clone(&self.shared).acquire().await
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+        Arc::clone(&self.shared).acquire()
     }
 
-    async fn acquire_owned(self) -> Result<Self::Permit, AcquireError> {
-        self.shared.acquire().await
+    fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+        self.shared.acquire()
     }
 
     fn capacity(&self) -> Option<Capacity> {

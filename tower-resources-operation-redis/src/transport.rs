@@ -3,6 +3,7 @@
 //! bounded by the call timeout. Whether Redis answered is [`Health`]'s business, a level up.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -68,12 +69,14 @@ impl Transport {
             .connection
             .get_or_try_init(|| async {
                 let timeout = self.call_timeout;
+                // No retry within a connection attempt: its backoff starts at a second, longer
+                // than a call may take, so a retry would only hide the cause behind a timeout.
+                // The next call tries again, and while Redis is down the background task's
+                // probe is that call, every fallback poll.
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(timeout)
                     .set_response_timeout(timeout)
-                    .set_number_of_retries(1)
-                    .set_factor(10)
-                    .set_max_delay(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
+                    .set_number_of_retries(0)
                     .set_push_sender(self.pushes.clone())
                     .set_automatic_resubscription();
                 let mut connection =
@@ -85,15 +88,22 @@ impl Transport {
         Ok(connection.clone())
     }
 
-    /// Connects and subscribes, if that is not done yet, within the call timeout.
+    /// Connects and subscribes if that is not done yet, or else sends a `PING`: either way,
+    /// whether Redis answers now, within the call timeout.
     pub(crate) async fn connect(&self) -> Result<(), Error> {
-        self.timed(async { self.connection().await.map(drop) })
-            .await
+        self.timed(async {
+            if let Some(connection) = self.connection.get() {
+                let mut connection = connection.clone();
+                return redis::cmd("PING").query_async::<()>(&mut connection).await;
+            }
+            self.connection().await.map(drop)
+        })
+        .await
     }
 
     /// Runs `invocation` (by its SHA; loaded first if Redis does not know it), within the call
     /// timeout.
-    pub(crate) async fn invoke<T: FromRedisValue>(
+    pub(crate) async fn invoke<T: FromRedisValue + Send>(
         &self,
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, Error> {
@@ -105,10 +115,21 @@ impl Transport {
     }
 
     /// `call`, or a timeout error after the call timeout.
-    async fn timed<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Result<T, Error> {
+    ///
+    /// The call is boxed (see `Core::call`).
+    async fn timed<'a, T: Send>(
+        &self,
+        call: impl Future<Output = RedisResult<T>> + Send + 'a,
+    ) -> Result<T, Error> {
+        let call: Pin<Box<dyn Future<Output = RedisResult<T>> + Send + 'a>> = Box::pin(call);
         match tokio::time::timeout(self.call_timeout, call).await {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(cause)) => Err(Error::from_redis(self.limit, &self.address, cause)),
+            Ok(Err(cause)) => Err(Error::from_redis(
+                self.limit,
+                &self.address,
+                self.call_timeout,
+                cause,
+            )),
             Err(_) => Err(Error::timeout(self.limit, &self.address, self.call_timeout)),
         }
     }

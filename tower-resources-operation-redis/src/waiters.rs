@@ -87,9 +87,10 @@ impl Waiter {
     /// (a wake-up may have been lost, the ticket may be gone, Redis may be unreachable). Asks
     /// again after a TTL without news, in case the background task is not running.
     pub(crate) async fn wait(&self) -> bool {
+        // One deadline for the whole wait: a wake-up without news does not put it off.
+        let deadline = tokio::time::Instant::now() + self.shared.core.lease_ttl;
         loop {
-            let heard =
-                tokio::time::timeout(self.shared.core.lease_ttl, self.slot.notify.notified()).await;
+            let heard = tokio::time::timeout_at(deadline, self.slot.notify.notified()).await;
             match self.slot.news.swap(NO_NEWS, Ordering::AcqRel) {
                 GRANTED => return true,
                 POLL => return false,

@@ -1,7 +1,7 @@
 //! What the fleet-limit benches share: a `redis-server` of their own, the count of script calls
-//! it has served, and the drive of a fleet of limits. Used by the `redis` bench (as
-//! `common::fleet`) and by the `distributed-lock-redis` package (through a `#[path]` include),
-//! so it needs nothing but `std`, `redis`, `tokio` and this crate's `Acquire`.
+//! it has served, and the drive of a fleet of limits. Included by the `redis` bench and by the
+//! `distributed-lock-redis` package (each through a `#[path]` include), so it needs nothing but
+//! `std`, `redis`, `tokio` and `tower-resources-operation`'s `Acquire`.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};

@@ -329,7 +329,6 @@ pub fn live(t: &Telemetry) -> (i64, i64) {
     )
 }
 
-
 impl Telemetry {
     /// A meter of the provider, for instruments registered outside `OperationMetrics`.
     pub fn meter(&self) -> opentelemetry::metrics::Meter {

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use distributed_lock_core::traits::{DistributedSemaphore, LockHandle, SemaphoreProvider};
 use distributed_lock_redis::{RedisDistributedSemaphore, RedisLockProvider, RedisSemaphoreHandle};
-use tower_resources_operation::limit::redis::RedisLimit;
 use tower_resources_operation::limit::AcquireError;
 use tower_resources_operation::Acquire;
+use tower_resources_operation_redis::RedisLimit;
 
 /// The semaphore as a limit. Its handle does not give its ticket back when dropped (the ticket
 /// expires), so the permit releases it on a task, as a user would have to.
@@ -82,9 +82,7 @@ async fn main() {
 
     let fleet: Vec<RedisLimit> = (0..3)
         .map(|_| {
-            RedisLimit::builder("compare", 6)
-                .build(url.as_str())
-                .unwrap()
+            RedisLimit::builder("compare", 6).build(&url).unwrap()
         })
         .collect();
     let mut semaphores = Vec::new();

@@ -1,0 +1,244 @@
+//! The crate's own surface: its errors (a kind, the limit, the address without its password,
+//! the cause), where its background work runs (`build` within a runtime, or `build_pair` for
+//! the caller to run), and its own instruments, registered only when asked and silent once
+//! their limit is gone.
+
+mod support;
+
+use std::error::Error as _;
+use std::net::TcpListener;
+use std::time::Duration;
+
+use support::redis_server::RedisServer;
+use support::{within, Data, Telemetry};
+use tower_resources_operation::metrics::LIMIT_ATTRIBUTE;
+use tower_resources_operation::{Acquire, Rejection};
+use tower_resources_operation_redis::metrics::{FAILED_OPEN_INSTRUMENT, LEASES_LOST_INSTRUMENT};
+use tower_resources_operation_redis::{Error, ErrorKind, RedisLimit, RedisLimitBuilder};
+
+/// A limit whose refreshes and fallback polls are far off: whatever happens within a test
+/// happens by a call.
+fn patient(name: &'static str, capacity: usize) -> RedisLimitBuilder {
+    RedisLimit::builder(name, capacity)
+        .lease_ttl(Duration::from_secs(60))
+        .call_timeout(Duration::from_secs(5))
+        .fallback_poll(Duration::from_secs(20))
+}
+
+/// A loopback port nothing listens on.
+fn closed_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn build_outside_a_runtime_is_an_error_that_says_so_and_build_pair_needs_none() {
+    let error = RedisLimit::builder("judges", 2)
+        .build("redis://127.0.0.1:6379/")
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::NoRuntime);
+    assert_eq!(error.limit(), "judges");
+    assert_eq!(error.address(), "redis://127.0.0.1:6379/0");
+    let message = error.to_string();
+    for said in [
+        "\"judges\"",
+        "redis://127.0.0.1:6379/0",
+        "tokio runtime",
+        "build_pair",
+    ] {
+        assert!(message.contains(said), "{said:?} in {message}");
+    }
+    assert!(error.source().is_some(), "tokio's own error is the source");
+
+    let (limit, background) = RedisLimit::builder("judges", 2)
+        .build_pair("redis://127.0.0.1:6379/")
+        .expect("no runtime needed");
+    assert_eq!((limit.name(), limit.capacity()), ("judges", 2));
+    drop((limit, background));
+}
+
+#[test]
+fn an_address_that_is_not_a_redis_url_is_an_error_that_hides_its_password() {
+    for address in [
+        "http://user:hunter2@cache.internal:6379/",
+        "redis://user:hunter2@cache.internal:notaport/",
+    ] {
+        let error = RedisLimit::builder("judges", 2)
+            .build_pair(address)
+            .unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::InvalidAddress, "{address}");
+        let message = format!("{error} / {error:?} / {}", error.address());
+        assert!(message.contains("cache.internal"), "{message}");
+        assert!(
+            !message.contains("hunter2"),
+            "the password shown: {message}"
+        );
+        assert!(error.source().is_some());
+    }
+    // A good one is said without its password too.
+    let (limit, _background) = RedisLimit::builder("judges", 2)
+        .build_pair("redis://user:hunter2@cache.internal:6380/3")
+        .unwrap();
+    assert_eq!(limit.address(), "redis://cache.internal:6380/3");
+    assert!(!format!("{limit:?}").contains("hunter2"));
+}
+
+#[test]
+fn a_lease_ttl_shorter_than_three_call_timeouts_is_refused_with_the_figures() {
+    let error = RedisLimit::builder("judges", 2)
+        .lease_ttl(Duration::from_secs(1))
+        .call_timeout(Duration::from_millis(500))
+        .build_pair("redis://127.0.0.1:6379/")
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidSettings);
+    let message = error.to_string();
+    assert!(
+        message.contains("1s") && message.contains("500ms"),
+        "{message}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_redis_is_an_error_that_names_the_address_and_the_cause() {
+    let address = format!("redis://127.0.0.1:{}/", closed_port());
+    let limit = RedisLimit::builder("judges", 2)
+        .call_timeout(Duration::from_millis(300))
+        .build(&address)
+        .unwrap();
+    let error = within("ready", limit.ready()).await.unwrap_err();
+    assert!(error.is_unavailable(), "{error:?}");
+    assert!(!error.is_short_circuited());
+    assert_eq!(error.address(), format!("{address}0"));
+    let message = error.to_string();
+    assert!(message.contains(&format!("{address}0")), "{message}");
+    assert!(error.source().is_some(), "the cause: {message}");
+    assert!(!limit.is_reachable());
+
+    // A caller after it is answered without asking, with the failure as the cause.
+    let started = std::time::Instant::now();
+    let refused = within("an acquire", limit.acquire()).await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_millis(200), "at once");
+    assert_eq!(refused.rejection(), Rejection::Unavailable);
+    let cause = refused
+        .source()
+        .and_then(|source| source.downcast_ref::<Error>())
+        .expect("this crate's error");
+    assert!(cause.is_short_circuited());
+    assert_eq!(cause.kind(), error.kind());
+    assert!(cause.source().is_some(), "the failure that started it");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_says_whether_redis_answers_now_not_whether_it_once_connected() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let limit = RedisLimit::builder("judges", 2)
+        .call_timeout(Duration::from_millis(300))
+        .build(&redis.url())
+        .unwrap();
+    limit.ready().await.unwrap();
+    redis.pause();
+    let error = within("ready", limit.ready()).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Timeout, "{error}");
+    assert!(error.to_string().contains("300ms"), "{error}");
+    assert!(!limit.is_reachable());
+    redis.resume();
+    within("ready", limit.ready()).await.unwrap();
+    assert!(limit.is_reachable(), "its answer ends the outage");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Background work
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn build_pair_leaves_the_background_work_to_the_caller_and_it_ends_with_the_limit() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let (limit, background) = patient("judges", 2).build_pair(&redis.url()).unwrap();
+    let permit = within("a place", limit.acquire()).await.unwrap();
+    assert_eq!(limit.fleet().await.unwrap().active, 1);
+
+    // Not run yet: the release waits for it.
+    drop(permit);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(limit.fleet().await.unwrap().active, 1, "nobody sent it");
+    let running = tokio::spawn(background);
+    within("the release", async {
+        while limit.fleet().await.unwrap().active != 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+
+    // It ends once every handle is gone.
+    drop(limit);
+    within("the background work ends", running).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn build_spawns_its_background_work_on_the_current_runtime() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let limit = patient("judges", 2).build(&redis.url()).unwrap();
+    drop(within("a place", limit.acquire()).await.unwrap());
+    within("the release", async {
+        while limit.fleet().await.unwrap().active != 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The crate's own instruments
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_instruments_are_registered_only_when_asked_and_stop_with_their_limit() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let t = Telemetry::new();
+    let limit = patient("judges", 2).build(&redis.url()).unwrap();
+    limit.ready().await.unwrap();
+    let names = [FAILED_OPEN_INSTRUMENT, LEASES_LOST_INSTRUMENT];
+    for name in names {
+        assert!(t.exported(name).is_none(), "{name} registered unasked");
+    }
+
+    limit.register_metrics(&t.meter());
+    for name in names {
+        let exported = t.exported(name).expect("registered");
+        assert_eq!(exported.unit, "{operation}", "{name}");
+        assert!(!exported.description.is_empty(), "{name}");
+        let Data::Sum { monotonic, points } = exported.data else {
+            panic!("{name} is not a sum: {:?}", exported.data);
+        };
+        assert!(monotonic, "{name} is a counter");
+        assert_eq!(points.len(), 1, "{name}: {points:?}");
+        assert_eq!(points[0].value, 0);
+        assert_eq!(
+            points[0]
+                .attributes
+                .get(LIMIT_ATTRIBUTE)
+                .map(String::as_str),
+            Some("judges")
+        );
+    }
+
+    // Gone, it reports nothing more.
+    drop(limit);
+    for name in names {
+        assert!(t.live(name).is_empty(), "{name} after the limit is gone");
+    }
+}
