@@ -189,7 +189,8 @@ impl OperationMetrics {
         let mut asked = Lifecycle::new();
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);
-        poll_fn(|cx| asked.poll_admit(&mut asking, series, || None, cx))
+        let hears = limit.hears_ends();
+        poll_fn(|cx| asked.poll_admit(&mut asking, series, hears, || None, cx))
             .await
             .map_err(|refused| Rejected::new(refused.rejection()))?;
         Ok(asked.lend_permit())

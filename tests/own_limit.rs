@@ -138,7 +138,7 @@ impl Acquire for Pool {
         Some(self.state.gauge.clone())
     }
 
-    fn hears_ends(_: &PoolPermit) -> bool {
+    fn hears_ends(&self) -> bool {
         true
     }
 

@@ -77,6 +77,8 @@ pub type GrpcLayer<L = Limit, E = AtHead> = ResourcesOperationLayer<GrpcClassifi
 /// What a layer shares with every service it makes.
 pub(crate) struct Config<C, L, P> {
     pub(crate) limit: L,
+    /// Whether the limit hears each operation's end ([`Acquire::hears_ends`]), asked once.
+    pub(crate) hears: bool,
     pub(crate) classifier: C,
     pub(crate) protocol: P,
     /// Whether the protocol answers rejections (all but [`Plain`]).
@@ -153,6 +155,7 @@ impl<C: Clone, L: Clone, P: Clone> Clone for Config<C, L, P> {
     fn clone(&self) -> Self {
         Self {
             limit: self.limit.clone(),
+            hears: self.hears,
             classifier: self.classifier.clone(),
             protocol: self.protocol.clone(),
             answers: self.answers,
@@ -185,6 +188,7 @@ impl<C, L, P> Config<C, L, P> {
         });
         Config {
             limit,
+            hears: self.hears,
             classifier,
             protocol,
             answers,
@@ -248,10 +252,11 @@ impl ResourcesOperationLayer {
     }
 }
 
-impl<C, L, P> ResourcesOperationLayer<C, L, P> {
+impl<C, L: Acquire, P> ResourcesOperationLayer<C, L, P> {
     fn from_parts(limit: L, classifier: C, protocol: P, answers: bool) -> Self {
         Self {
             config: Arc::new(Config {
+                hears: limit.hears_ends(),
                 limit,
                 classifier,
                 protocol,

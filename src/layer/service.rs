@@ -114,13 +114,13 @@ where
             }
             let config = &*self.config;
             let admitted = {
-                let mut asking = self.waiting.asking(&config.limit, config.queue_timeout);
+                let mut asking = self.waiting.asking(&config.limit, &config.queue_timeout);
                 let deadline = || {
                     Protocol::<Request, S::Response, S::Error>::server_deadline(&config.protocol)
                 };
                 ready!(self
                     .operation
-                    .poll_admit(&mut asking, config.series(), deadline, cx))
+                    .poll_admit(&mut asking, config.series(), config.hears, deadline, cx))
             };
             if let Err(refused) = admitted {
                 return self.rejected(&refused);

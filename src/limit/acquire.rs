@@ -124,12 +124,11 @@ pub trait Acquire {
         false
     }
 
-    /// Whether this limit hears how each operation that holds `permit` ends, through
+    /// Whether this limit hears how each of its operations ends, through
     /// [`ended`](Acquire::ended): an operation is timed for its limit only then (with metrics
-    /// off, it reads no clock otherwise). Defaults to `false`.
-    #[inline]
-    fn hears_ends(permit: &Self::Permit) -> bool {
-        let _ = permit;
+    /// off, it reads no clock otherwise). Asked once per layer, when it is made, so the answer
+    /// must not change over the limit's life. Defaults to `false`.
+    fn hears_ends(&self) -> bool {
         false
     }
 
@@ -263,9 +262,8 @@ macro_rules! forward_acquire {
                 (**self).may_reject()
             }
 
-            #[inline]
-            fn hears_ends(permit: &Self::Permit) -> bool {
-                A::hears_ends(permit)
+            fn hears_ends(&self) -> bool {
+                (**self).hears_ends()
             }
 
             #[inline]

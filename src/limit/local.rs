@@ -42,7 +42,12 @@ pub struct Limit {
     state: Arc<State>,
 }
 
+/// In this order, so that what every operation reads (whether it is heard, the front of the
+/// places) shares a cache line.
+#[repr(C)]
 struct State {
+    /// An adaptive limit's controller, which hears each operation's end.
+    control: Option<Arc<dyn Control>>,
     /// Its places, free, held or owed; and its waiters, counted.
     places: Resizable<Front<Semaphore>>,
     /// Waiters beyond this are turned away; `usize::MAX` for no bound. Set when the limit is
@@ -50,8 +55,6 @@ struct State {
     max_queued: usize,
     /// What the metrics read, and the limit's identity there.
     gauge: Capacity,
-    /// An adaptive limit's controller, which hears each operation's end.
-    control: Option<Arc<dyn Control>>,
 }
 
 impl Limit {
@@ -398,9 +401,8 @@ impl Acquire for Limit {
         self.queue_bound().is_some()
     }
 
-    #[inline]
-    fn hears_ends(permit: &LimitPermit) -> bool {
-        permit.state.control.is_some()
+    fn hears_ends(&self) -> bool {
+        self.state.control.is_some()
     }
 
     #[inline]

@@ -95,7 +95,7 @@ impl<P> Waiting<P> {
     pub(crate) fn asking<'a, L>(
         &'a mut self,
         limit: &'a L,
-        timeout: Option<Duration>,
+        timeout: &'a Option<Duration>,
     ) -> impl Asking<Permit = P> + 'a
     where
         L: Acquire<Permit = P> + Clone + Send + Sync + 'static,
@@ -112,7 +112,7 @@ impl<P> Waiting<P> {
 struct Service<'a, L: Acquire> {
     limit: &'a L,
     wait: &'a mut Waiting<L::Permit>,
-    timeout: Option<Duration>,
+    timeout: &'a Option<Duration>,
 }
 
 impl<L> Asking for Service<'_, L>
@@ -136,7 +136,7 @@ where
         let wait = &mut *self.wait;
         if !wait.is_waiting() {
             let next = self.limit.clone().acquire_owned();
-            match self.timeout {
+            match *self.timeout {
                 None => wait.start(next),
                 Some(timeout) => {
                     wait.start(async move { timed_out(tokio::time::timeout(timeout, next).await) })

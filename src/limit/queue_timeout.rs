@@ -58,9 +58,8 @@ impl<A: Acquire + Sync> Acquire for QueueTimeout<A> {
         true
     }
 
-    #[inline]
-    fn hears_ends(permit: &Self::Permit) -> bool {
-        A::hears_ends(permit)
+    fn hears_ends(&self) -> bool {
+        self.limit.hears_ends()
     }
 
     #[inline]

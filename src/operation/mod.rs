@@ -333,14 +333,16 @@ impl<A: Acquire> Lifecycle<A> {
     /// ([`AcquireError::rejection`]: a failure is `unavailable`) and the error is returned for
     /// the caller to answer.
     ///
-    /// `deadline` is how long the server lets the request take, if the layer knows: a wait
-    /// dropped past it is [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not
-    /// abandoned.
+    /// `hears` is whether its limit [hears ends](Acquire::hears_ends) (the operation is then
+    /// timed even with nothing else to record). `deadline` is how long the server lets the
+    /// request take, if the layer knows: a wait dropped past it is
+    /// [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not abandoned.
     #[inline(always)]
     pub(crate) fn poll_admit(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
+        hears: bool,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
@@ -351,21 +353,19 @@ impl<A: Acquire> Lifecycle<A> {
             },
             true => std::task::ready!(self.poll_wait(asking, series, deadline, cx)),
         };
-        Poll::Ready(match acquired {
-            Ok(permit) => {
-                let hears = A::hears_ends(&permit);
-                if self.permit.is_none() {
-                    self.permit = Some(permit);
-                } else {
-                    held_twice(permit);
-                }
-                if series.is_some() || hears {
-                    self.record_admission(series);
-                }
-                Ok(())
-            }
-            Err(error) => self.refused(error, series),
-        })
+        let permit = match acquired {
+            Ok(permit) => permit,
+            Err(error) => return Poll::Ready(self.refused(error, series)),
+        };
+        if self.permit.is_none() {
+            self.permit = Some(permit);
+        } else {
+            held_twice(permit);
+        }
+        if series.is_some() || hears {
+            self.record_admission(series);
+        }
+        Poll::Ready(Ok(()))
     }
 
     /// Waits for the permit: the operation counts as queued from the first `Pending`.

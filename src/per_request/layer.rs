@@ -119,6 +119,7 @@ where
             if !self.config.answers && limit.may_reject() {
                 // The layer's own check, for each named limit.
                 let mut config = (*self.config).clone();
+                config.hears = limit.hears_ends();
                 config.limit = limit.clone();
                 config.check();
             }

@@ -50,7 +50,7 @@ struct Choosing<F, C, L, P> {
     announced: OnceLock<()>,
 }
 
-impl<S, F: Clone, C: Clone, L: Clone, P: Clone, E> PerRequestOperation<S, F, C, L, P, E> {
+impl<S, F: Clone, C: Clone, L: Acquire + Clone, P: Clone, E> PerRequestOperation<S, F, C, L, P, E> {
     pub(super) fn new(
         inner: S,
         chooser: &F,
@@ -60,6 +60,7 @@ impl<S, F: Clone, C: Clone, L: Clone, P: Clone, E> PerRequestOperation<S, F, C, 
         let mut bases = vec![Arc::clone(base)];
         for (_, limit) in limits.iter() {
             let mut config = (**base).clone();
+            config.hears = limit.hears_ends();
             config.limit = limit.clone();
             // The layer's capacity describes its own limit, not this one.
             config.capacity = None;
