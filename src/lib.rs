@@ -219,7 +219,7 @@
 //!   service for it; with the global metrics, from the first request a service of the layer
 //!   serves. A [per-request](per_request) layer whose chooser knows its rules
 //!   ([`ByMatchedPath`](per_request::ByMatchedPath), [`ByGrpcMethod`](per_request::ByGrpcMethod),
-//!   or your own [`choices`](per_request::ChooseOperation::choices)) reports every series they
+//!   or your own [`choices`](per_request::KnownChoices::choices)) reports every series they
 //!   name the same way, before any request chooses it.
 //! - Mistakes that would record nothing, or the wrong thing, are reported once each as a
 //!   `tracing` warning: no meter provider installed (then [`OperationMetrics::global`] is
@@ -441,7 +441,7 @@ pub mod protocol;
 mod scoped;
 
 pub use attributes::{Executor, Operation, Outcome, ParseAttributeError, Rejection};
-pub use layer::{ResourcesOperation, ResourcesOperationLayer};
+pub use layer::{GrpcLayer, HttpLayer, ResourcesOperation, ResourcesOperationLayer};
 pub use limit::{Acquire, Limit};
 pub use metrics::OperationMetrics;
 pub use names::{

@@ -897,3 +897,12 @@ fn set_capacity_above_tokios_max_permits_is_an_error_naming_it_and_changes_nothi
     limit.set_capacity(Semaphore::MAX_PERMITS).unwrap();
     assert_eq!(limit.available(), Semaphore::MAX_PERMITS);
 }
+
+#[test]
+fn a_layers_debug_shows_its_limits_name_and_capacity_not_a_type_name() {
+    let layer = ResourcesOperationLayer::new(Limit::builder(3).name("verifiers").build());
+    let shown = format!("{layer:?}");
+    assert!(shown.contains("capacity: Some(3)"), "{shown}");
+    assert!(shown.contains("\"verifiers\""), "{shown}");
+    assert!(!shown.contains("tower_resources_operation::"), "{shown}");
+}
