@@ -378,7 +378,7 @@ impl Acquire for Limit {
 
     /// A free place now; `None` if the operation would wait; a rejection at once if it would
     /// wait in a queue that is already full (so that turning it away costs no wait).
-    #[inline]
+    #[inline(always)]
     fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
         let state = &*self.state;
         match state.places.places().try_take() {

@@ -127,7 +127,7 @@ where
         self.wait.is_waiting()
     }
 
-    #[inline]
+    #[inline(always)]
     fn try_now(&mut self) -> Option<Result<L::Permit, AcquireError>> {
         self.limit.try_acquire()
     }
