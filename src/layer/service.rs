@@ -118,9 +118,13 @@ where
                 let deadline = || {
                     Protocol::<Request, S::Response, S::Error>::server_deadline(&config.protocol)
                 };
-                ready!(self
-                    .operation
-                    .poll_admit(&mut asking, config.series(), config.hears, deadline, cx))
+                ready!(self.operation.poll_admit(
+                    &mut asking,
+                    config.series(),
+                    config.hears,
+                    deadline,
+                    cx
+                ))
             };
             if let Err(refused) = admitted {
                 return self.rejected(&refused);
