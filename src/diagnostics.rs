@@ -16,10 +16,13 @@ pub(crate) enum Mistake {
     SeveralMetrics,
     /// A per-request choice named a limit that its layer was not given.
     UnknownLimit,
+    /// A layer of one operation counted a request that axum matched to no route: it wraps
+    /// the whole Router, fallback (404) included.
+    RouterWide,
 }
 
 impl Mistake {
-    const ALL: usize = 3;
+    const ALL: usize = 4;
 
     fn message(self) -> &'static str {
         match self {
@@ -35,6 +38,12 @@ impl Mistake {
                  meter each report the live counts (queued, active, limit) of the same series, \
                  and OpenTelemetry keeps only one of them: make one OperationMetrics per meter \
                  and clone it. (Metrics on different meter providers are fine.)"
+            }
+            Mistake::RouterWide => {
+                "a layer of one operation counted a request that matched no route (axum's \
+                 fallback, a 404): it wraps the whole Router, so every 404 counts as its \
+                 operation, ok. Put the layer on the routes it limits (.route(..).layer(..)), \
+                 or make it per_request(ByMatchedPath::new()..) to choose by route"
             }
             Mistake::UnknownLimit => {
                 "a per-request choice named a limit that its layer was not given (see \

@@ -111,6 +111,14 @@ pub trait Protocol<Req, Res, Err>: CanAnswer {
         None
     }
 
+    /// Whether `request` matched no route of the server's router (axum's fallback, which
+    /// answers 404): a layer of one operation that sees one wraps the whole Router, and says
+    /// so once. Defaults to `false` (not known).
+    fn unrouted(&self, request: &Req) -> bool {
+        let _ = request;
+        false
+    }
+
     /// How long the server lets any request take, if the protocol was told
     /// (`server_timeout`): an operation dropped while it still waits for its permit once that
     /// long has passed is counted as [`Rejection::Deadline`], not as a caller who left.
@@ -265,6 +273,15 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
 
     fn deadline(&self, request: &Request<B>) -> Option<Duration> {
         self.deadline.read(request)
+    }
+
+    /// With the `axum` feature: axum gives every request it routes its `MatchedPath`.
+    #[cfg(feature = "axum")]
+    fn unrouted(&self, request: &Request<B>) -> bool {
+        request
+            .extensions()
+            .get::<axum::extract::MatchedPath>()
+            .is_none()
     }
 
     fn server_deadline(&self) -> Option<Duration> {

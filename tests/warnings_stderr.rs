@@ -15,8 +15,8 @@ use tower_resources_operation::{
 
 const CHILD: &str = "TRO_WARNINGS_CHILD";
 
-#[test]
-fn without_a_subscriber_each_warning_goes_to_standard_error_once() {
+/// Runs the child test in `mode`; its standard error.
+fn child(mode: &str) -> String {
     let output = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -24,11 +24,17 @@ fn without_a_subscriber_each_warning_goes_to_standard_error_once() {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(CHILD, "1")
+        .env(CHILD, mode)
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "the child failed: {stderr}");
+    stderr
+}
+
+#[test]
+fn without_a_subscriber_each_warning_goes_to_standard_error_once() {
+    let stderr = child("mistakes");
     assert_eq!(
         stderr.matches("no OpenTelemetry meter provider").count(),
         1,
@@ -43,18 +49,32 @@ fn without_a_subscriber_each_warning_goes_to_standard_error_once() {
         stderr.contains("WARN tower_resources_operation"),
         "{stderr}"
     );
+    #[cfg(feature = "axum")]
+    assert_eq!(
+        stderr.matches("matched no route").count(),
+        1,
+        "a layer over the whole Router is named once: {stderr}"
+    );
 }
 
 /// Makes each mistake twice, with no `tracing` subscriber; does nothing unless run as the
 /// child of the test above.
 #[test]
 fn mistakes_made_in_the_child() {
-    if std::env::var_os(CHILD).is_none() {
+    let Some(mode) = std::env::var_os(CHILD) else {
         return;
-    }
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
+    #[cfg(feature = "axum")]
+    if mode == "per_request" {
+        let provider = SdkMeterProvider::builder().build();
+        let metrics = OperationMetrics::new(&provider.meter("chosen"));
+        runtime.block_on(per_request_layer_places_two_404s(metrics));
+        return;
+    }
+    let _ = mode;
     for _ in 0..2 {
         // No provider installed: recorded nowhere.
         let answer = runtime.block_on(resources_operation(
@@ -70,5 +90,60 @@ fn mistakes_made_in_the_child() {
     for _ in 0..2 {
         let _second = OperationMetrics::new(&provider.meter("second"));
     }
+    #[cfg(feature = "axum")]
+    runtime.block_on(router_wide_layer_counts_two_404s(first.clone()));
     drop(first);
+}
+
+#[cfg(feature = "axum")]
+fn unrouted() -> http::Request<axum::body::Body> {
+    http::Request::get("/nowhere")
+        .body(axum::body::Body::empty())
+        .unwrap()
+}
+
+/// A layer of one operation over a whole Router: its fallback's 404s count as the operation.
+#[cfg(feature = "axum")]
+async fn router_wide_layer_counts_two_404s(metrics: OperationMetrics) {
+    use axum::{routing::get, Router};
+    use tower::ServiceExt as _;
+    use tower_resources_operation::ResourcesOperationLayer;
+
+    let router_wide = Router::new()
+        .route("/verify", get(|| async { "ok" }))
+        .layer(ResourcesOperationLayer::new_for_http(2).metrics(metrics));
+    for _ in 0..2 {
+        let answer = router_wide.clone().oneshot(unrouted()).await.unwrap();
+        assert_eq!(answer.status(), 404);
+    }
+}
+
+/// A per-request layer over the same Router, whose chooser limits what matched no route.
+#[cfg(feature = "axum")]
+async fn per_request_layer_places_two_404s(metrics: OperationMetrics) {
+    use axum::{routing::get, Router};
+    use tower::ServiceExt as _;
+    use tower_resources_operation::per_request::{ByMatchedPath, Choice};
+    use tower_resources_operation::ResourcesOperationLayer;
+
+    let chosen = Router::new()
+        .route("/verify", get(|| async { "ok" }))
+        .layer(
+            ResourcesOperationLayer::new_for_http(2)
+                .metrics(metrics)
+                .per_request(ByMatchedPath::new().otherwise(Choice::OTHER)),
+        );
+    for _ in 0..2 {
+        let answer = chosen.clone().oneshot(unrouted()).await.unwrap();
+        assert_eq!(answer.status(), 404);
+    }
+}
+
+/// A per-request layer over a whole Router places the requests that matched no route with its
+/// chooser: nothing to warn about.
+#[cfg(feature = "axum")]
+#[test]
+fn a_per_request_layer_over_the_router_is_not_warned_about() {
+    let stderr = child("per_request");
+    assert_eq!(stderr.matches("matched no route").count(), 0, "{stderr}");
 }

@@ -90,6 +90,9 @@ pub(crate) struct Config<C, L, P> {
     pub(crate) capacity: Option<Capacity>,
     /// How long an operation of the layer may wait ([`ResourcesOperationLayer::queue_timeout`]).
     pub(crate) queue_timeout: Option<Duration>,
+    /// Whether a per-request layer chooses its operations (then a request that matched no
+    /// route is its chooser's to place, not a mistake).
+    pub(crate) per_request: bool,
     /// The series its operations record through, once decided.
     series: OnceLock<Option<Series>>,
 }
@@ -164,6 +167,7 @@ impl<C: Clone, L: Clone, P: Clone> Clone for Config<C, L, P> {
             metrics: self.metrics.clone(),
             capacity: self.capacity.clone(),
             queue_timeout: self.queue_timeout,
+            per_request: self.per_request,
             series: OnceLock::new(),
         }
     }
@@ -197,6 +201,7 @@ impl<C, L, P> Config<C, L, P> {
             metrics: self.metrics,
             capacity: self.capacity,
             queue_timeout: self.queue_timeout,
+            per_request: self.per_request,
             series: OnceLock::new(),
         }
     }
@@ -266,6 +271,7 @@ impl<C, L: Acquire, P> ResourcesOperationLayer<C, L, P> {
                 metrics: MetricsSource::Global,
                 capacity: None,
                 queue_timeout: None,
+                per_request: false,
                 series: OnceLock::new(),
             }),
             _end: PhantomData,

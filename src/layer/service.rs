@@ -12,6 +12,7 @@ use super::body::{AtHead, End};
 use super::future::ResponseFuture;
 use super::Config;
 use crate::classify::{ClassifyOutcome, DefaultClassifier};
+use crate::diagnostics::{self, Mistake};
 use crate::guard::guarded;
 use crate::limit::{limit_failed, Acquire, AcquireError, IntoLimit, Limit, Waiting};
 use crate::operation::{Ending, Lifecycle};
@@ -147,7 +148,13 @@ where
         }
         let config = &*self.config;
         let deadline = match self.operation.is_recording() {
-            true => guarded(|| config.protocol.deadline(&request)).flatten(),
+            true => {
+                let unrouted = guarded(|| config.protocol.unrouted(&request));
+                if !config.per_request && unrouted == Some(true) {
+                    diagnostics::report(Mistake::RouterWide, "");
+                }
+                guarded(|| config.protocol.deadline(&request)).flatten()
+            }
             false => None,
         };
         let inner = &mut self.inner;

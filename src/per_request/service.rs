@@ -57,9 +57,13 @@ impl<S, F: Clone, C: Clone, L: Acquire + Clone, P: Clone, E> PerRequestOperation
         limits: &[(Arc<str>, L)],
         base: &Arc<Config<C, L, P>>,
     ) -> Self {
-        let mut bases = vec![Arc::clone(base)];
+        // The layer's own configuration, marked as choosing: a request that matched no route
+        // is its chooser's to place.
+        let mut own = (**base).clone();
+        own.per_request = true;
+        let mut bases = vec![Arc::new(own)];
         for (_, limit) in limits.iter() {
-            let mut config = (**base).clone();
+            let mut config = (*bases[0]).clone();
             config.hears = limit.hears_ends();
             config.limit = limit.clone();
             // The layer's capacity describes its own limit, not this one.
