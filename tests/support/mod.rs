@@ -22,8 +22,7 @@ use tokio::task::JoinHandle;
 use tower::{service_fn, BoxError, Service, ServiceExt as _};
 use tower_resources_operation::metrics::ABANDONED_INSTRUMENT;
 use tower_resources_operation::{
-    set_outcome, Limit, Outcome, ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE,
-    QUEUED_INSTRUMENT,
+    set_outcome, Limit, Outcome, ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
 };
 
 mod telemetry;
