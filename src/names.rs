@@ -14,11 +14,11 @@ pub const QUEUED_INSTRUMENT: &str = "gym.resources.operation.queued";
 /// Histogram, milliseconds: time an operation waited for the limit.
 pub const QUEUE_DURATION_INSTRUMENT: &str = "gym.resources.operation.queue_duration_ms";
 
-/// Attribute key of the [`Operation`].
+/// Attribute key of the [`Operation`](crate::Operation).
 pub const OPERATION_ATTRIBUTE: &str = "nemo.gym.resources.operation";
-/// Attribute key of the [`Executor`].
+/// Attribute key of the [`Executor`](crate::Executor).
 pub const EXECUTOR_ATTRIBUTE: &str = "nemo.gym.resources.executor";
-/// Attribute key of the [`Outcome`], on the duration histogram only.
+/// Attribute key of the [`Outcome`](crate::Outcome), on the duration histogram only.
 pub const OUTCOME_ATTRIBUTE: &str = "nemo.gym.resources.operation.outcome";
 
 /// Explicit bucket boundaries of both histograms, in milliseconds: 1 ms to 30 minutes.
@@ -38,11 +38,11 @@ pub const OPERATION_BOUNDARIES_MS: [f64; 13] = [
     1_800_000.0,
 ];
 
-/// The values of [`OPERATION_ATTRIBUTE`], one per [`Operation`].
+/// The values of [`OPERATION_ATTRIBUTE`], one per [`Operation`](crate::Operation).
 pub const OPERATIONS: &[&str] = &["verify", "tool", "judge", "other"];
-/// The values of [`EXECUTOR_ATTRIBUTE`], one per [`Executor`].
+/// The values of [`EXECUTOR_ATTRIBUTE`], one per [`Executor`](crate::Executor).
 pub const EXECUTORS: &[&str] = &["inline", "thread", "process", "subprocess", "other"];
-/// The values of [`OUTCOME_ATTRIBUTE`], one per [`Outcome`].
+/// The values of [`OUTCOME_ATTRIBUTE`], one per [`Outcome`](crate::Outcome).
 pub const OUTCOMES: &[&str] = &["ok", "error", "timeout", "cancelled", "crashed"];
 
 /// Observable gauge, `{operation}`: the most operations of a series that could run at once, the
@@ -55,9 +55,9 @@ pub const REJECTED_INSTRUMENT: &str = "gym.resources.operation.rejected";
 /// Counter, `{operation}`: operations whose caller went away while they waited for a permit.
 /// An addition of this crate to NeMo Gym's instruments.
 pub const ABANDONED_INSTRUMENT: &str = "gym.resources.operation.abandoned";
-/// Attribute key of the [`Rejection`], on [`REJECTED_INSTRUMENT`] only.
+/// Attribute key of the [`Rejection`](crate::Rejection), on [`REJECTED_INSTRUMENT`] only.
 pub const REJECTION_ATTRIBUTE: &str = "nemo.gym.resources.operation.rejection";
-/// The values of [`REJECTION_ATTRIBUTE`], one per [`Rejection`].
+/// The values of [`REJECTION_ATTRIBUTE`], one per [`Rejection`](crate::Rejection).
 pub const REJECTIONS: &[&str] = &["queue_full", "queue_timeout", "unavailable", "deadline"];
 
 /// Observable gauge, `{operation}`: how many operations a [named](crate::limit::LimitBuilder::name)

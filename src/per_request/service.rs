@@ -21,7 +21,7 @@ use crate::protocol::Protocol;
 
 const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
 
-/// A service whose requests each choose their operation, made by a [`PerRequestLayer`].
+/// A service whose requests each choose their operation, made by a [`PerRequestLayer`](super::PerRequestLayer).
 ///
 /// Its `poll_ready` is always ready; `call` sends each limited request through a clone of the
 /// inner service that takes its permit as [`ResourcesOperation`] does, and each unlimited one
