@@ -189,8 +189,8 @@ impl OperationMetrics {
         let mut asked = Lifecycle::new();
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);
-        let hears = limit.hears_ends();
-        poll_fn(|cx| asked.poll_admit(&mut asking, series, hears, || None, cx))
+        let records = series.is_some() || limit.hears_ends();
+        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, || None, cx))
             .await
             .map_err(|refused| Rejected::new(refused.rejection()))?;
         Ok(asked.lend_permit())

@@ -94,7 +94,7 @@ pub(crate) struct Config<C, L, P> {
     /// route is its chooser's to place, not a mistake).
     pub(crate) per_request: bool,
     /// The series its operations record through, once decided.
-    series: OnceLock<Option<Series>>,
+    series: OnceLock<Recording>,
 }
 
 impl<C, L: Acquire, P> Config<C, L, P> {
@@ -102,15 +102,26 @@ impl<C, L: Acquire, P> Config<C, L, P> {
     /// The global metrics are decided here, at the first call.
     #[inline]
     pub(crate) fn series(&self) -> Option<&Series> {
-        self.series
-            .get_or_init(|| {
-                let capacity = self.capacity.clone().or_else(|| self.limit.capacity());
-                self.metrics
-                    .resolve()
-                    .series(self.operation, self.executor, capacity.as_ref())
-                    .cloned()
-            })
-            .as_ref()
+        self.recording().series.as_ref()
+    }
+
+    /// How this layer's operations record: through which series, and whether an operation
+    /// records at all (it does with metrics, or for a limit that hears ends). Decided at the
+    /// first call, the global metrics with it.
+    #[inline]
+    pub(crate) fn recording(&self) -> &Recording {
+        self.series.get_or_init(|| {
+            let capacity = self.capacity.clone().or_else(|| self.limit.capacity());
+            let series = self
+                .metrics
+                .resolve()
+                .series(self.operation, self.executor, capacity.as_ref())
+                .cloned();
+            Recording {
+                records: series.is_some() || self.hears,
+                series,
+            }
+        })
     }
 
     /// Whether a service of this layer could be left with a rejection it cannot answer.
@@ -136,6 +147,15 @@ impl<C, L: Acquire, P> Config<C, L, P> {
             capacity: capacity.as_ref().and_then(Capacity::get),
         }
     }
+}
+
+/// How a layer's operations record, decided once: see [`Config::recording`].
+#[derive(Debug)]
+pub(crate) struct Recording {
+    /// `None` when metrics are disabled.
+    pub(crate) series: Option<Series>,
+    /// Whether an operation records anything: with a series, or for a limit that hears ends.
+    pub(crate) records: bool,
 }
 
 /// A layer's limit in its `Debug` output.

@@ -119,10 +119,11 @@ where
                 let deadline = || {
                     Protocol::<Request, S::Response, S::Error>::server_deadline(&config.protocol)
                 };
+                let recording = config.recording();
                 ready!(self.operation.poll_admit(
                     &mut asking,
-                    config.series(),
-                    config.hears,
+                    recording.series.as_ref(),
+                    recording.records,
                     deadline,
                     cx
                 ))

@@ -333,8 +333,8 @@ impl<A: Acquire> Lifecycle<A> {
     /// ([`AcquireError::rejection`]: a failure is `unavailable`) and the error is returned for
     /// the caller to answer.
     ///
-    /// `hears` is whether its limit [hears ends](Acquire::hears_ends) (the operation is then
-    /// timed even with nothing else to record). `deadline` is how long the server lets the
+    /// `records` is whether the admitted operation records anything: with a `series`, or for
+    /// a limit that [hears ends](Acquire::hears_ends) (it is then timed for the limit alone). `deadline` is how long the server lets the
     /// request take, if the layer knows: a wait dropped past it is
     /// [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not abandoned.
     #[inline(always)]
@@ -342,7 +342,7 @@ impl<A: Acquire> Lifecycle<A> {
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
-        hears: bool,
+        records: bool,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
@@ -362,7 +362,7 @@ impl<A: Acquire> Lifecycle<A> {
         } else {
             held_twice(permit);
         }
-        if series.is_some() || hears {
+        if records {
             self.record_admission(series);
         }
         Poll::Ready(Ok(()))
