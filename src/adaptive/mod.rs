@@ -86,6 +86,8 @@ pub use algorithm::{Algorithm, Sample};
 pub use config::Adaptive;
 pub use gradient::Gradient;
 
+#[cfg(doc)]
+use crate::limit::Limit;
 use std::time::Duration;
 
 /// `value`, if it is within `range`; otherwise a panic that names the setting and the value
