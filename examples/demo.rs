@@ -35,7 +35,7 @@ use common::Telemetry;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tower_resources_operation::adaptive::{Adaptive, Gradient};
+use tower_resources_operation::adaptive::{Adaptive, Vegas};
 use tower_resources_operation::metrics::{
     ABANDONED_INSTRUMENT, LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT,
     LIMIT_CAPACITY_INSTRUMENT, LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT,
@@ -260,7 +260,7 @@ async fn adaptive_run() {
     let telemetry = Telemetry::new("demo");
     let verifiers = Limit::builder(1)
         .name("verifiers")
-        .adaptive(Adaptive::new(Gradient::default(), 1..=32))
+        .adaptive(Adaptive::new(Vegas::default(), 1..=32))
         .build();
     let sandboxes = std::sync::Arc::new(tokio::sync::Semaphore::new(SANDBOXES));
     let app = Router::new().route(
@@ -332,8 +332,8 @@ async fn adaptive_run() {
     println!(
         "   what it says: the limit found its capacity: {low} to {high} in the last {} s \
          (mean {mean:.1}), for a backend that serves {SANDBOXES} at once. Past that, the run time \
-         climbs above its baseline and the controller backs off; it stays a little above, where \
-         its tolerance (run time up to 1.25x the baseline) keeps the backend busy.\n",
+         climbs above its baseline (the run time at low load) and the controller backs off; it \
+         stays a little above, keeping 1 to 3 waiting at the backend so that it never idles.\n",
         (ADAPTIVE_RUN / 2).as_secs()
     );
 }

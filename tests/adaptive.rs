@@ -275,7 +275,8 @@ async fn a_shallow_knee_settles_where_the_run_time_passes_the_tolerance() {
             limit,
             &[
                 (&[Figure::LimitMean, Figure::InFlight], 24.0..=40.0),
-                (&[Figure::Throughput], 220.0..=280.0),
+                // What those limits deliver: 24 at 112.5 ms is 213 op/s, 40 at 137.5 ms 291.
+                (&[Figure::Throughput], 210.0..=295.0),
                 (&[Figure::Failures], 0.0..=0.0),
             ],
         )
@@ -817,4 +818,68 @@ async fn cpu_bound_verifiers_settle_near_the_number_of_cores() {
     );
     within("settled capacity", mean, 1.0..=(4 * cores) as f64);
     assert!(baseline.is_some() && estimate.is_some());
+}
+
+/// The baseline gauge reads the run time at low load, within 10%, where the server keeps a
+/// queue of its own: 6 slots of 40 to 47 ms, behind an adaptive limit that 24 clients keep full.
+/// (`baseline.rs` pins the cause of a drift found on real time: a round trip at 8 closed on
+/// the 6 operations that found a slot must not make 8 a load without a queue.)
+#[tokio::test(start_paused = true)]
+async fn the_baseline_reads_the_low_load_run_time_behind_a_server_queue() {
+    use tower_resources_operation::adaptive::Vegas;
+
+    let telemetry = Telemetry::new();
+    let limit = adaptive(Vegas::default(), 32);
+    let slots = Arc::new(tokio::sync::Semaphore::new(6));
+    let next = Arc::new(AtomicUsize::new(0));
+    let metrics = telemetry.metrics.clone();
+    let (started, run) = (tokio::time::Instant::now(), secs(6));
+    let clients: Vec<_> = (0..24)
+        .map(|_| {
+            let (limit, slots, metrics) = (limit.clone(), Arc::clone(&slots), metrics.clone());
+            let next = Arc::clone(&next);
+            tokio::spawn(async move {
+                while started.elapsed() < run {
+                    let (slots, next) = (Arc::clone(&slots), Arc::clone(&next));
+                    let work = async move {
+                        let _slot = slots.acquire().await.expect("open");
+                        // 40 to 47 ms, as a real one varies: ends that arrive one by one.
+                        let jitter = (next.fetch_add(1, SeqCst) as u64)
+                            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                            >> 61;
+                        tokio::time::sleep(Duration::from_millis(40 + jitter)).await;
+                        Ok::<_, std::convert::Infallible>(())
+                    };
+                    let served = metrics
+                        .resources_operation(&limit, Operation::Judge, Executor::Inline, work)
+                        .await;
+                    served.unwrap().unwrap();
+                }
+            })
+        })
+        .collect();
+    for client in clients {
+        client.await.unwrap();
+    }
+    let exported = telemetry
+        .collect()
+        .into_iter()
+        .find(|m| m.name == LIMIT_BASELINE_INSTRUMENT)
+        .expect("the baseline exported");
+    let support::Data::GaugeF64(points) = exported.data else {
+        panic!("an f64 gauge")
+    };
+    println!(
+        "baseline {:.1} ms, capacity {}",
+        points[0].value,
+        limit.capacity()
+    );
+    // The run time without a queue is 43.5 ms on average: within 10%.
+    within("baseline (ms)", points[0].value, 39.2..=47.9);
+    // 6 slots, and a queue of 1 to 3 kept in front of them.
+    assert!(
+        (6..=9).contains(&limit.capacity()),
+        "capacity {}",
+        limit.capacity()
+    );
 }

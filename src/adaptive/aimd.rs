@@ -2,20 +2,27 @@
 
 use std::time::Duration;
 
+use super::baseline::Baseline;
 use super::{in_range, Algorithm, Average, Sample};
 
 #[cfg(doc)]
 use super::Adaptive;
 
-/// Additive increase, multiplicative decrease, as TCP's congestion window: one more place after
-/// each window without congestion in which the load filled the limit, and `backoff` times the
-/// capacity after a window with congestion.
+/// Additive increase, multiplicative decrease, as TCP's congestion window: a slow start that
+/// grows the capacity by half each round trip until the first sign of congestion, then one more
+/// place after each round trip without congestion in which the load filled the limit, and
+/// `backoff` times the capacity after one with congestion.
 ///
 /// Congestion is an operation that ended `timeout`, `error` or `crashed` (a server that answers
-/// `503` above some load, a judge that times out; see [`Adaptive::tolerance`]), and, if you set
-/// [`run_time_threshold`](Self::run_time_threshold), a window whose mean run time is above it.
-/// Without a threshold it does not see latency: a server that only slows down lets it grow to
-/// its `max` (use [`Gradient`](super::Gradient) for those).
+/// `503` above some load, a judge that times out; see [`Adaptive::tolerance`]), or a round trip
+/// whose mean run time is above [`run_time_ratio`](Self::run_time_ratio) times the baseline (by
+/// default twice the run time at low load), or above
+/// [`run_time_threshold`](Self::run_time_threshold) if you set one. So a server that slows down
+/// steeply is seen, but one whose run time climbs slowly with load lets it grow toward its
+/// `max` ([`Vegas`](super::Vegas) holds those at the knee).
+///
+/// The controller lowers the capacity at most once per round trip: failures of operations
+/// admitted before the last decrease are not counted again.
 ///
 /// ```
 /// use std::time::Duration;
@@ -36,27 +43,33 @@ pub struct Aimd {
     step: usize,
     backoff: f64,
     threshold: Option<Duration>,
-    /// The mean run time of recent windows, and the lowest it has been.
+    ratio: f64,
+    /// Until the first congestion.
+    slow_start: bool,
+    /// The mean run time of recent round trips, and the run time at low load.
     recent: Average,
-    lowest: Option<f64>,
+    baseline: Baseline,
 }
 
 impl Default for Aimd {
-    /// One more place per window, 0.9 times the capacity on congestion, no run-time
-    /// threshold.
+    /// One more place per round trip after the slow start, 0.9 times the capacity on
+    /// congestion, a run time twice the baseline counted as congestion, no absolute threshold.
     fn default() -> Self {
         Self {
             step: 1,
             backoff: 0.9,
             threshold: None,
+            ratio: 2.0,
+            slow_start: true,
             recent: Average::default(),
-            lowest: None,
+            baseline: Baseline::default(),
         }
     }
 }
 
 impl Aimd {
-    /// Places added after a window without congestion. Defaults to 1.
+    /// Places added after a round trip without congestion, once the slow start is over.
+    /// Defaults to 1.
     pub fn step(mut self, step: usize) -> Self {
         self.step = step;
         self
@@ -81,35 +94,56 @@ impl Aimd {
         self.threshold = Some(threshold);
         self
     }
+
+    /// A round trip whose mean run time is above `ratio` times the baseline (the run time at
+    /// low load) counts as congested, at least 1; `f64::INFINITY` for never. Defaults to 2.
+    ///
+    /// # Panics
+    ///
+    /// If `ratio` is below 1 or not a number, with a message that names it.
+    #[track_caller]
+    pub fn run_time_ratio(mut self, ratio: f64) -> Self {
+        self.ratio = in_range("Aimd::run_time_ratio", ratio, 1.0..=f64::INFINITY);
+        self
+    }
 }
 
 impl Algorithm for Aimd {
     fn update(&mut self, sample: &Sample) -> usize {
-        if let Some(mean) = sample.mean_run_time {
-            let recent = self.recent.add(mean.as_secs_f64(), 0.5);
-            self.lowest = Some(self.lowest.map_or(recent, |lowest| lowest.min(recent)));
+        let mut slow = false;
+        if let Some(measured) = self.baseline.measure(sample) {
+            let mean = measured.run_time;
+            self.recent.add(mean, 0.5);
+            slow = self
+                .threshold
+                .is_some_and(|threshold| mean > threshold.as_secs_f64())
+                || mean > self.ratio * measured.baseline;
         }
         let capacity = sample.capacity;
-        let slow = match (self.threshold, sample.mean_run_time) {
-            (Some(threshold), Some(mean)) => mean > threshold,
-            _ => false,
-        };
         if sample.is_congested() || slow {
+            self.slow_start = false;
             let lower = (capacity as f64 * self.backoff).floor() as usize;
             lower.min(capacity.saturating_sub(1))
-        } else if sample.peak_in_flight >= capacity {
-            capacity.saturating_add(self.step)
-        } else {
+        } else if !sample.round_trip
+            || sample.peak_in_flight < capacity
+            || sample.stale_congested > 0
+        {
+            // Cut short, not filled, or operations from before the last decrease still failed:
+            // no room to grow into.
             capacity
+        } else if self.slow_start {
+            capacity.saturating_add(capacity.div_ceil(2))
+        } else {
+            capacity.saturating_add(self.step)
         }
     }
 
-    /// The lowest mean run time of recent windows: the run time at the least load it saw.
+    /// The run time at low load (see [`Vegas`](super::Vegas) for how it follows the server).
     fn baseline(&self) -> Option<Duration> {
-        self.lowest.map(Duration::from_secs_f64)
+        self.baseline.get().map(Duration::from_secs_f64)
     }
 
-    /// The mean run time of recent windows.
+    /// The mean run time of recent round trips.
     fn estimate(&self) -> Option<Duration> {
         self.recent.duration()
     }
@@ -120,9 +154,28 @@ mod tests {
     use super::super::tests::sample;
     use super::*;
 
+    /// Ends the slow start, with a congested window at 11 whose run time is `ms`.
+    fn after_slow_start(aimd: Aimd, ms: u64) -> Aimd {
+        let mut aimd = aimd;
+        let mut failed = sample(11);
+        failed.congested = 1;
+        failed.mean_run_time = Some(Duration::from_millis(ms));
+        assert_eq!(aimd.update(&failed), 9);
+        aimd
+    }
+
+    #[test]
+    fn slow_starts_by_half_until_the_first_congestion() {
+        let mut aimd = Aimd::default();
+        assert_eq!(aimd.update(&sample(1)), 2);
+        assert_eq!(aimd.update(&sample(2)), 3);
+        assert_eq!(aimd.update(&sample(3)), 5);
+        assert_eq!(aimd.update(&sample(10)), 15);
+    }
+
     #[test]
     fn grows_by_its_step_when_used_and_nothing_fails() {
-        let mut aimd = Aimd::default().step(2);
+        let mut aimd = after_slow_start(Aimd::default().step(2), 100);
         assert_eq!(aimd.update(&sample(10)), 12);
     }
 
@@ -144,6 +197,7 @@ mod tests {
         s.congested = 3;
         assert_eq!(aimd.update(&s), 90);
         s.tolerance = 0.2;
+        // The slow start ended at the first congestion.
         assert_eq!(aimd.update(&s), 101, "3 of 20 is within 20%");
     }
 
@@ -151,8 +205,22 @@ mod tests {
     fn a_slow_window_is_congestion_once_there_is_a_threshold() {
         let mut s = sample(10);
         s.mean_run_time = Some(Duration::from_secs(3));
-        assert_eq!(Aimd::default().update(&s), 11);
-        let mut aimd = Aimd::default().run_time_threshold(Duration::from_secs(2));
+        let mut aimd = after_slow_start(Aimd::default(), 3000);
+        assert_eq!(aimd.update(&s), 11, "the baseline is 3 s: not slow");
+        let threshold = Aimd::default().run_time_threshold(Duration::from_secs(2));
+        let mut aimd = after_slow_start(threshold, 3000);
         assert_eq!(aimd.update(&s), 9);
+    }
+
+    #[test]
+    fn a_round_trip_twice_as_slow_as_the_baseline_is_congestion() {
+        let mut aimd = after_slow_start(Aimd::default(), 100);
+        assert_eq!(aimd.update(&sample(9)), 10);
+        let mut slow = sample(10);
+        slow.mean_run_time = Some(Duration::from_millis(210));
+        assert_eq!(aimd.update(&slow), 9);
+        let mut aimd = after_slow_start(Aimd::default().run_time_ratio(f64::INFINITY), 100);
+        aimd.update(&sample(9));
+        assert_eq!(aimd.update(&slow), 11);
     }
 }

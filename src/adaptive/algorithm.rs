@@ -6,6 +6,11 @@ use std::time::Duration;
 use super::Adaptive;
 
 /// What one window of operations showed: what an [`Algorithm`] decides from.
+///
+/// A window lasts about one round trip (see [`Adaptive::window`]): its figures are those of the
+/// operations admitted after it opened, which ran at the capacity it opened with. Operations
+/// admitted earlier count only in [`peak_in_flight`](Self::peak_in_flight) and, if they failed,
+/// in [`congested`](Self::congested) or [`stale_congested`](Self::stale_congested).
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct Sample {
@@ -15,10 +20,14 @@ pub struct Sample {
     pub min_capacity: usize,
     /// The highest capacity the controller may set.
     pub max_capacity: usize,
-    /// Operations that ended in the window, whatever their outcome.
+    /// Operations of the window that ended, whatever their outcome.
     pub ended: u64,
-    /// Of those, the ones that ended `timeout`, `error` or `crashed`: signs of congestion.
+    /// Operations that ended `timeout`, `error` or `crashed` in the window, admitted since the
+    /// capacity was last lowered: signs of congestion, news to the algorithm.
     pub congested: u64,
+    /// Operations that ended `timeout`, `error` or `crashed` in the window but were admitted
+    /// before the capacity was last lowered: that decrease already answered them.
+    pub stale_congested: u64,
     /// The share of `ended` that may be signs of congestion before the window counts as
     /// congested ([`Adaptive::tolerance`]).
     pub tolerance: f64,
@@ -28,9 +37,24 @@ pub struct Sample {
     pub mean_run_time: Option<Duration>,
     /// The shortest run time of an operation that ended `ok`.
     pub min_run_time: Option<Duration>,
+    /// The standard deviation of the run times of the operations that ended `ok`; `None` with
+    /// fewer than 2 of them. How much of a change in the mean run time is noise.
+    pub run_time_deviation: Option<Duration>,
     /// The most operations of the limit that ran at once during the window, as their ends saw
     /// it: whether the limit was used, or the load stayed below it.
     pub peak_in_flight: usize,
+    /// The mean of the operations in flight (each one's own included) that the window's ends
+    /// saw: the load the window's run times were measured at.
+    pub in_flight: f64,
+    /// Operations admitted before the window opened and still running when it closed, a
+    /// round trip or more later: places held by operations that are slow or never answer (a
+    /// server that drops what is above its capacity), which deliver nothing until they time
+    /// out. 0 for a window cut short, or of a fixed count.
+    pub overdue: u64,
+    /// Whether the window ran its course (a round trip, or its count of operations), rather
+    /// than being closed early by congestion: only then are its run times and rate those of a
+    /// whole round trip.
+    pub round_trip: bool,
     /// How long the window lasted (0 if the clock could not be read).
     pub elapsed: Duration,
 }

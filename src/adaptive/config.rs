@@ -17,16 +17,29 @@ pub struct Adaptive {
     pub(super) algorithm: &'static str,
     pub(super) min: usize,
     pub(super) max: usize,
-    pub(super) operations: usize,
+    pub(super) windows: Windows,
     pub(super) interval: Duration,
     pub(super) tolerance: f64,
+}
+
+/// How a controller's windows are measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Windows {
+    /// One round trip: the operations admitted after the window opened, at least `operations`
+    /// of them and as many as the capacity.
+    RoundTrip { operations: usize },
+    /// A count of ends, whenever their operations were admitted: `max(operations, 2 ×
+    /// capacity)` ([`Adaptive::window`]).
+    Fixed { operations: usize },
 }
 
 impl Adaptive {
     /// A controller that runs `algorithm` and keeps the capacity within `bounds`.
     ///
     /// Start the limit at the bottom of the bounds: an algorithm that reacts to latency takes
-    /// its baseline from the run times it sees at low load.
+    /// its baseline from the run times it sees at low load, and [`Vegas`](super::Vegas) and
+    /// [`Aimd`](super::Aimd) slow-start from there (half as many again each round trip) until
+    /// the first sign of congestion.
     ///
     /// # Panics
     ///
@@ -45,18 +58,24 @@ impl Adaptive {
             algorithm: std::any::type_name::<A>(),
             min,
             max,
-            operations: 16,
+            windows: Windows::RoundTrip { operations: 1 },
             interval: Duration::from_secs(1),
             tolerance: 0.0,
         }
     }
 
-    /// How long a window is: it closes once `max(operations, 2 × capacity)` operations have
-    /// ended in it, or once it is `interval` old and `capacity` operations have ended in it.
-    /// Defaults to 16 operations and 1 second.
+    /// Windows of a fixed count of operations instead of round trips: a window closes once
+    /// `max(operations, 2 × capacity)` operations have ended in it, whenever they were
+    /// admitted, or once it is `interval` old and `capacity` operations have ended in it.
     ///
-    /// More operations per window smooth out noisy run times; a shorter interval follows slow
-    /// operations sooner.
+    /// By default a window lasts one *round trip*: it measures the operations admitted after it
+    /// opened (which ran at the capacity it set), and closes once as many of them as the
+    /// capacity have ended, or once it is more than twice the last round trip old with half of
+    /// them, or 1 second old with one: about two run times, whatever the run time, so that an
+    /// algorithm steps once per round trip. Fixed windows smooth out noisy run times over more
+    /// operations, mix in the operations admitted at the capacity before, and step once per
+    /// `2 × capacity` operations; their samples have no
+    /// [`overdue`](super::Sample::overdue) count.
     ///
     /// # Panics
     ///
@@ -64,7 +83,7 @@ impl Adaptive {
     #[track_caller]
     pub fn window(mut self, operations: usize, interval: Duration) -> Self {
         assert!(operations > 0, "a window needs at least one operation");
-        self.operations = operations;
+        self.windows = Windows::Fixed { operations };
         self.interval = interval;
         self
     }
@@ -73,6 +92,12 @@ impl Adaptive {
     /// counts as congested, in `[0, 1]`: for a server that fails some requests whatever its
     /// load. A window closes as soon as it passes it. Defaults to 0: the first `timeout`,
     /// `error` or `crashed` closes the window, congested.
+    ///
+    /// Only news counts: the failure of an operation admitted before the capacity was last
+    /// lowered was answered by that decrease, so it neither closes a window nor counts here
+    /// (it is in [`Sample::stale_congested`](super::Sample::stale_congested)). So a server
+    /// that fails everything above its capacity costs one decrease per round trip, not one
+    /// per failure.
     ///
     /// # Panics
     ///
@@ -94,7 +119,7 @@ impl fmt::Debug for Adaptive {
         f.debug_struct("Adaptive")
             .field("algorithm", &self.algorithm)
             .field("bounds", &self.bounds())
-            .field("operations", &self.operations)
+            .field("windows", &self.windows)
             .field("interval", &self.interval)
             .field("tolerance", &self.tolerance)
             .finish()

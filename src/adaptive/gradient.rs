@@ -2,32 +2,36 @@
 
 use std::time::Duration;
 
+use super::baseline::Baseline;
 use super::{in_range, working, Algorithm, Average, Sample};
 
 /// A latency gradient, in the manner of Netflix's Gradient2 and Envoy's adaptive concurrency:
 /// the capacity follows the ratio of the run time at low load (the *baseline*) to the recent
 /// run time (the *estimate*).
 ///
-/// After each window in which the limit was used:
+/// After each round trip (see [`Adaptive::window`](super::Adaptive::window)) in which the limit
+/// was used:
 ///
 /// - while the estimate stays within `tolerance` × the baseline, the capacity grows by a
-///   headroom of `√capacity`;
+///   headroom of `√capacity`, less as the estimate nears the tolerance (so that it slows down
+///   before a knee rather than past it);
 /// - once it climbs past that, the capacity is multiplied by `tolerance × baseline / estimate`
 ///   (at least 0.5): a server whose run time doubled under the load gets about half of it;
 /// - each of these steps is smoothed: the capacity moves `smoothing` of the way to where the
 ///   step points;
 /// - a window with congestion (`timeout`, `error`, `crashed`) multiplies it by `backoff` at
-///   once (and takes at least one place away).
+///   once (and takes at least one place away); the controller does so at most once per round
+///   trip.
 ///
-/// The estimate is a moving average of the windows' mean run times, so one slow operation, or
-/// a jittery link, does not move it much. The baseline follows the estimate down at once, and
-/// up only at the bottom of the bounds: a limit pushed to its `min` whose run time is still
-/// high is facing a slower server, not its own load, and takes that as its new normal. So
-/// start the limit at its `min`, where it measures its first baseline.
+/// The estimate is a moving average of the round trips' mean run times, so one slow operation,
+/// or a jittery link, does not move it much. The baseline follows what it measures (see
+/// [`Vegas`](super::Vegas)): a round trip at no more load than the baseline was taken at
+/// measures it again, up or down, so a server that became slower is found out once the load
+/// falls back, and the baseline is never a lagging average.
 ///
 /// It grows toward `max` on a server whose run time does not depend on the load, settles a
-/// little above the load at which the run time starts to climb (`tolerance` above it), and
-/// follows that load down and up as it changes.
+/// little below the load at which the run time passes the tolerance, and follows that load
+/// down and up as it changes. [`Vegas`](super::Vegas) holds closer to a knee.
 ///
 /// ```
 /// use tower_resources_operation::adaptive::{Adaptive, Gradient};
@@ -47,10 +51,13 @@ pub struct Gradient {
     /// How far a window's mean run time moves the estimate.
     weight: f64,
     estimate: Average,
-    /// The baseline run time, in seconds.
-    baseline: Option<f64>,
+    baseline: Baseline,
     /// The fractional capacity, kept between windows.
     limit: Option<f64>,
+    /// The capacity at the last congestion: approached one place at a time, each probe up to
+    /// it judged a round trip later.
+    ceiling: Option<f64>,
+    probed: bool,
 }
 
 impl Default for Gradient {
@@ -62,8 +69,10 @@ impl Default for Gradient {
             backoff: 0.9,
             weight: 0.3,
             estimate: Average::default(),
-            baseline: None,
+            baseline: Baseline::default(),
             limit: None,
+            ceiling: None,
+            probed: false,
         }
     }
 }
@@ -110,45 +119,65 @@ impl Gradient {
 impl Algorithm for Gradient {
     fn update(&mut self, sample: &Sample) -> usize {
         let limit = working(&mut self.limit, sample.capacity);
-        let at_floor = sample.capacity <= sample.min_capacity;
-        if let Some(mean) = sample.mean_run_time {
-            let estimate = self.estimate.add(mean.as_secs_f64(), self.weight);
-            self.baseline = Some(match self.baseline {
-                Some(baseline) if !at_floor => baseline.min(estimate),
-                _ => estimate,
-            });
-        }
+        let measured = self
+            .baseline
+            .measure(sample)
+            .map(|m| (m.baseline, self.estimate.add(m.run_time, self.weight)));
         if sample.is_congested() {
             // Not smoothed: a server that fails wants less at once.
+            self.ceiling = Some(limit.round());
+            self.probed = false;
             let next = (limit * self.backoff).min(limit - 1.0);
             let next = next.clamp(sample.min_capacity as f64, sample.max_capacity as f64);
             self.limit = Some(next);
             return next.round() as usize;
         }
-        let target = if !sample.is_used() {
-            // The load did not come near the limit: nothing to learn about what it can take.
+        let Some((baseline, estimate)) = measured.filter(|_| sample.is_used()) else {
+            // Cut short, or the load did not come near the limit: nothing to learn about what
+            // it can take.
             return sample.capacity;
-        } else {
-            match (self.baseline, self.estimate.value) {
-                (Some(baseline), Some(estimate)) if estimate > self.tolerance * baseline => {
-                    limit * (self.tolerance * baseline / estimate).max(0.5)
-                }
-                _ => limit + limit.sqrt(),
-            }
         };
-        let next = limit + self.smoothing * (target - limit);
+        let allowed = self.tolerance * baseline;
+        let target = if estimate > allowed {
+            limit * (allowed / estimate).max(0.5)
+        } else if sample.stale_congested > 0 {
+            // Operations from before the last decrease still failed: no room to grow into.
+            limit
+        } else {
+            // The share of the tolerance still unused: all of it at the baseline, none at the
+            // tolerance.
+            let slack = if self.tolerance > 1.0 {
+                ((allowed - estimate) / (allowed - baseline)).clamp(0.0, 1.0)
+            } else {
+                1.0
+            };
+            limit + slack * limit.sqrt()
+        };
+        let mut next = limit + self.smoothing * (target - limit);
+        if let Some(ceiling) = self.ceiling.filter(|_| next > limit) {
+            if std::mem::take(&mut self.probed) {
+                // The last step probed up to the ceiling: judge it first.
+                next = limit;
+            } else if limit.round() >= ceiling {
+                // Back at the ceiling without a failure: the server has room again.
+                self.ceiling = None;
+            } else if next.round() >= ceiling - 1.0 {
+                // Near where it failed: one place at a time.
+                next = next.min(limit.round() + 1.0);
+                self.probed = next.round() >= ceiling;
+            }
+        }
         let next = next.clamp(sample.min_capacity as f64, sample.max_capacity as f64);
         self.limit = Some(next);
         next.round() as usize
     }
 
-    /// The run time at low load: the lowest the estimate has been, or what it is at the
-    /// bottom of the bounds.
+    /// The run time at low load.
     fn baseline(&self) -> Option<Duration> {
-        self.baseline.map(Duration::from_secs_f64)
+        self.baseline.get().map(Duration::from_secs_f64)
     }
 
-    /// A moving average of the windows' mean run times.
+    /// A moving average of the round trips' mean run times.
     fn estimate(&self) -> Option<Duration> {
         self.estimate.duration()
     }
@@ -181,16 +210,35 @@ mod tests {
     }
 
     #[test]
-    fn the_baseline_rises_only_at_the_floor() {
+    fn the_baseline_rises_when_measured_again_at_low_load() {
         let mut gradient = Gradient::default();
-        gradient.update(&sample(4));
+        let mut low = sample(4);
+        (low.in_flight, low.peak_in_flight) = (1.0, 1);
+        gradient.update(&low);
+        // Slower at 4 in flight: a queue, not a new normal.
         let mut slower = sample(4);
         slower.mean_run_time = ms(300);
         gradient.update(&slower);
         assert_eq!(gradient.baseline(), ms(100));
-        slower.capacity = 1;
+        // As slow at 1 in flight: the server is slower now.
+        (slower.in_flight, slower.peak_in_flight) = (1.0, 1);
         gradient.update(&slower);
-        assert!(gradient.baseline() > ms(100), "{:?}", gradient.baseline());
+        let baseline = gradient.baseline().unwrap().as_secs_f64();
+        assert!(
+            (baseline - 0.2).abs() < 1e-6,
+            "half-way to 300 ms: {baseline}"
+        );
+    }
+
+    #[test]
+    fn slows_its_growth_as_the_run_time_nears_the_tolerance() {
+        let mut gradient = Gradient::default().smoothing(1.0).tolerance(1.5);
+        gradient.update(&sample(16));
+        let mut nearer = sample(20);
+        nearer.in_flight = 20.0;
+        nearer.mean_run_time = ms(200);
+        // The estimate moves 0.3 of the way: 130 ms, 60% of the tolerance used.
+        assert_eq!(gradient.update(&nearer), 22);
     }
 
     #[test]

@@ -6,42 +6,60 @@
 //! the server runs. Give a limit an [`Adaptive`] controller and it looks for them:
 //!
 //! ```
-//! use tower_resources_operation::adaptive::{Adaptive, Gradient};
+//! use tower_resources_operation::adaptive::{Adaptive, Vegas};
 //! use tower_resources_operation::Limit;
 //!
-//! // Starts at 1 and goes where the run times say, between 1 and 64.
+//! // Starts at 1 and goes where the run times and the failures say, between 1 and 64.
 //! let verifiers = Limit::builder(1)
 //!     .name("verifiers")
-//!     .adaptive(Adaptive::new(Gradient::default(), 1..=64))
+//!     .adaptive(Adaptive::new(Vegas::default(), 1..=64))
 //!     .build();
 //! assert_eq!(verifiers.capacity(), 1);
 //! ```
 //!
+//! Use [`Vegas`] unless you have a reason not to: it finds a server that slows down above some
+//! load, one that fails or times out above it, and one that stops answering above it, with
+//! nothing to set, and fills a server that does none of these quickly.
+//!
 //! # How it decides
 //!
-//! Each operation that ends feeds the controller its run time and whether its outcome is a sign
-//! of congestion (`timeout`, `error`, `crashed`; not `ok`, nor `cancelled`, whose caller went
-//! away). The controller adds them to the current *window*, which closes:
+//! Each operation that ends feeds the controller its run time, when it ended (so when it was
+//! admitted), and whether its outcome is a sign of congestion (`timeout`, `error`, `crashed`; not
+//! `ok`, nor `cancelled`, whose caller went away). The controller adds them to the current
+//! *window*, which lasts about one round trip:
 //!
-//! - once `max(operations, 2 × capacity)` operations have ended in it;
-//! - once it is `interval` old and `capacity` operations have ended in it (one turnover of the
-//!   limit: the run times it saw then reflect its capacity, however slow the operations);
-//! - at once when its signs of congestion pass the tolerance (by default, at the first one), so
+//! - it measures the operations admitted after it opened, which ran at the capacity it set;
+//! - it closes once as many of them as the capacity have ended (about two run times after it
+//!   opened: one for the first of them to come back, one for the rest), or once it is more than
+//!   twice the last round trip old with half of them, or `interval` (1 s) old with one;
+//! - or at once at the first sign of congestion that is news (see [`Adaptive::tolerance`]), so
 //!   that a probe above what the server takes costs one failure rather than a window of them.
 //!
-//! (See [`Adaptive::window`] and [`Adaptive::tolerance`].) The [`Algorithm`] then reads what the
-//! window saw (a [`Sample`]) and names the next capacity, which the controller clamps to
-//! `[min, max]` and sets with [`Limit::set_capacity`]. Lowering revokes nobody: running
-//! operations finish, and the places above the new capacity are taken out as they do.
+//! A failure of an operation admitted before the capacity was last lowered, within a round trip
+//! of that decrease, is not news: the decrease answered it. So a server that fails everything
+//! above its capacity gets one decrease per round trip, however many operations it fails, and
+//! cuts never compound.
 //!
-//! - [`Aimd`]: additive increase on a window without congestion in which the limit was used,
-//!   multiplicative decrease on congestion (or on a run time above a threshold you give). It
-//!   finds a server that fails, times out or answers 503 above some load.
-//! - [`Gradient`]: compares the recent run time with a baseline (the run time at low load) and
-//!   shrinks the limit by their ratio when the run time climbs past a tolerance; grows by a
-//!   headroom of `√capacity` while it does not. It finds a server that slows down above some
-//!   load, a CPU-bound pool among them, without any failure.
+//! The [`Algorithm`] then reads what the window saw (a [`Sample`]) and names the next capacity,
+//! which the controller clamps to `[min, max]` and sets with [`Limit::set_capacity`]. Lowering
+//! revokes nobody: running operations finish, and the places above the new capacity are taken
+//! out as they do.
+//!
+//! - [`Vegas`]: estimates how many operations wait at the server rather than run (from the run
+//!   time against the run time at low load, and the places held by operations that do not
+//!   answer) and keeps that between 1 and 3; a slow start that ends at the first sign of a
+//!   queue; probes where it last failed one place at a time.
+//! - [`Aimd`]: additive increase, multiplicative decrease, after a slow start, on failures and
+//!   on a run time twice the baseline (or above a threshold you give).
+//! - [`Gradient`]: compares the recent run time with a baseline and shrinks the limit by their
+//!   ratio when the run time climbs past a tolerance; grows by a headroom of `√capacity` while
+//!   it does not.
 //! - [`Algorithm`]: your own.
+//!
+//! Against the scenarios Vector publishes for its adaptive request concurrency (ARC), and ARC's
+//! controller run beside them on the same simulated links, `Vegas` holds a knee where ARC does
+//! at ARC's rate or better, fills a constant link sooner, and fails fewer requests on a server
+//! that defers or drops what is above its capacity (`tests/arc_scenarios.rs`).
 //!
 //! The limit's own rejections (a full queue, a queue timeout) are counted in the sample, but the
 //! built-in algorithms do not shrink for them: they say the limit is too small for the demand,
@@ -70,21 +88,27 @@
 //!
 //! # Cost
 //!
-//! No lock on an operation's path: an end adds to two atomics of the window, and the operation
-//! reads the clock twice for its run time (which it reads anyway with metrics on). The thread
-//! whose operation closes a window wins an atomic flag and runs the algorithm, once per window.
-//! A limit without a controller pays one `Option` check per end.
+//! No lock on an operation's path: an end adds to a handful of relaxed atomics of the window
+//! (its counts, the sum and the sum of squares of the run times, the operations in flight it
+//! saw), and the operation reads the clock twice for its run time (which it reads anyway with
+//! metrics on). The thread whose operation closes a window wins an atomic flag and runs the
+//! algorithm, once per window, before that operation's place goes back. A limit without a
+//! controller pays one `Option` check per end.
 
 mod aimd;
 mod algorithm;
+mod baseline;
 mod config;
 mod controller;
 mod gradient;
+mod vegas;
+mod window;
 
 pub use aimd::Aimd;
 pub use algorithm::{Algorithm, Sample};
 pub use config::Adaptive;
 pub use gradient::Gradient;
+pub use vegas::Vegas;
 
 #[cfg(doc)]
 use crate::limit::Limit;
@@ -151,11 +175,16 @@ mod tests {
             max_capacity: 100,
             ended: 20,
             congested: 0,
+            stale_congested: 0,
             tolerance: 0.0,
             rejected: 0,
             mean_run_time: Some(Duration::from_millis(100)),
             min_run_time: Some(Duration::from_millis(90)),
+            run_time_deviation: Some(Duration::ZERO),
             peak_in_flight: capacity,
+            in_flight: capacity as f64,
+            overdue: 0,
+            round_trip: true,
             elapsed: Duration::from_secs(1),
         }
     }

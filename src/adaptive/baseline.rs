@@ -1,0 +1,229 @@
+//! [`Baseline`]: the run time at low load, the load it holds up to, and how much it varies.
+
+use super::Sample;
+
+/// The run time an algorithm takes as normal: the mean run time of a round trip at low load,
+/// with the load (operations in flight) it holds up to.
+///
+/// It follows what it measures. A round trip at no more load than the baseline's measures it
+/// again, up or down: when the load falls (the limit was lowered, or the demand fell), the run
+/// time the algorithm sees is the low-load run time, whatever it was before. A round trip at
+/// more load lowers it if it is faster by more than chance (what the spread of the run times
+/// explains), and extends the load it holds up to if it is no slower than chance, has less than half an
+/// operation waiting, and measured as many operations as its load (a round trip closed early
+/// measured only those that did not wait). So a server that became slower is found out once the load falls to where the
+/// baseline was measured, and a baseline is never an average that lags behind the load (which
+/// is how a baseline taken at the bottom of the bounds from a moving average drifts up).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Baseline {
+    /// In seconds.
+    run_time: Option<f64>,
+    /// The most operations in flight at which it still holds.
+    level: f64,
+    /// The variance of one operation's run time in the round trips that set the baseline,
+    /// pooled: the sum of `n × variance`, and of `n`, over the last
+    /// [`POOLED`](Self::POOLED) operations or so.
+    squares: f64,
+    pooled: f64,
+    /// About how many operations the baseline's value rests on: the error of the baseline
+    /// itself is part of what chance explains.
+    support: f64,
+}
+
+/// What a round trip measured, against the baseline.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Measured {
+    /// Its mean run time, in seconds.
+    pub(super) run_time: f64,
+    /// The baseline, in seconds.
+    pub(super) baseline: f64,
+    /// Whether its mean run time is above the baseline by more than chance: twice the
+    /// standard error of their difference, and at least half a percent. So on a link without jitter any rise
+    /// counts, as ARC's "no slower than the average" does, and on a jittery one the noise
+    /// of a round trip's mean does not.
+    pub(super) rose: bool,
+}
+
+impl Baseline {
+    /// How far a measurement at the baseline's load moves it: half-way, so that one noisy
+    /// round trip does not set it.
+    const WEIGHT: f64 = 0.5;
+    /// Operations the spread is pooled over; it is trusted alone from a quarter of them on.
+    const POOLED: f64 = 64.0;
+
+    /// Takes in a whole round trip's mean run time `run_time` (seconds), measured with `level`
+    /// operations in flight (and as many ended); returns the baseline.
+    #[cfg(test)]
+    fn add(&mut self, run_time: f64, level: f64) -> f64 {
+        self.add_round_trip(run_time, None, level, level.ceil() as u64)
+            .baseline
+    }
+
+    /// The standard deviation of one run time to judge a round trip of `deviation` by: the
+    /// pooled one once it rests on enough operations, else the larger of it and the round
+    /// trip's own; `None` if neither is known.
+    fn spread(&self, deviation: Option<f64>) -> Option<f64> {
+        let pooled = (self.pooled > 0.0).then(|| (self.squares / self.pooled).sqrt());
+        if self.pooled >= Self::POOLED / 4.0 {
+            return pooled;
+        }
+        match (pooled, deviation) {
+            (Some(pooled), Some(own)) => Some(pooled.max(own)),
+            (pooled, own) => pooled.or(own),
+        }
+    }
+
+    /// Pools the round trip's `deviation` of `n` run times into the spread.
+    fn pool(&mut self, deviation: Option<f64>, n: u64) {
+        let Some(deviation) = deviation else {
+            return;
+        };
+        let n = n as f64;
+        self.squares += n * deviation * deviation;
+        self.pooled += n;
+        if self.pooled > Self::POOLED {
+            let keep = Self::POOLED / self.pooled;
+            self.squares *= keep;
+            self.pooled *= keep;
+        }
+    }
+
+    /// Takes in a round trip of `n` operations whose run times have a mean of `run_time` and a
+    /// standard deviation of `deviation` (if known), with `level` operations in flight.
+    fn add_round_trip(
+        &mut self,
+        run_time: f64,
+        deviation: Option<f64>,
+        level: f64,
+        n: u64,
+    ) -> Measured {
+        let n_f = n.max(1) as f64;
+        // How far a mean of these `n` may be from the baseline by chance: twice the standard
+        // error of their difference, and at least half a percent (0 without a spread yet).
+        let chance = |baseline: f64, support: f64| {
+            self.spread(deviation).map(|spread| {
+                let error = 2.0 * spread * (1.0 / n_f + 1.0 / support.max(1.0)).sqrt();
+                error.max(0.005 * baseline)
+            })
+        };
+        let rose = |baseline: f64, support: f64| {
+            chance(baseline, support).is_some_and(|c| run_time - baseline > c)
+        };
+        let support = self.support;
+        let (baseline, level, pool, support) = match self.run_time {
+            None => (run_time, level, true, n_f),
+            // At no more load than it holds up to: measured again, up or down.
+            Some(baseline) if level <= self.level + 0.5 => (
+                baseline + Self::WEIGHT * (run_time - baseline),
+                level,
+                true,
+                (Self::WEIGHT * support + n_f).min(Self::POOLED),
+            ),
+            // Faster at more load, by more than chance: it was too high.
+            Some(baseline) if baseline - run_time > chance(baseline, support).unwrap_or(0.0) => {
+                (run_time, level, true, n_f)
+            }
+            // No slower than chance, and less than half an operation waiting: it holds up to
+            // here, if the round trip measured as many operations as its load (one closed on
+            // the first of them to come back measured those that did not wait).
+            Some(baseline)
+                if !rose(baseline, support) && level * (1.0 - baseline / run_time) < 0.5 =>
+            {
+                let whole = n_f + 0.5 >= level;
+                (
+                    baseline,
+                    if whole { level } else { self.level },
+                    true,
+                    support,
+                )
+            }
+            Some(baseline) => (baseline, self.level, false, support),
+        };
+        let rose = rose(baseline, support);
+        self.support = support;
+        if pool {
+            self.pool(deviation, n);
+        }
+        self.run_time = Some(baseline);
+        self.level = level;
+        Measured {
+            run_time,
+            baseline,
+            rose,
+        }
+    }
+
+    /// Takes in a round trip, if `sample` is one with a run time. Its load is the most
+    /// operations its ends saw in flight: an operation's run time reflects the load when it
+    /// was admitted, which the load at its end may be below (the demand falling off).
+    pub(super) fn measure(&mut self, sample: &Sample) -> Option<Measured> {
+        let run_time = sample.mean_run_time.filter(|_| sample.round_trip)?;
+        let run_time = run_time.as_secs_f64().max(1e-9);
+        let deviation = sample.run_time_deviation.map(|d| d.as_secs_f64());
+        let level = (sample.peak_in_flight as f64)
+            .max(sample.in_flight)
+            .max(1.0);
+        Some(self.add_round_trip(run_time, deviation, level, sample.ended))
+    }
+
+    /// The baseline, in seconds.
+    pub(super) fn get(self) -> Option<f64> {
+        self.run_time
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn follows_the_run_time_when_the_load_falls_back() {
+        let mut baseline = Baseline::default();
+        assert_eq!(baseline.add(0.1, 1.0), 0.1);
+        // At 8 in flight the run time doubled: a queue, not a new normal.
+        assert_eq!(baseline.add(0.2, 8.0), 0.1);
+        // Back at 1 in flight it is still 0.2: the server is slower now.
+        assert!((baseline.add(0.2, 1.0) - 0.15).abs() < 1e-9);
+        assert!((baseline.add(0.2, 1.0) - 0.175).abs() < 1e-9);
+    }
+
+    #[test]
+    fn holds_up_to_the_load_at_which_the_run_time_does_not_climb() {
+        let mut baseline = Baseline::default();
+        baseline.add(0.1, 1.0);
+        // The same at 16 in flight: the baseline holds up to 16, and is measured again there.
+        baseline.add(0.1, 16.0);
+        assert!((baseline.add(0.12, 16.0) - 0.11).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_round_trip_closed_on_its_first_ends_does_not_extend_it() {
+        let mut baseline = Baseline::default();
+        baseline.add(0.04, 1.0);
+        // 6 of 8 came back at 40 ms (6 servers; the other 2 waited): not a load of 8 without a
+        // queue.
+        baseline.add_round_trip(0.04, Some(0.0), 8.0, 6);
+        // So a whole round trip at 8, with its queue, does not measure it again.
+        assert_eq!(baseline.add(0.053, 8.0), 0.04);
+    }
+
+    #[test]
+    fn a_faster_round_trip_at_more_load_lowers_it() {
+        let mut baseline = Baseline::default();
+        baseline.add(0.2, 1.0);
+        assert_eq!(baseline.add(0.1, 4.0), 0.1);
+    }
+
+    #[test]
+    fn a_rise_counts_once_it_is_more_than_the_spread_explains() {
+        let mut still = Baseline::default();
+        still.add_round_trip(0.1, Some(0.0), 1.0, 20);
+        // No jitter: 1% slower is a rise.
+        assert!(still.add_round_trip(0.101, Some(0.0), 8.0, 20).rose);
+        let mut jittery = Baseline::default();
+        jittery.add_round_trip(0.1, Some(0.01), 1.0, 20);
+        // 10 ms of spread: two means of 20 may be 6.3 ms apart by chance, not 7.
+        assert!(!jittery.add_round_trip(0.106, Some(0.01), 8.0, 20).rose);
+        assert!(jittery.add_round_trip(0.107, Some(0.01), 12.0, 20).rose);
+    }
+}

@@ -1,0 +1,425 @@
+//! [`Vegas`]: keeps a small queue at the server, estimated from the run time and the places that
+//! deliver nothing, as TCP Vegas does.
+
+use std::time::Duration;
+
+use super::baseline::Baseline;
+use super::{in_range, working, Algorithm, Average, Sample};
+
+#[cfg(doc)]
+use super::Adaptive;
+
+/// A queue estimate, in the manner of TCP Vegas: the capacity follows how many operations wait
+/// at the server rather than run, kept between `alpha` and `beta`. The algorithm to start with:
+/// it finds a server that slows down above some load, one that fails or times out above it, and
+/// one that never answers above it, without a threshold to set.
+///
+/// After each round trip (see [`Adaptive::window`]) in which the limit was used, with `L`
+/// operations in flight, a mean run time `r` and a baseline `b` (the run time at low load):
+///
+/// - `L × (1 − b / r)` of them wait rather than run (Vegas's *diff*);
+/// - the operations admitted before the round trip and still running after it
+///   ([`Sample::overdue`]) hold a place without delivering: a server that drops requests never
+///   answers them;
+/// - below `alpha` in all, and with a run time no higher than chance explains (on a link
+///   without jitter, any rise counts), the capacity grows; with more than `beta` waiting it
+///   shrinks to bring them back between the two; otherwise it holds.
+///
+/// **Slow start.** The capacity grows by half each round trip until the first sign of a queue
+/// or of congestion, so a link that takes 200 at once gets there in a dozen round trips, and a
+/// knee is overshot by half at most before it is seen; a slow start that ends on the run time
+/// steps an eighth back, as TCP Vegas does.
+///
+/// **Probing.** After that it grows by one place a round trip up to where it last had to shrink
+/// (its *ceiling*), judges a probe up to the ceiling a round trip later (the round trip after a
+/// step still mixes the operations admitted before it), and slow-starts again once past it: a
+/// server whose capacity came back is found within a few round trips. A probe that fails costs
+/// one failure; when probes cost more (a server whose refusals hold a place, so that the
+/// requests behind them are refused too), it waits up to 3 round trips below the ceiling
+/// before the next one, as CUBIC plateaus.
+///
+/// **Congestion.** A window with congestion (`timeout`, `error`, `crashed`, news to the
+/// controller) multiplies the capacity by `backoff` at once, at least one place less. The
+/// controller does not count as news the failures of operations admitted before the last
+/// decrease, within a round trip of it, so cuts never compound. The places of overdue
+/// operations are not cut (that would take them from the operations still delivering): they
+/// are taken out one by one as those operations fail.
+///
+/// **Baseline.** It follows what it measures: a round trip at no more load than the one the
+/// baseline was taken at measures it again, up or down; a faster one at more load, by more than
+/// chance, lowers it. A server that became slower makes the queue look longer, so the capacity
+/// falls back to the load the baseline was taken at, where it is measured again: the probe of
+/// the minimum that Envoy and BBR schedule happens when it is needed. It is reported as the
+/// limit's baseline gauge; the estimate gauge is a moving average of the round trips' run
+/// times.
+///
+/// ```
+/// use tower_resources_operation::adaptive::{Adaptive, Vegas};
+/// use tower_resources_operation::Limit;
+///
+/// let judges = Limit::builder(1)
+///     .name("judges")
+///     .adaptive(Adaptive::new(Vegas::default(), 1..=200))
+///     .build();
+/// # drop(judges);
+/// ```
+#[derive(Clone, Debug)]
+pub struct Vegas {
+    alpha: f64,
+    beta: f64,
+    backoff: f64,
+    /// Still in the first slow start, or in one above the last decrease.
+    slow_start: bool,
+    /// The capacity at the last decrease: probed one place at a time.
+    ceiling: Option<f64>,
+    /// The last step probed up to the ceiling: the next round trip, which still mixes the
+    /// operations admitted before it, holds.
+    probed: bool,
+    /// Round trips to wait below the ceiling before probing it again (a plateau, as CUBIC's):
+    /// one more after each failed probe that cost more than its own failure (a server whose
+    /// refusals hold a place, so that others queued behind them are refused too), one less
+    /// after one that cost only its own, none once one passes. And how many it has waited.
+    patience: u32,
+    waited: u32,
+    /// Failures since the last failed probe, beyond its own; `None` when none failed since the
+    /// last probe was judged.
+    echo: Option<u64>,
+    /// The last window was congested: a decrease that follows it belongs to the same episode,
+    /// whose ceiling is where it began.
+    cutting: bool,
+    /// Places held by operations that did not answer within a round trip (a server that drops
+    /// them): taken out one by one as those fail, rather than at once (which would take them
+    /// from the operations that still deliver).
+    retiring: f64,
+    baseline: Baseline,
+    estimate: Average,
+    /// The capacity, kept between windows.
+    limit: Option<f64>,
+}
+
+impl Default for Vegas {
+    /// A queue of 1 to 3 operations (TCP Vegas's `alpha` and `beta`), 0.9 times the capacity on
+    /// congestion (ARC's decrease ratio).
+    fn default() -> Self {
+        Self {
+            alpha: 1.0,
+            beta: 3.0,
+            backoff: 0.9,
+            slow_start: true,
+            ceiling: None,
+            probed: false,
+            patience: 0,
+            waited: 0,
+            echo: None,
+            cutting: false,
+            retiring: 0.0,
+            baseline: Baseline::default(),
+            estimate: Average::default(),
+            limit: None,
+        }
+    }
+}
+
+impl Vegas {
+    /// The most round trips it waits below a ceiling before probing it again.
+    const PATIENCE: u32 = 8;
+
+    /// How many operations may wait at the server: the capacity grows while fewer than `alpha`
+    /// do, and shrinks once more than `beta` do. Defaults to 1 and 3.
+    ///
+    /// More rides out more jitter and keeps a server with a queue of its own busier, at the
+    /// cost of run time.
+    ///
+    /// # Panics
+    ///
+    /// If `alpha` is negative or not a number, or `beta` is below `alpha`.
+    #[track_caller]
+    pub fn queue(mut self, alpha: f64, beta: f64) -> Self {
+        self.alpha = in_range("Vegas::queue alpha", alpha, 0.0..=f64::MAX);
+        self.beta = in_range("Vegas::queue beta", beta, alpha..=f64::MAX);
+        self
+    }
+
+    /// What the capacity is multiplied by after a window with congestion, in `(0, 1)`; it
+    /// drops by at least one place. Defaults to 0.9.
+    ///
+    /// # Panics
+    ///
+    /// If `backoff` is outside `(0, 1)` or not a number, with a message that names it.
+    #[track_caller]
+    pub fn backoff(mut self, backoff: f64) -> Self {
+        let below_one = 1.0 - f64::EPSILON;
+        self.backoff = in_range("Vegas::backoff", backoff, f64::MIN_POSITIVE..=below_one);
+        self
+    }
+
+    /// The capacity after a round trip at `limit` that measured `waiting` operations waiting
+    /// at the server rather than running and `overdue` holding a place without answering, and
+    /// whether the run time `rose` above the baseline by more than chance.
+    fn step(&mut self, limit: f64, waiting: f64, overdue: f64, rose: bool) -> f64 {
+        let room = waiting + overdue < self.alpha && !rose;
+        let probed = std::mem::take(&mut self.probed);
+        if self.slow_start {
+            if room {
+                return limit + (limit / 2.0).round().max(1.0);
+            }
+            self.slow_start = false;
+            if (waiting >= self.alpha || rose) && waiting <= self.beta {
+                // The run time says the last step went past the knee: an eighth back, as
+                // TCP Vegas leaves its slow start.
+                self.ceiling = Some(limit);
+                return (limit * 7.0 / 8.0).round().min(limit - 1.0).max(1.0);
+            }
+        }
+        if waiting > self.beta {
+            self.ceiling = Some(limit);
+            let middle = (self.alpha + self.beta) / 2.0;
+            (limit - (waiting - middle))
+                .round()
+                .max((limit / 2.0).ceil())
+        } else if room && !probed {
+            if let Some(echo) = self.echo.take() {
+                self.patience = match echo {
+                    0 => self.patience / 2,
+                    _ => (self.patience * 2 + 1).min(Self::PATIENCE),
+                };
+            }
+            match self.ceiling {
+                Some(ceiling) if limit + 1.0 >= ceiling && self.waited < self.patience => {
+                    self.waited += 1;
+                    limit
+                }
+                Some(ceiling) if limit < ceiling => {
+                    self.probed = limit + 1.0 >= ceiling;
+                    self.waited = 0;
+                    limit + 1.0
+                }
+                // At or past where it last had to shrink, and still no queue: the server has
+                // room again; look for it fast.
+                _ => {
+                    self.slow_start = true;
+                    self.ceiling = None;
+                    self.patience = 0;
+                    limit + (limit / 2.0).round().max(1.0)
+                }
+            }
+        } else {
+            limit
+        }
+    }
+}
+
+impl Algorithm for Vegas {
+    fn update(&mut self, sample: &Sample) -> usize {
+        let mut limit = working(&mut self.limit, sample.capacity);
+        let (min, max) = (sample.min_capacity as f64, sample.max_capacity as f64);
+        // Operations it knew would fail did: their places go.
+        let retired = self.retiring.min(sample.stale_congested as f64);
+        self.retiring -= retired;
+        limit -= retired;
+        if let Some(echo) = &mut self.echo {
+            *echo += sample.stale_congested;
+        }
+        let next = if sample.is_congested() {
+            self.slow_start = false;
+            if self.ceiling.is_some_and(|ceiling| limit >= ceiling) {
+                // A probe up to where it failed before failed again: what did it cost?
+                self.echo = Some(sample.congested.saturating_sub(1));
+            }
+            self.probed = false;
+            self.ceiling = match (self.cutting, self.ceiling) {
+                (true, Some(ceiling)) => Some(ceiling.max(limit)),
+                _ => Some(limit),
+            };
+            self.cutting = true;
+            let failed = sample.congested as f64;
+            if self.retiring >= failed {
+                // The operations it knew would fail: their places go, no more.
+                self.retiring -= failed;
+                limit - failed
+            } else {
+                self.retiring = 0.0;
+                (limit * self.backoff).floor().min(limit - 1.0)
+            }
+        } else if let Some(measured) = self.baseline.measure(sample) {
+            self.cutting = false;
+            let (run_time, baseline) = (measured.run_time, measured.baseline);
+            self.estimate.add(run_time, 0.5);
+            let level = sample.in_flight.max(1.0);
+            let waiting = level * (1.0 - baseline / run_time).max(0.0);
+            let overdue = sample.overdue as f64;
+            self.retiring = self.retiring.max(overdue);
+            if !sample.is_used() {
+                // The load stayed below the limit: nothing to learn about what it can take.
+                limit
+            } else if sample.stale_congested > 0 && waiting + overdue < self.alpha {
+                // Operations admitted before the last decrease still failed: no news, but no
+                // room either.
+                limit
+            } else {
+                self.step(limit, waiting, overdue, measured.rose)
+            }
+        } else {
+            // Cut short, or nothing ended `ok`.
+            limit
+        };
+        let next = next.clamp(min, max);
+        self.limit = Some(next);
+        next as usize
+    }
+
+    /// The run time at low load.
+    fn baseline(&self) -> Option<Duration> {
+        self.baseline.get().map(Duration::from_secs_f64)
+    }
+
+    /// A moving average of the round trips' mean run times.
+    fn estimate(&self) -> Option<Duration> {
+        self.estimate.duration()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::sample;
+    use super::*;
+
+    fn ms(ms: u64) -> Option<Duration> {
+        Some(Duration::from_millis(ms))
+    }
+
+    #[test]
+    fn slow_starts_by_half_until_a_queue_shows() {
+        let mut vegas = Vegas::default();
+        let mut capacities = Vec::new();
+        let mut capacity = 1;
+        for _ in 0..6 {
+            capacity = vegas.update(&sample(capacity));
+            capacities.push(capacity);
+        }
+        assert_eq!(capacities, [2, 3, 5, 8, 12, 18]);
+        // At 18 the run time is 15% up: 2.3 of 18 wait. Slow start ends, an eighth back.
+        let mut slow = sample(18);
+        slow.mean_run_time = ms(115);
+        slow.in_flight = 18.0;
+        assert_eq!(vegas.update(&slow), 16);
+        // Then one place at a time, while the run time holds.
+        assert_eq!(vegas.update(&sample(16)), 17);
+    }
+
+    #[test]
+    fn any_rise_of_a_run_time_without_jitter_is_a_sign_of_a_queue() {
+        let mut vegas = Vegas::default();
+        assert_eq!(vegas.update(&sample(1)), 2);
+        // 2% slower with 8 in flight: not a queue of 1 by Vegas's count, but a link without
+        // jitter does not slow down by chance.
+        let mut slower = sample(8);
+        slower.mean_run_time = ms(102);
+        assert_eq!(vegas.update(&slower), 7);
+        // With a spread of 10 ms per operation, 20 operations' mean may be 4 ms off by chance.
+        let mut vegas = Vegas::default();
+        let mut jittery = sample(1);
+        jittery.run_time_deviation = ms(10);
+        assert_eq!(vegas.update(&jittery), 2);
+        assert_eq!(vegas.update(&slower), 12);
+    }
+
+    #[test]
+    fn shrinks_a_queue_past_beta_back_to_the_middle() {
+        let mut vegas = Vegas::default();
+        vegas.update(&sample(1));
+        let mut slow = sample(20);
+        slow.in_flight = 20.0;
+        slow.mean_run_time = ms(125);
+        // 20 × (1 − 100/125) = 4 wait: 2 more than the middle of 1..=3.
+        assert_eq!(vegas.update(&slow), 18);
+    }
+
+    #[test]
+    fn places_that_deliver_nothing_stop_growth_and_go_as_their_operations_fail() {
+        let mut vegas = Vegas::default();
+        vegas.update(&sample(1));
+        // 8 in flight at 100 ms, but 3 of them have run for a round trip and more: 3 places
+        // deliver nothing (a server that drops what is above 5).
+        let mut dropping = sample(8);
+        dropping.overdue = 3;
+        assert_eq!(
+            vegas.update(&dropping),
+            8,
+            "the slow start ends; nothing is cut yet"
+        );
+        assert_eq!(vegas.update(&dropping), 8);
+        // Two of them fail, admitted before the last decrease (stale, not news): a window cut
+        // short by them takes their places out.
+        let mut failed = sample(8);
+        (failed.stale_congested, failed.round_trip) = (2, false);
+        assert_eq!(vegas.update(&failed), 6);
+        // The last one: news (the congestion of this round trip), a decrease; nothing more
+        // to take out after it.
+        let mut last = sample(6);
+        last.congested = 1;
+        assert_eq!(vegas.update(&last), 5);
+        failed.capacity = 5;
+        assert_eq!(vegas.update(&failed), 5);
+    }
+
+    #[test]
+    fn congestion_cuts_by_its_backoff_and_then_probes_one_place_at_a_time() {
+        let mut vegas = Vegas::default();
+        let mut failed = sample(20);
+        failed.congested = 1;
+        assert_eq!(vegas.update(&failed), 18);
+        assert_eq!(vegas.update(&sample(18)), 19);
+        assert_eq!(vegas.update(&sample(19)), 20);
+        // The probe up to where it had to shrink is judged a round trip later.
+        assert_eq!(vegas.update(&sample(20)), 20);
+        // Without a queue there: slow start again.
+        assert_eq!(vegas.update(&sample(20)), 30);
+        assert_eq!(vegas.update(&sample(30)), 45);
+    }
+
+    #[test]
+    fn a_window_cut_short_or_unused_leaves_the_capacity() {
+        let mut vegas = Vegas::default();
+        let mut short = sample(10);
+        short.round_trip = false;
+        assert_eq!(vegas.update(&short), 10);
+        let mut idle = sample(10);
+        idle.peak_in_flight = 3;
+        assert_eq!(vegas.update(&idle), 10);
+    }
+
+    #[test]
+    fn a_run_of_decreases_keeps_the_ceiling_where_it_began() {
+        let mut vegas = Vegas::default();
+        // A server that goes on refusing for a while after an overshoot: three decreases in a
+        // row, 20, 18, 16.
+        for capacity in [20, 18, 16] {
+            let mut failed = sample(capacity);
+            failed.congested = 1;
+            vegas.update(&failed);
+        }
+        assert_eq!(vegas.ceiling, Some(20.0));
+        // Then one place at a time toward 20, not a slow start from 16.
+        assert_eq!(vegas.update(&sample(14)), 15);
+    }
+
+    #[test]
+    fn a_probe_that_costs_more_than_its_own_failure_waits_longer_next_time() {
+        let mut vegas = Vegas::default();
+        let mut failed = sample(10);
+        failed.congested = 1;
+        assert_eq!(vegas.update(&failed), 9);
+        // Probe up to 10, judged a round trip later.
+        assert_eq!(vegas.update(&sample(9)), 10);
+        assert_eq!(vegas.update(&sample(10)), 10);
+        // It fails, and three more fail behind it.
+        assert_eq!(vegas.update(&failed), 9);
+        let mut echo = sample(9);
+        (echo.stale_congested, echo.round_trip) = (3, false);
+        assert_eq!(vegas.update(&echo), 9);
+        // So it waits a round trip below the ceiling before the next probe.
+        assert_eq!(vegas.update(&sample(9)), 9);
+        assert_eq!(vegas.update(&sample(9)), 10);
+    }
+}
