@@ -60,6 +60,45 @@ pub struct Sample {
 }
 
 impl Sample {
+    /// A sample of a window at `capacity`, within `[min_capacity, max_capacity]`, with nothing
+    /// in it yet: zero counts and in flight, no run times, a tolerance of 0, a window that ran
+    /// its course ([`round_trip`](Self::round_trip) `true`) for no time. For a controller
+    /// outside this crate (a fleet limit that adds up its replicas' windows, a replay in a
+    /// test): the fields are public, so it sets what it measured.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_resources_operation::adaptive::{Algorithm, Sample, Vegas};
+    ///
+    /// let mut sample = Sample::new(4, 1, 64);
+    /// sample.ended = 4;
+    /// sample.mean_run_time = Some(Duration::from_millis(100));
+    /// sample.min_run_time = sample.mean_run_time;
+    /// sample.peak_in_flight = 4;
+    /// sample.in_flight = 4.0;
+    /// assert!(Vegas::default().update(&sample) > 4, "no queue yet: a slow start");
+    /// ```
+    pub fn new(capacity: usize, min_capacity: usize, max_capacity: usize) -> Self {
+        Self {
+            capacity,
+            min_capacity,
+            max_capacity,
+            ended: 0,
+            congested: 0,
+            stale_congested: 0,
+            tolerance: 0.0,
+            rejected: 0,
+            mean_run_time: None,
+            min_run_time: None,
+            run_time_deviation: None,
+            peak_in_flight: 0,
+            in_flight: 0.0,
+            overdue: 0,
+            round_trip: true,
+            elapsed: Duration::ZERO,
+        }
+    }
+
     /// Whether the load reached at least half the capacity: an algorithm that grows the limit
     /// only then does not grow a limit that nothing uses.
     pub fn is_used(&self) -> bool {

@@ -1,14 +1,17 @@
 //! [`RedisLimitBuilder`]: a fleet limit's settings, and where its background work runs.
 
+use std::ops::RangeInclusive;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
 use tokio::sync::mpsc::unbounded_channel;
+use tower_resources_operation::adaptive::Algorithm;
 use tower_resources_operation::limit::{check_name, Capacity};
 
 use crate::core::{Core, Keys, Settings};
 use crate::error::Error;
+use crate::fleet_control::{AdaptiveSettings, FleetControl};
 use crate::keeper::Background;
 use crate::limit::{RedisLimit, Shared};
 use crate::transport::Transport;
@@ -61,6 +64,8 @@ pub struct RedisLimitBuilder {
     overwrite_capacity: bool,
     key_prefix: String,
     meters: Vec<Meter>,
+    adaptive: Option<AdaptiveSettings>,
+    adaptive_tick: Duration,
 }
 
 impl RedisLimitBuilder {
@@ -80,6 +85,8 @@ impl RedisLimitBuilder {
             overwrite_capacity: false,
             key_prefix: "tro".to_owned(),
             meters: Vec::new(),
+            adaptive: None,
+            adaptive_tick: Duration::from_millis(50),
         }
     }
 
@@ -160,6 +167,60 @@ impl RedisLimitBuilder {
         self
     }
 
+    /// Makes the fleet's capacity adaptive: `algorithm` sets it, within `bounds`, from what
+    /// every replica observes, once per window of the fleet, in whichever replica leads (see
+    /// [an adaptive fleet limit](crate#an-adaptive-fleet-limit)). The fleet limit's
+    /// counterpart of `LimitBuilder::adaptive` of `tower-resources-operation`, with the
+    /// algorithm and its bounds given as to `Adaptive::new`.
+    ///
+    /// Start at the bottom of the bounds (the builder's capacity is the fleet's only if the
+    /// fleet has none yet): the algorithms take their baseline at low load. Give every replica
+    /// the same algorithm and bounds: the leader's are the fleet's.
+    ///
+    /// ```
+    /// use tower_resources_operation::adaptive::Vegas;
+    /// use tower_resources_operation_redis::RedisLimit;
+    ///
+    /// let (judges, background) = RedisLimit::builder("judges", 1)
+    ///     .adaptive(Vegas::default(), 1..=64)
+    ///     .build_pair("redis://127.0.0.1:6379/")
+    ///     .unwrap();
+    /// assert!(judges.is_adaptive());
+    /// # drop((judges, background));
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If the bounds are empty or start at 0.
+    #[track_caller]
+    pub fn adaptive<A: Algorithm + Clone + Sync>(
+        mut self,
+        algorithm: A,
+        bounds: RangeInclusive<usize>,
+    ) -> Self {
+        self.adaptive = Some(AdaptiveSettings::new(algorithm, bounds));
+        self
+    }
+
+    /// How often an [adaptive](Self::adaptive) limit's process sends its counts to the
+    /// fleet's window, and its leader looks whether the window is due: one call per process
+    /// per tick, whatever the load. A window lasts at least two ticks (and at least 100 ms).
+    /// Defaults to 50 ms. Give it before or after `adaptive`.
+    ///
+    /// # Panics
+    ///
+    /// If `tick` is shorter than 1 ms.
+    #[track_caller]
+    pub fn adaptive_tick(mut self, tick: Duration) -> Self {
+        assert!(
+            tick >= Duration::from_millis(1),
+            "tower-resources-operation-redis: an adaptive tick must be at least 1 ms; got \
+             {tick:?}"
+        );
+        self.adaptive_tick = tick;
+        self
+    }
+
     /// The limit, on the Redis at `address` (a `redis://host:port/db` URL, or
     /// `redis+unix:///path`), with its background task spawned on the current tokio runtime.
     ///
@@ -226,6 +287,10 @@ impl RedisLimitBuilder {
             lease_ttl: self.lease_ttl,
             call_timeout: self.call_timeout,
             fallback_poll: self.fallback_poll.min(self.lease_ttl / 3),
+            adaptive: self.adaptive.map(|mut adaptive| {
+                adaptive.tick = self.adaptive_tick;
+                FleetControl::new(adaptive, self.call_timeout, self.lease_ttl)
+            }),
         }));
         let (releases, released) = unbounded_channel();
         let shared = Arc::new_cyclic(|shared: &Weak<Shared>| {

@@ -13,6 +13,7 @@ use tokio::sync::OnceCell;
 use tower_resources_operation::limit::Reading;
 
 use crate::error::Error;
+use crate::fleet_control::{decide_arguments, tick_arguments, Counts, FleetControl, Known, Ticked};
 use crate::health::{warn, Health};
 use crate::keeper::Doorbell;
 use crate::limit::Fleet;
@@ -48,6 +49,8 @@ pub(crate) struct Core {
     pub(crate) queued: AtomicUsize,
     pub(crate) failed_open: AtomicU64,
     pub(crate) leases_lost: AtomicU64,
+    /// The controller, for an adaptive limit.
+    pub(crate) adaptive: Option<FleetControl>,
 }
 
 /// The Redis names of one limit: one hash slot, `{prefix:name}:...`.
@@ -58,6 +61,9 @@ pub(crate) struct Keys {
     queue: String,
     waiting: String,
     arrivals: String,
+    adaptive: String,
+    window: String,
+    leader: String,
     pub(crate) channel: String,
 }
 
@@ -70,6 +76,9 @@ impl Keys {
             queue: format!("{slot}:queue"),
             waiting: format!("{slot}:waiting"),
             arrivals: format!("{slot}:arrivals"),
+            adaptive: format!("{slot}:adaptive"),
+            window: format!("{slot}:window"),
+            leader: format!("{slot}:leader"),
             channel: format!("{slot}:wake"),
         }
     }
@@ -87,6 +96,7 @@ pub(crate) struct Settings {
     pub(crate) lease_ttl: Duration,
     pub(crate) call_timeout: Duration,
     pub(crate) fallback_poll: Duration,
+    pub(crate) adaptive: Option<FleetControl>,
 }
 
 impl Core {
@@ -112,16 +122,23 @@ impl Core {
             queued: AtomicUsize::new(0),
             failed_open: AtomicU64::new(0),
             leases_lost: AtomicU64::new(0),
+            adaptive: settings.adaptive,
         }
     }
 
     /// What the metrics report of this limit in this process.
     pub(crate) fn reading(&self) -> Reading {
+        let (baseline, estimate) = self
+            .adaptive
+            .as_ref()
+            .map(FleetControl::measured)
+            .unwrap_or_default();
         Reading::new(
             self.capacity.load(Ordering::Relaxed),
             self.active.load(Ordering::Relaxed),
             self.queued.load(Ordering::Relaxed),
         )
+        .with_run_times(baseline, estimate)
     }
 
     /// `script` with the limit's keys and common arguments; the caller adds its own.
@@ -239,6 +256,65 @@ impl Core {
         let capacity: usize = self.call_now(&invocation).await?;
         self.capacity.store(capacity, Ordering::Relaxed);
         Ok(capacity)
+    }
+
+    /// An adaptive limit's `script`: the common keys and arguments, and the adaptive keys.
+    fn fleet_invocation<'a>(&self, script: &'a Script) -> ScriptInvocation<'a> {
+        let mut invocation = self.invocation(script);
+        invocation
+            .key(&self.keys.adaptive)
+            .key(&self.keys.window)
+            .key(&self.keys.leader);
+        invocation
+    }
+
+    /// An adaptive limit's tick: this process's `counts` of window `seen` into the fleet's
+    /// window, the leader's lease kept or taken, and the window taken if this process leads
+    /// and it is due. Not noted in the limit's health: the controller's calls never change
+    /// what a request gets.
+    pub(crate) async fn fleet_tick(
+        &self,
+        control: &FleetControl,
+        seen: u64,
+        counts: Counts,
+    ) -> Result<Ticked, Error> {
+        let mut invocation = self.fleet_invocation(&SCRIPTS.fleet_tick);
+        invocation.arg(tick_arguments(control, seen, counts));
+        let fields: Vec<String> = self.transport.invoke(&invocation).await?;
+        let ticked = Ticked::parse(&fields).ok_or_else(|| {
+            Error::invalid_settings(
+                self.name,
+                self.transport.address(),
+                "a malformed tick".to_owned(),
+            )
+        })?;
+        self.capacity.store(ticked.capacity, Ordering::Relaxed);
+        Ok(ticked)
+    }
+
+    /// The leader's decision: the fleet's capacity from now on, and what its algorithm
+    /// measured. Dropped by Redis if this process no longer leads.
+    pub(crate) async fn fleet_decide(
+        &self,
+        control: &FleetControl,
+        next: usize,
+        known: &Known,
+    ) -> Result<(), Error> {
+        let mut invocation = self.fleet_invocation(&SCRIPTS.fleet_decide);
+        invocation.arg(decide_arguments(control, next, known));
+        let capacity: i64 = self.transport.invoke(&invocation).await?;
+        match usize::try_from(capacity) {
+            Ok(capacity) => {
+                self.capacity.store(capacity, Ordering::Relaxed);
+                control.learn(known);
+                Ok(())
+            }
+            Err(_) => Err(Error::invalid_settings(
+                self.name,
+                self.transport.address(),
+                "no longer the leader".to_owned(),
+            )),
+        }
     }
 
     /// The fleet's capacity, leases and tickets.
@@ -366,6 +442,12 @@ impl Core {
         } else if let Some(capacity) = message.strip_prefix("c ") {
             if let Ok(capacity) = capacity.parse() {
                 self.capacity.store(capacity, Ordering::Relaxed);
+            }
+        } else if let Some(control) = &self.adaptive {
+            if let Some(decision) = message.strip_prefix("a ") {
+                control.heard(decision);
+            } else if message == "d" && control.leads() {
+                control.doorbell.notify_one();
             }
         }
     }

@@ -14,6 +14,10 @@
 //! - **The listener** routes what the connection hears on the limit's channel: places handed
 //!   to this process's waiters, a new capacity, a dropped or renewed connection.
 //!
+//! - **The decisions** of an adaptive limit: every tick, this process's counts go to the
+//!   fleet's window, and the leader (whichever process holds the leader's lease) takes the
+//!   window once it is due and runs the algorithm on it.
+//!
 //! It ends once every handle and permit of the limit is gone, after a last try at the
 //! releases it still has.
 
@@ -31,6 +35,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::core::Core;
+use crate::fleet_control::decide;
 use crate::waiters::lock;
 
 /// The most ids given back in one call.
@@ -77,6 +82,8 @@ pub struct Background {
     releases: Task,
     refresh: Option<Task>,
     listen: Option<Task>,
+    /// An adaptive limit's ticks and decisions.
+    decide: Option<Task>,
 }
 
 impl Background {
@@ -94,6 +101,10 @@ impl Background {
                 releases,
             )),
             refresh: Some(Box::pin(refresh(Arc::clone(&core), retries))),
+            decide: core
+                .adaptive
+                .is_some()
+                .then(|| Box::pin(decide(Arc::clone(&core))) as Task),
             listen: Some(Box::pin(listen(core, pushes))),
         }
     }
@@ -108,9 +119,10 @@ impl Future for Background {
             // The limit is gone.
             this.refresh = None;
             this.listen = None;
+            this.decide = None;
             return Poll::Ready(());
         }
-        for task in [&mut this.refresh, &mut this.listen] {
+        for task in [&mut this.refresh, &mut this.listen, &mut this.decide] {
             if let Some(running) = task {
                 if running.as_mut().poll(cx).is_ready() {
                     *task = None;

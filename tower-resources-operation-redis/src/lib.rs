@@ -90,7 +90,8 @@
 //!   once and called by its SHA; every expiry is computed from `redis.call('TIME')`, never from
 //!   a replica's clock. An uncontended operation costs two round trips: one to take its lease,
 //!   one to give it back; the refresh is one call per process every third of the TTL, whatever
-//!   the number of leases.
+//!   the number of leases (and, for an [adaptive](#an-adaptive-fleet-limit) limit, one per
+//!   tick).
 //!
 //! # Choosing the lease TTL
 //!
@@ -134,14 +135,113 @@
 //! limit, the address (without its password) and the cause. No `redis` type is in this crate's
 //! API; the `redis` crate's error is only an error's [`source`](std::error::Error::source).
 //!
+//! # An adaptive fleet limit
+//!
+//! Given a controller, the fleet limit sets the fleet's capacity from what every replica
+//! observes, as `LimitBuilder::adaptive` of `tower-resources-operation` does for one process:
+//!
+//! ```no_run
+//! use tower_resources_operation::adaptive::Vegas;
+//! use tower_resources_operation_redis::RedisLimit;
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // From 1, where the run times and the failures of the whole fleet say, up to 64.
+//! let judges = RedisLimit::builder("judges", 1)
+//!     .adaptive(Vegas::default(), 1..=64)
+//!     .build("redis://redis.internal:6379/")?;
+//! # drop(judges);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! - **What each replica counts.** The limit [hears each end](Acquire::hears_ends) and adds it
+//!   to a handful of relaxed atomics of its process: ends, ends `ok`, the sum and the sum of
+//!   squares of their run times, the shortest, failures (`timeout`, `error`, `crashed`) that
+//!   are news and those that are not, and its queue's rejections. Nothing on an operation's
+//!   path talks to Redis for the controller: an uncontended operation costs the same two round
+//!   trips as with a fixed capacity.
+//! - **One call per process per tick.** Every [`adaptive_tick`](RedisLimitBuilder::adaptive_tick)
+//!   (50 ms), the background task sends those counts in one script call, which adds them into
+//!   the fleet's window (a hash in Redis), samples the fleet's leases held (the load the window
+//!   ran at, and its peak), and keeps or takes the leader's lease. So the controller costs one
+//!   call per process per tick, whatever the load, plus the leader's decision once per window.
+//! - **One decision per window, by one leader.** The leader is the process that holds a lease
+//!   key (`SET NX PX`, extended by each of its ticks, for the longer of three call timeouts and
+//!   ten ticks, at most the lease TTL). When the window is due, it takes and resets it in the
+//!   same script (the window's number goes up), runs the algorithm on the [`Sample`] of the
+//!   whole fleet, and writes the capacity it names (as [`set_capacity`](RedisLimit::set_capacity)
+//!   does: new places go to the fleet's waiters at once, and every process is told) with the
+//!   algorithm's baseline and estimate. That write is dropped if the leader lost its lease
+//!   meanwhile, or another took the window: no window is decided twice.
+//! - **When a window is due**, as for one process: once as many of the operations admitted in
+//!   it as the capacity have ended (and it is at least two ticks and 100 ms old), or once it is
+//!   more than twice the last round trip old with half of them, or a second old with one; or at
+//!   once at the first sign of congestion that is news: the replica that sees it ticks at once,
+//!   and its tick tells the leader (on the limit's channel) to tick at once too.
+//! - **What a window measures, and cuts that never compound.** Each permit carries the
+//!   window its process knew when it was admitted (every process hears each decision on the
+//!   channel, and each tick's answer). Only the operations admitted in the current window give
+//!   it run times (they ran at the capacity it opened with); earlier ones count only as
+//!   failures. A failure of an operation admitted before the fleet's last decrease is not news
+//!   ([`Sample::stale_congested`]), unless it comes more than two round trips after it: so a
+//!   backend that fails everything above its capacity gets one decrease per window, however
+//!   many replicas see its failures.
+//! - **A replica that dies takes no decision with it.** What it counted since its last tick is
+//!   lost (part of one window's sample), nothing more. If it led, its lease expires and the
+//!   next process to tick takes it (within about 0.6 s with a call timeout of 200 ms); the
+//!   capacity it set stays in Redis, and the new leader's algorithm starts from that stored
+//!   capacity, with a state of its own made anew (its baseline measured again: `Vegas`
+//!   slow-starts from the stored capacity, so a failover costs at most one overshoot, answered
+//!   by one decrease). [`set_capacity`](RedisLimit::set_capacity) works as for a fixed limit:
+//!   the algorithm goes on from the capacity set.
+//! - **Redis errors in the controller's path reach no request.** Its calls are not counted in
+//!   the limit's [health](RedisLimit::is_reachable); a tick that fails drops its counts, and
+//!   while Redis is down there is none.
+//! - **What every replica reports.** Each process reports the fleet's capacity, and the fleet's
+//!   baseline and estimate (`gym.resources.limit.adaptive.{baseline,estimate}_ms`, as a named
+//!   adaptive `Limit` does), as it last heard them: the same series on every replica.
+//!   [`RedisLimit::is_leader`], [`decisions`](RedisLimit::decisions) and
+//!   [`measured`](RedisLimit::measured) say the same in code.
+//!
+//! **Why one leader, rather than each replica's proposal merged in a script.** An algorithm is
+//! a stateful Rust value ([`Algorithm`]: Vegas keeps its baseline, its slow start, where it last
+//! had to shrink), not a Lua function, so a script cannot run it; merging proposals would mean
+//! every replica deciding on its own share of the ends (a third of them, on three replicas:
+//! noisier run times, congestion seen a third as often) and a merge rule (the lowest? the
+//! median?) that is no algorithm's. One leader running the algorithm on the fleet's summed
+//! window is the single-process controller run on the fleet's figures: one decision per window,
+//! taken on everything the fleet saw. The price is the leader's lease: decisions pause for up
+//! to that lease when the leader dies (the capacity stays where it was meanwhile).
+//!
+//! **What a fleet's sample does not have.** [`Sample::overdue`] is 0: the window's ends reach
+//! Redis up to a tick late, so the operations still running from before the window cannot be
+//! told from the window's own, and counting them would show places overdue that are not. A
+//! backend that drops what is above its capacity is found by the timeouts of the requests it
+//! dropped instead. The tolerance is 0.
+//!
+//! **How it does** (`tests/fleet_adaptive.rs`): three replica processes, 16 clients each, on one
+//! `redis-server`, against a backend that serves K requests at once in 50 ms and defers (an
+//! error after 50 ms) what is above K, K = 12 for 5 s, then 6, then 12. In the last half of each
+//! phase the fleet holds 0.92 to 0.99 K in flight, at 0.01 to 0.04 failures per success; three
+//! replicas each with a `Vegas` limit of its own hold 1.01 to 1.14 K at 0.04 to 0.21. Over the
+//! whole run the fleet fails 0.05 to 0.06 per success against 0.09 to 0.10, for 5 to 10% less
+//! throughput (161 to 166 against 172 to 185 successes a second): after K rose it takes 1 to
+//! 1.8 s to come within 15% of it, against 0.5 to 0.75 s for three limits that each slow-start
+//! and step on their own (one decision per window for the fleet, rather than three), and a
+//! place handed over through Redis stays empty for the round trip to it (0.92 to 0.95 K in
+//! flight at a capacity of K).
+//!
 //! # What the metrics mean across a fleet
 //!
 //! Each replica reports its own operations: `queue_duration_ms` (its operations' wait for the
 //! fleet's places, including the round trip to Redis), `duration_ms`, `queued` and `active`
 //! (its waiters and its lease holders), `rejected` and `abandoned`. The `limit` gauge, and
 //! `gym.resources.limit.capacity`, are the *fleet's* capacity, as last read from Redis (each
-//! call returns it; a change is published to every replica). These come through
-//! `tower-resources-operation`'s metrics, as for any limit. So:
+//! call returns it; a change is published to every replica), and so, for an adaptive limit,
+//! are `gym.resources.limit.adaptive.baseline_ms` and `.estimate_ms` (the fleet's controller's,
+//! as last heard). These come through `tower-resources-operation`'s metrics, as for any limit.
+//! So:
 //!
 //! - `sum(gym_resources_operation_active) without (instance)` against
 //!   `max(gym_resources_operation_limit) without (instance)` is the fleet's saturation;
@@ -178,6 +278,7 @@
 mod builder;
 mod core;
 mod error;
+mod fleet_control;
 mod health;
 mod keeper;
 mod limit;
@@ -191,6 +292,8 @@ pub use error::{Error, ErrorKind};
 pub use keeper::Background;
 pub use limit::{Fleet, RedisLimit, RedisPermit};
 
+#[cfg(doc)]
+use tower_resources_operation::adaptive::{Algorithm, Sample};
 #[cfg(doc)]
 use tower_resources_operation::{Acquire, Rejection};
 

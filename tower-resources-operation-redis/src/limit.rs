@@ -6,10 +6,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
 use tokio::sync::mpsc::UnboundedSender;
-use tower_resources_operation::limit::{Acquire, AcquireError, Capacity};
+use tower_resources_operation::limit::{Acquire, AcquireError, Capacity, Ended};
 use tower_resources_operation::Rejection;
 
 use crate::builder::RedisLimitBuilder;
@@ -94,6 +95,9 @@ impl Shared {
                 Ok(Asked::Full) => {
                     // No ticket and no lease of this id is left in Redis.
                     waiter.asked = false;
+                    if let Some(control) = &self.core.adaptive {
+                        control.rejected();
+                    }
                     return Err(AcquireError::rejected(Rejection::QueueFull));
                 }
                 Err(error) => {
@@ -192,6 +196,50 @@ impl RedisLimit {
         self.shared.core.set_capacity(capacity).await.map(drop)
     }
 
+    /// Whether the fleet's capacity is set by a controller
+    /// ([`RedisLimitBuilder::adaptive`]; see [the crate](crate#an-adaptive-fleet-limit)).
+    pub fn is_adaptive(&self) -> bool {
+        self.shared.core.adaptive.is_some()
+    }
+
+    /// Whether this process decides the fleet's capacity now: an adaptive limit's leader, as
+    /// of its last tick. At most one process of the fleet does at a time; `false` for a limit
+    /// that is not adaptive.
+    pub fn is_leader(&self) -> bool {
+        self.shared
+            .core
+            .adaptive
+            .as_ref()
+            .is_some_and(|c| c.leads())
+    }
+
+    /// Windows of the fleet this process decided, as its leader, so far.
+    pub fn decisions(&self) -> u64 {
+        self.shared
+            .core
+            .adaptive
+            .as_ref()
+            .map_or(0, |c| c.decisions())
+    }
+
+    /// What the fleet's controller measured, as this process last heard: the run time its
+    /// algorithm takes as normal (its baseline) and its recent estimate, the figures every
+    /// replica reports as `gym.resources.limit.adaptive.{baseline,estimate}_ms`. `(None, None)`
+    /// for a limit that is not adaptive, or before the algorithm has them.
+    pub fn measured(&self) -> (Option<Duration>, Option<Duration>) {
+        self.shared
+            .core
+            .adaptive
+            .as_ref()
+            .map(|c| c.measured())
+            .unwrap_or_default()
+    }
+
+    /// The bounds an adaptive limit's controller keeps the capacity within.
+    pub fn adaptive_bounds(&self) -> Option<std::ops::RangeInclusive<usize>> {
+        self.shared.core.adaptive.as_ref().map(|c| c.bounds())
+    }
+
     /// The fleet's capacity, leases held and tickets waiting, read from Redis now.
     pub async fn fleet(&self) -> Result<Fleet, Error> {
         self.shared.core.state().await
@@ -227,11 +275,18 @@ pub struct Fleet {
 pub struct RedisPermit {
     shared: Arc<Shared>,
     lease: Option<String>,
+    /// The fleet's window it was admitted in, as this process knew it (adaptive limits).
+    epoch: u64,
 }
 
 impl RedisPermit {
     pub(crate) fn new(shared: Arc<Shared>, lease: Option<String>) -> Self {
-        Self { shared, lease }
+        let epoch = shared.core.adaptive.as_ref().map_or(0, |c| c.epoch());
+        Self {
+            shared,
+            lease,
+            epoch,
+        }
     }
 
     /// Whether it was admitted without the fleet limit, because Redis could not be reached
@@ -281,6 +336,21 @@ impl Acquire for RedisLimit {
     fn may_reject(&self) -> bool {
         !self.shared.core.fail_open || self.shared.core.max_queued.is_some()
     }
+
+    /// `true` for an adaptive limit: its controller counts each end.
+    fn hears_ends(&self) -> bool {
+        self.shared.core.adaptive.is_some()
+    }
+
+    /// Adds the end to this process's counts for the fleet's window: a few relaxed atomics,
+    /// no call to Redis. An operation admitted without the fleet limit (failing open) is not
+    /// counted.
+    #[inline]
+    fn ended(permit: &RedisPermit, ended: &Ended) {
+        if let (Some(control), Some(_)) = (&permit.shared.core.adaptive, &permit.lease) {
+            control.ended(permit.epoch, ended);
+        }
+    }
 }
 
 impl fmt::Debug for RedisLimit {
@@ -296,6 +366,7 @@ impl fmt::Debug for RedisLimit {
             .field("lease_ttl", &core.lease_ttl)
             .field("call_timeout", &core.call_timeout)
             .field("fail_open", &core.fail_open)
+            .field("adaptive", &core.adaptive)
             .field("reachable", &self.is_reachable())
             .field("keys", &core.keys)
             .finish()

@@ -11,6 +11,7 @@
 //!   server time their lease expires), `KEYS[3]` the queue (a sorted set of ticket ids by order
 //!   of arrival), `KEYS[4]` the tickets' expiry (a sorted set of the same ids by the server time
 //!   their ticket expires), `KEYS[5]` the arrival counter.
+//!   An adaptive limit's two scripts ([`FLEET_TICK`], [`FLEET_DECIDE`]) get three more keys.
 //! - `ARGV[1]` the channel, `ARGV[2]` the lease time to live in ms, `ARGV[3]` the capacity to set
 //!   if there is none; each script's own arguments follow.
 
@@ -133,6 +134,119 @@ promote()
 return {cap, redis.call('ZCARD', holders), redis.call('ZCARD', queue)}
 "#;
 
+/// An adaptive limit's tick, every replica's, every [`adaptive_tick`]: adds the replica's counts
+/// into the fleet's window, samples the fleet's leases held, keeps (or takes) the leader's
+/// lease, and, for the leader, takes and resets the window once it is due.
+///
+/// `KEYS[6]` the adaptive state (a hash: `epoch`, the window's number; `opened`, when it opened
+/// on the server's clock; `decreased`, the first window after the last decrease, and
+/// `decreased_at`; `rtt_us`, `baseline_us`, `estimate_us`), `KEYS[7]` the window (a hash of
+/// counts), `KEYS[8]` the leader's lease (a string: the leader's id, with a TTL).
+///
+/// `ARGV[4]` the replica's id, `ARGV[5]` the leader's lease in ms, `ARGV[6]` the window the
+/// replica's counts were taken in; `ARGV[7..11]` of the operations admitted in it: ended,
+/// ended `ok`, the sum of their run times (µs), of their squares (µs² / 1024), the shortest
+/// (`-1` for none); `ARGV[12..14]` of every end: congested (news), stale, rejected;
+/// `ARGV[15]` the shortest window (ms), `ARGV[16]` the longest (ms), `ARGV[17]` the tolerance.
+///
+/// Returns strings: `{taken, capacity, epoch, leads, age_ms, decreased, rtt_us, baseline_us,
+/// estimate_us}`, then, if the window was taken (`taken` = 1), its `ended, timed, sum_us,
+/// squares, min_us, congested, stale, rejected, samples, active_sum, peak` (`''` for none).
+///
+/// [`adaptive_tick`]: crate::RedisLimitBuilder::adaptive_tick
+const FLEET_TICK: &str = r#"
+local state, window, leader_key = KEYS[6], KEYS[7], KEYS[8]
+local id, leader_ttl, seen = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local floor_ms, interval_ms, tolerance = tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17])
+local epoch = tonumber(redis.call('HGET', state, 'epoch'))
+if not epoch then
+  epoch = 1
+  redis.call('HSET', state, 'epoch', epoch, 'opened', now)
+end
+if seen == epoch then
+  redis.call('HINCRBY', window, 'ended', ARGV[7])
+  redis.call('HINCRBY', window, 'timed', ARGV[8])
+  redis.call('HINCRBY', window, 'sum_us', ARGV[9])
+  redis.call('HINCRBY', window, 'squares', ARGV[10])
+  local min_us = tonumber(ARGV[11])
+  if min_us >= 0 then
+    local old = tonumber(redis.call('HGET', window, 'min_us'))
+    if not old or min_us < old then redis.call('HSET', window, 'min_us', min_us) end
+  end
+end
+redis.call('HINCRBY', window, 'congested', ARGV[12])
+redis.call('HINCRBY', window, 'stale', ARGV[13])
+redis.call('HINCRBY', window, 'rejected', ARGV[14])
+local active = redis.call('ZCARD', holders)
+redis.call('HINCRBY', window, 'samples', 1)
+redis.call('HINCRBY', window, 'active_sum', active)
+if active > tonumber(redis.call('HGET', window, 'peak') or '0') then
+  redis.call('HSET', window, 'peak', active)
+end
+local leads = 0
+local current = redis.call('GET', leader_key)
+if current == id then
+  redis.call('PEXPIRE', leader_key, leader_ttl)
+  leads = 1
+elseif not current then
+  redis.call('SET', leader_key, id, 'PX', leader_ttl)
+  leads = 1
+end
+local function field(name) return tonumber(redis.call('HGET', window, name) or '0') end
+local ended, congested = field('ended'), field('congested')
+local age = now - tonumber(redis.call('HGET', state, 'opened') or now)
+local rtt_ms = tonumber(redis.call('HGET', state, 'rtt_us') or '0') / 1000
+local due = congested > math.floor(tolerance * cap)
+  or (age >= floor_ms and ended >= cap)
+  or (rtt_ms > 0 and age >= math.max(floor_ms, 2 * rtt_ms) and ended * 2 >= cap)
+  or (age >= interval_ms and ended >= 1)
+local taken = 0
+local fields = {}
+if due and leads == 1 then
+  taken = 1
+  fields = redis.call('HMGET', window, 'ended', 'timed', 'sum_us', 'squares', 'min_us',
+    'congested', 'stale', 'rejected', 'samples', 'active_sum', 'peak')
+  redis.call('DEL', window)
+  epoch = epoch + 1
+  redis.call('HSET', state, 'epoch', epoch, 'opened', now)
+elseif due and redis.call('HSETNX', window, 'announced', 1) == 1 then
+  -- For the leader, at once: a sign of congestion costs one failure, not a tick of them.
+  redis.call('PUBLISH', channel, 'd')
+end
+local known = redis.call('HMGET', state, 'decreased', 'rtt_us', 'baseline_us', 'estimate_us')
+local out = {tostring(taken), tostring(cap), tostring(epoch), tostring(leads), tostring(age)}
+for _, value in ipairs(known) do out[#out + 1] = value or '' end
+for _, value in ipairs(fields) do out[#out + 1] = value or '' end
+return out
+"#;
+
+/// The leader's decision on the window it took: `ARGV[4]` the leader's id, `ARGV[5]` the window
+/// that opened as it took it (the decision is dropped unless both are still current: a leader
+/// that lost its lease meanwhile decides nothing), `ARGV[6]` the new capacity, `ARGV[7..9]` the
+/// round trip, baseline and estimate in µs (`-1` for none). Sets the capacity as
+/// `SET_CAPACITY` does, and tells every process: `a <epoch> <decreased> <rtt> <baseline>
+/// <estimate>`. Returns the capacity, or `-1` if the decision was dropped.
+const FLEET_DECIDE: &str = r#"
+local state, leader_key = KEYS[6], KEYS[8]
+local id, epoch, next_cap = ARGV[4], ARGV[5], tonumber(ARGV[6])
+if redis.call('GET', leader_key) ~= id or redis.call('HGET', state, 'epoch') ~= epoch then
+  return -1
+end
+if next_cap < cap then
+  redis.call('HSET', state, 'decreased', epoch, 'decreased_at', now)
+end
+if next_cap ~= cap then
+  cap = next_cap
+  redis.call('SET', cap_key, ARGV[6])
+  promote()
+  redis.call('PUBLISH', channel, 'c ' .. ARGV[6])
+end
+redis.call('HSET', state, 'rtt_us', ARGV[7], 'baseline_us', ARGV[8], 'estimate_us', ARGV[9])
+local decreased = redis.call('HGET', state, 'decreased') or '0'
+redis.call('PUBLISH', channel, table.concat({'a', epoch, decreased, ARGV[7], ARGV[8], ARGV[9]}, ' '))
+return cap
+"#;
+
 /// The scripts, made (and hashed) once per process.
 pub(crate) struct Scripts {
     pub(crate) acquire: Script,
@@ -140,6 +254,8 @@ pub(crate) struct Scripts {
     pub(crate) refresh: Script,
     pub(crate) set_capacity: Script,
     pub(crate) state: Script,
+    pub(crate) fleet_tick: Script,
+    pub(crate) fleet_decide: Script,
 }
 
 pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
@@ -150,6 +266,8 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         refresh: script(REFRESH),
         set_capacity: script(SET_CAPACITY),
         state: script(STATE),
+        fleet_tick: script(FLEET_TICK),
+        fleet_decide: script(FLEET_DECIDE),
     }
 });
 

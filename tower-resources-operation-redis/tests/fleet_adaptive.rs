@@ -1,0 +1,878 @@
+//! An adaptive fleet limit against a backend whose capacity it is not told: three replica
+//! processes (this test binary, started again in replica mode) on one real `redis-server`,
+//! sharing a simulated backend in the test's own process.
+//!
+//! # The backend
+//!
+//! A TCP server on 127.0.0.1 with a line protocol: a client sends `r`, the backend answers
+//! after `DELAY`. Its capacity `K` changes while it runs (12 for 5 s, then 6, then 12 again);
+//! a request that arrives while `L` requests are in the backend (itself included) is served if
+//! `L ≤ K`, and *deferred* otherwise: answered `no` after the same delay, as the servers of
+//! Vector's ARC scenarios that defer what is above their capacity (`defers-at-high-
+//! concurrency.yaml`). A deferral holds its place for the whole delay, so overload costs
+//! throughput, and a client sees it as an `error`. The backend records its level over time, and
+//! every answer.
+//!
+//! # The replicas
+//!
+//! Each replica runs 16 client loops (48 in all, four times the highest K), each calling the
+//! backend through its limit, without pause: a fleet limit (`RedisLimit`, adaptive, `Vegas`,
+//! starting at 1, bounds 1..=64), or, for the comparison, a limit of its own
+//! (`Limit::builder(1).adaptive(Adaptive::new(Vegas::default(), 1..=64))`).
+//!
+//! # What is checked
+//!
+//! - In the last half of each phase, the backend's time-weighted mean in flight with the fleet
+//!   limit is within `[0.6 K, 1.3 K]`, and it follows K down and back up.
+//! - Never more decisions than windows, one process deciding them (no kill), and every replica reports the fleet's
+//!   capacity, baseline and estimate in its metrics, the same ones.
+//! - The fleet's failures per success are at most the per-replica limits' (printed beside
+//!   their throughput).
+//! - Killing the leader with `kill -9` hands the decisions to another replica within the
+//!   leader's lease, keeps the fleet's capacity (no reset to the builder's), and the fleet
+//!   stays near K.
+//! - An uncontended operation of an adaptive fleet limit costs the same two round trips as of
+//!   a fixed one: the controller's calls are one per process per tick, whatever the load.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::redis_server::RedisServer;
+use support::Telemetry;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tower_resources_operation::adaptive::{Adaptive, Vegas};
+use tower_resources_operation::metrics::{
+    LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT,
+    LIMIT_ESTIMATE_INSTRUMENT,
+};
+use tower_resources_operation::{Acquire, Executor, Limit, Operation, OperationMetrics};
+use tower_resources_operation_redis::RedisLimit;
+
+/// The environment variable that makes [`replica`] a replica, with its settings.
+const REPLICA: &str = "TRO_ADAPTIVE_REPLICA";
+/// How long the backend takes to answer.
+const DELAY: Duration = Duration::from_millis(50);
+/// Client loops per replica.
+const CLIENTS: usize = 16;
+/// The backend's capacity, phase by phase.
+const PHASES: [usize; 3] = [12, 6, 12];
+const PHASE: Duration = Duration::from_secs(5);
+/// The replicas' lease TTL.
+const TTL_MS: u64 = 1_500;
+
+/// One heavy test at a time: each runs four processes and a `redis-server` on 2 cores.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+// ---------------------------------------------------------------------------------------------
+// The replica
+// ---------------------------------------------------------------------------------------------
+
+/// The entry point of a replica: a no-op unless [`REPLICA`] is set (`<fleet|local> <name>
+/// <redis url> <backend address>`), as it is for the processes the tests start.
+#[test]
+fn replica() {
+    let Ok(settings) = std::env::var(REPLICA) else {
+        return;
+    };
+    let parts: Vec<&str> = settings.split(' ').collect();
+    let (mode, name, redis, backend) = (parts[0], parts[1], parts[2], parts[3]);
+    let name: &'static str = Box::leak(name.to_owned().into_boxed_str());
+    let backend: SocketAddr = backend.parse().unwrap();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(run_replica(mode, name, redis, backend));
+}
+
+/// Prints a line for the test that started this replica.
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// What the test tells a replica on its standard input, one word a line.
+fn commands() -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if sender.send(line.trim().to_owned()).is_err() {
+                break;
+            }
+        }
+    });
+    receiver
+}
+
+/// The counts of a replica's clients.
+#[derive(Default)]
+struct Counts {
+    ok: AtomicU64,
+    failed: AtomicU64,
+    rejected: AtomicU64,
+}
+
+async fn run_replica(mode: &str, name: &'static str, redis: &str, backend: SocketAddr) {
+    let t = Telemetry::new();
+    let mut commands = commands();
+    match mode {
+        "fleet" => {
+            let limit = RedisLimit::builder(name, 1)
+                .adaptive(Vegas::default(), 1..=64)
+                .lease_ttl(Duration::from_millis(TTL_MS))
+                .call_timeout(Duration::from_millis(200))
+                .fallback_poll(Duration::from_millis(200))
+                .build(redis)
+                .unwrap();
+            limit.ready().await.expect("Redis at the start");
+            let watcher = {
+                let limit = limit.clone();
+                tokio::spawn(async move {
+                    let mut leads = false;
+                    loop {
+                        if limit.is_leader() != leads {
+                            leads = !leads;
+                            say(&format!("LEADS {leads}"));
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                })
+            };
+            let counts = serve(&limit, &t, backend, &mut commands).await;
+            watcher.abort();
+            let (baseline, estimate) = limit.measured();
+            report(
+                &t,
+                name,
+                &counts,
+                limit.capacity(),
+                &format!(
+                    "decisions={} leader={} baseline_us={} estimate_us={}",
+                    limit.decisions(),
+                    limit.is_leader(),
+                    baseline.map_or(-1, |d| d.as_micros() as i64),
+                    estimate.map_or(-1, |d| d.as_micros() as i64),
+                ),
+            );
+        }
+        _ => {
+            let limit = Limit::builder(1)
+                .name(name)
+                .adaptive(Adaptive::new(Vegas::default(), 1..=64))
+                .build();
+            let counts = serve(&limit, &t, backend, &mut commands).await;
+            report(&t, name, &counts, limit.capacity(), "");
+        }
+    }
+}
+
+/// `READY`; on `go`, the clients call the backend through `limit` until `stop`; then `STOPPED`,
+/// and their counts once the test says `report`.
+async fn serve<L>(
+    limit: &L,
+    t: &Telemetry,
+    backend: SocketAddr,
+    commands: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+) -> Arc<Counts>
+where
+    L: Acquire + Clone + Send + Sync + 'static,
+    L::Permit: Send + Sync,
+{
+    let counts = Arc::new(Counts::default());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut connections = Vec::new();
+    for _ in 0..CLIENTS {
+        connections.push(TcpStream::connect(backend).await.expect("the backend"));
+    }
+    say("READY");
+    while commands.recv().await.as_deref() != Some("go") {}
+    let mut clients = Vec::new();
+    for connection in connections {
+        let (limit, metrics, counts) = (limit.clone(), t.metrics.clone(), Arc::clone(&counts));
+        let stopped = stopped.clone();
+        clients.push(tokio::spawn(client(
+            limit, metrics, connection, counts, stopped,
+        )));
+    }
+    while commands.recv().await.as_deref() != Some("stop") {}
+    let _ = stop.send(true);
+    for client in clients {
+        let _ = client.await;
+    }
+    say("STOPPED");
+    while commands.recv().await.as_deref() != Some("report") {}
+    counts
+}
+
+/// One client: calls the backend through `limit`, one request after the other, until stopped.
+async fn client<L: Acquire>(
+    limit: L,
+    metrics: OperationMetrics,
+    connection: TcpStream,
+    counts: Arc<Counts>,
+    stopped: tokio::sync::watch::Receiver<bool>,
+) {
+    let (read, mut write) = connection.into_split();
+    let mut read = AsyncBufReader::new(read);
+    let mut line = String::new();
+    while !*stopped.borrow() {
+        let answer = metrics
+            .resources_operation(&limit, Operation::Judge, Executor::Inline, async {
+                write.write_all(b"r\n").await.map_err(|_| "write")?;
+                line.clear();
+                read.read_line(&mut line).await.map_err(|_| "read")?;
+                match line.as_str() {
+                    "ok\n" => Ok(()),
+                    _ => Err("deferred"),
+                }
+            })
+            .await;
+        let count = match answer {
+            Ok(Ok(())) => &counts.ok,
+            Ok(Err(_)) => &counts.failed,
+            Err(_) => &counts.rejected,
+        };
+        count.fetch_add(1, Relaxed);
+    }
+}
+
+fn report(t: &Telemetry, name: &str, counts: &Counts, capacity: usize, extra: &str) {
+    let named = [(LIMIT_ATTRIBUTE, name)];
+    let ms = |gauge: Option<f64>| gauge.map_or(-1.0, |ms| ms);
+    say(&format!(
+        "RESULT ok={} failed={} rejected={} capacity={capacity} metric_capacity={} \
+         metric_baseline_ms={:.3} metric_estimate_ms={:.3} {extra}",
+        counts.ok.load(Relaxed),
+        counts.failed.load(Relaxed),
+        counts.rejected.load(Relaxed),
+        t.live_value(LIMIT_CAPACITY_INSTRUMENT, &named),
+        ms(t.gauge_f64(LIMIT_BASELINE_INSTRUMENT, &named)),
+        ms(t.gauge_f64(LIMIT_ESTIMATE_INSTRUMENT, &named)),
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backend
+// ---------------------------------------------------------------------------------------------
+
+/// The simulated backend: serves up to `capacity` at once, defers the rest.
+struct Backend {
+    capacity: AtomicUsize,
+    log: Mutex<Log>,
+    start: Instant,
+}
+
+#[derive(Default)]
+struct Log {
+    level: i64,
+    /// `(seconds since the start, level after the change)`, in order.
+    changes: Vec<(f64, i64)>,
+    /// `(seconds since the start, served)`, in order of the answers.
+    answers: Vec<(f64, bool)>,
+}
+
+impl Backend {
+    /// Starts one on a free port of 127.0.0.1.
+    async fn start(capacity: usize) -> (Arc<Self>, SocketAddr) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let backend = Arc::new(Self {
+            capacity: AtomicUsize::new(capacity),
+            log: Mutex::default(),
+            start: Instant::now(),
+        });
+        let serving = Arc::clone(&backend);
+        tokio::spawn(async move {
+            while let Ok((connection, _)) = listener.accept().await {
+                tokio::spawn(Arc::clone(&serving).connection(connection));
+            }
+        });
+        (backend, address)
+    }
+
+    fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    async fn connection(self: Arc<Self>, connection: TcpStream) {
+        let _ = connection.set_nodelay(true);
+        let (read, mut write) = connection.into_split();
+        let mut lines = AsyncBufReader::new(read).lines();
+        while let Ok(Some(_)) = lines.next_line().await {
+            let served = {
+                let mut log = self.log.lock().unwrap();
+                log.level += 1;
+                let (now, level) = (self.now(), log.level);
+                log.changes.push((now, level));
+                level <= self.capacity.load(Relaxed) as i64
+            };
+            tokio::time::sleep(DELAY).await;
+            {
+                let mut log = self.log.lock().unwrap();
+                log.level -= 1;
+                let (now, level) = (self.now(), log.level);
+                log.changes.push((now, level));
+                log.answers.push((now, served));
+            }
+            let answer: &[u8] = if served { b"ok\n" } else { b"no\n" };
+            if write.write_all(answer).await.is_err() {
+                break;
+            }
+        }
+    }
+
+    /// The time-weighted mean in flight, the successes and the deferrals in `[from, to]`
+    /// (seconds since the start).
+    fn figures(&self, from: f64, to: f64) -> Figures {
+        let log = self.log.lock().unwrap();
+        let mut integral = 0.0;
+        let mut level = 0;
+        let mut at = from;
+        for &(time, after) in &log.changes {
+            if time > to {
+                break;
+            }
+            if time > from {
+                integral += level as f64 * (time - at);
+                at = time;
+            }
+            level = after;
+        }
+        integral += level as f64 * (to - at.max(from));
+        let within = log
+            .answers
+            .iter()
+            .filter(|(time, _)| (from..=to).contains(time));
+        let (mut ok, mut deferred) = (0, 0);
+        for (_, served) in within {
+            match served {
+                true => ok += 1,
+                false => deferred += 1,
+            }
+        }
+        Figures {
+            mean_in_flight: integral / (to - from),
+            ok,
+            deferred,
+            seconds: to - from,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Figures {
+    mean_in_flight: f64,
+    ok: u64,
+    deferred: u64,
+    seconds: f64,
+}
+
+impl Figures {
+    fn per_second(&self) -> f64 {
+        self.ok as f64 / self.seconds
+    }
+
+    fn failures_per_success(&self) -> f64 {
+        self.deferred as f64 / self.ok.max(1) as f64
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fleet of replicas, from the test
+// ---------------------------------------------------------------------------------------------
+
+/// A replica process: its standard input, and its lines on a channel.
+struct Replica {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+}
+
+impl Replica {
+    fn start(mode: &str, name: &str, redis: &RedisServer, backend: SocketAddr) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["replica", "--exact", "--nocapture", "--test-threads=1"])
+            .env(REPLICA, format!("{mode} {name} {} {backend}", redis.url()))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start a replica");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (sender, lines): (Sender<String>, _) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    fn tell(&mut self, command: &str) {
+        let _ = writeln!(self.stdin, "{command}");
+        let _ = self.stdin.flush();
+    }
+
+    /// The next line with `word` (libtest may print its own words before it), from `word` on;
+    /// fails after `deadline`.
+    fn until(&mut self, word: &str, deadline: Duration) -> String {
+        let until = Instant::now() + deadline;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(at) = line.find(word) {
+                        return line[at..].to_owned();
+                    }
+                }
+                Err(_) => panic!("no {word:?} from a replica within {deadline:?}"),
+            }
+        }
+    }
+
+    /// Whether it said `LEADS true` last, among the lines it printed so far.
+    fn leads(&mut self, leads: &mut bool) -> bool {
+        while let Ok(line) = self.lines.try_recv() {
+            if let Some(at) = line.find("LEADS ") {
+                *leads = line[at + 6..].trim() == "true";
+            }
+        }
+        *leads
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A replica's result: its `key=value` pairs.
+type Result_ = BTreeMap<String, String>;
+
+fn parse(line: &str) -> Result_ {
+    line.split(' ')
+        .skip(1)
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(key, value)| (key.to_owned(), value.to_owned()))
+        .collect()
+}
+
+fn number(result: &Result_, key: &str) -> f64 {
+    result[key]
+        .parse()
+        .unwrap_or_else(|_| panic!("{key} in {result:?}"))
+}
+
+/// `READY` from every replica, then `go` to all.
+fn go(replicas: &mut [Replica]) {
+    for replica in replicas.iter_mut() {
+        replica.until("READY", Duration::from_secs(60));
+    }
+    for replica in replicas.iter_mut() {
+        replica.tell("go");
+    }
+}
+
+/// `stop`, then (once every client stopped and the last decision is in) `report`: every
+/// replica's result.
+fn stop(replicas: &mut [Replica]) -> Vec<Result_> {
+    for replica in replicas.iter_mut() {
+        replica.tell("stop");
+    }
+    for replica in replicas.iter_mut() {
+        replica.until("STOPPED", Duration::from_secs(30));
+    }
+    // A window with an end in it closes within a second at most; none opens without one.
+    std::thread::sleep(Duration::from_millis(1_500));
+    replicas
+        .iter_mut()
+        .map(|replica| {
+            replica.tell("report");
+            parse(&replica.until("RESULT", Duration::from_secs(30)))
+        })
+        .collect()
+}
+
+/// The fleet's state in Redis, read by the test: its capacity and its window's number.
+fn fleet_state(redis: &RedisServer, name: &str) -> (usize, u64) {
+    let mut connection = redis.connection();
+    let capacity: Option<usize> = ::redis::cmd("GET")
+        .arg(format!("{{tro:{name}}}:capacity"))
+        .query(&mut connection)
+        .unwrap();
+    let epoch: Option<u64> = ::redis::cmd("HGET")
+        .arg(format!("{{tro:{name}}}:adaptive"))
+        .arg("epoch")
+        .query(&mut connection)
+        .unwrap();
+    (capacity.unwrap_or(0), epoch.unwrap_or(0))
+}
+
+/// What one run showed.
+struct Run {
+    /// Per phase, its last half at the backend.
+    tails: Vec<Figures>,
+    whole: Figures,
+    /// Per phase, how long after it began the backend's in flight (over 250 ms) first came
+    /// within 15% of its K (`None`: never).
+    settled: Vec<Option<f64>>,
+    /// Per phase, the fleet's mean capacity in its last half (fleet runs only).
+    capacities: Vec<f64>,
+    results: Vec<Result_>,
+}
+
+/// Three replicas of `mode` against the backend, through the phases.
+async fn run(mode: &str, name: &str, redis: &RedisServer) -> Run {
+    let (backend, address) = Backend::start(PHASES[0]).await;
+    let mut replicas: Vec<Replica> = (0..3)
+        .map(|_| Replica::start(mode, name, redis, address))
+        .collect();
+    let replicas_ready = tokio::task::spawn_blocking(move || {
+        go(&mut replicas);
+        replicas
+    });
+    let mut replicas = replicas_ready.await.unwrap();
+    let started = backend.now();
+    let mut capacity_samples: Vec<(f64, usize)> = Vec::new();
+    for (index, &capacity) in PHASES.iter().enumerate() {
+        backend.capacity.store(capacity, Relaxed);
+        let until = started + PHASE.as_secs_f64() * (index + 1) as f64;
+        while backend.now() < until {
+            if mode == "fleet" {
+                capacity_samples.push((backend.now(), fleet_state(redis, name).0));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let ended = backend.now();
+    let results = tokio::task::spawn_blocking(move || stop(&mut replicas))
+        .await
+        .unwrap();
+    let phase = PHASE.as_secs_f64();
+    let tail = |index: usize| {
+        let end = started + phase * (index + 1) as f64;
+        (end - phase / 2.0, end)
+    };
+    let tails = (0..PHASES.len())
+        .map(|index| {
+            let (from, to) = tail(index);
+            backend.figures(from, to)
+        })
+        .collect();
+    let capacities = (0..PHASES.len())
+        .map(|index| {
+            let (from, to) = tail(index);
+            let within: Vec<f64> = capacity_samples
+                .iter()
+                .filter(|(at, _)| (from..=to).contains(at))
+                .map(|&(_, capacity)| capacity as f64)
+                .collect();
+            within.iter().sum::<f64>() / within.len().max(1) as f64
+        })
+        .collect();
+    let settled = (0..PHASES.len())
+        .map(|index| {
+            let k = PHASES[index] as f64;
+            let begin = started + phase * index as f64;
+            (1..=(phase / 0.05) as usize)
+                .map(|step| begin + 0.05 * step as f64)
+                .filter(|&at| at - 0.25 >= begin)
+                .find(|&at| {
+                    let level = backend.figures(at - 0.25, at).mean_in_flight;
+                    (level - k).abs() <= 0.15 * k
+                })
+                .map(|at| at - begin)
+        })
+        .collect();
+    Run {
+        settled,
+        tails,
+        whole: backend.figures(started, ended),
+        capacities,
+        results,
+    }
+}
+
+fn print_run(label: &str, run: &Run) {
+    println!("{label}:");
+    for (index, (figures, &k)) in run.tails.iter().zip(&PHASES).enumerate() {
+        let capacity = run
+            .capacities
+            .get(index)
+            .filter(|c| **c > 0.0)
+            .map_or(String::new(), |c| format!(", fleet capacity {c:.1}"));
+        println!(
+            "  phase {} (K = {k:>2}), within 15% of K after {}; last half: mean in flight {:>5.2} \
+             ({:.2} K), {:>6.1} ok/s, {:.3} failures per success{capacity}",
+            index + 1,
+            run.settled[index].map_or("never".to_owned(), |s| format!("{s:.2} s")),
+            figures.mean_in_flight,
+            figures.mean_in_flight / k as f64,
+            figures.per_second(),
+            figures.failures_per_success(),
+        );
+    }
+    println!(
+        "  whole run: {:.1} ok/s, {:.3} failures per success ({} ok, {} deferred in {:.1} s)",
+        run.whole.per_second(),
+        run.whole.failures_per_success(),
+        run.whole.ok,
+        run.whole.deferred,
+        run.whole.seconds
+    );
+    for result in &run.results {
+        println!("  replica: {result:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_settle_near_the_backends_capacity_and_follow_it() {
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let fleet = run("fleet", "adaptive-fleet", &redis).await;
+    let local = run("local", "adaptive-local", &redis).await;
+    println!("backend: {DELAY:?} a request, defers above K; 3 replicas x {CLIENTS} clients");
+    print_run("one adaptive fleet limit (RedisLimit, Vegas)", &fleet);
+    print_run("an adaptive limit per replica (Limit, Vegas)", &local);
+
+    for (figures, &k) in fleet.tails.iter().zip(&PHASES) {
+        let share = figures.mean_in_flight / k as f64;
+        assert!(
+            (0.6..=1.3).contains(&share),
+            "the fleet's mean in flight {:.2} is {share:.2} K (K = {k})",
+            figures.mean_in_flight
+        );
+    }
+    let level = |index: usize| fleet.tails[index].mean_in_flight;
+    assert!(level(1) < level(0) && level(2) > level(1), "follows K");
+
+    // One decision per window: never more decisions than windows, and one process decided
+    // them all unless a leader's lease ran out (a replica stalled past it, on a loaded machine).
+    let (capacity, epoch) = fleet_state(&redis, "adaptive-fleet");
+    let decided: Vec<u64> = fleet
+        .results
+        .iter()
+        .map(|result| number(result, "decisions") as u64)
+        .collect();
+    let leaders = decided.iter().filter(|&&d| d > 0).count() as u64;
+    let (decisions, windows) = (decided.iter().sum::<u64>(), epoch.saturating_sub(1));
+    println!("{decisions} decisions by {leaders} leader(s) in {windows} windows: {decided:?}");
+    assert!(leaders >= 1, "{decided:?}");
+    assert!(
+        decisions <= windows && decisions + leaders + 1 >= windows,
+        "{decisions} decisions in {windows} windows"
+    );
+    // Every replica reports the fleet's capacity, baseline and estimate, the same ones.
+    let first = &fleet.results[0];
+    for result in &fleet.results {
+        assert_eq!(number(result, "capacity") as usize, capacity, "{result:?}");
+        assert_eq!(
+            number(result, "metric_capacity") as usize,
+            capacity,
+            "{result:?}"
+        );
+        for key in ["metric_baseline_ms", "metric_estimate_ms"] {
+            assert!(number(result, key) > 0.0, "{key}: {result:?}");
+            assert_eq!(result[key], first[key], "{key}: {result:?} vs {first:?}");
+        }
+        let baseline_ms = number(result, "baseline_us") / 1000.0;
+        assert!((baseline_ms - number(result, "metric_baseline_ms")).abs() < 0.01);
+    }
+
+    assert!(
+        fleet.whole.failures_per_success() <= local.whole.failures_per_success(),
+        "failures per success: the fleet {:.3}, per replica {:.3}",
+        fleet.whole.failures_per_success(),
+        local.whole.failures_per_success()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_leader_hands_the_decisions_to_another_replica_and_keeps_the_capacity() {
+    const K: usize = 8;
+    const NAME: &str = "adaptive-failover";
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let (backend, address) = Backend::start(K).await;
+    let mut replicas: Vec<Replica> = (0..3)
+        .map(|_| Replica::start("fleet", NAME, &redis, address))
+        .collect();
+    let mut replicas = tokio::task::spawn_blocking(move || {
+        go(&mut replicas);
+        replicas
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let mut leading = [false; 3];
+    let leaders: Vec<usize> = (0..3)
+        .filter(|&index| replicas[index].leads(&mut leading[index]))
+        .collect();
+    assert_eq!(leaders.len(), 1, "one leader: {leading:?}");
+    let leader = leaders[0];
+    let (before, epoch_before) = fleet_state(&redis, NAME);
+    let settled = backend.figures(backend.now() - 1.5, backend.now());
+    let mut dead = replicas.remove(leader);
+    dead.child.kill().expect("kill -9");
+    let killed = Instant::now();
+    dead.child.wait().unwrap();
+    let (after, epoch_after) = fleet_state(&redis, NAME);
+    println!(
+        "before the kill: capacity {before}, window {epoch_before}, mean in flight {:.2} \
+         (K = {K}); just after: capacity {after}, window {epoch_after}",
+        settled.mean_in_flight
+    );
+    assert!(
+        after >= 2,
+        "the capacity is kept, not reset to the builder's: {after}"
+    );
+    if epoch_after == epoch_before {
+        assert_eq!(after, before, "no decision, no change");
+    }
+
+    // Another replica takes the lease within the leader's (600 ms here) and decides.
+    let mut leading = [false; 2];
+    let taken_over = loop {
+        if (0..2).any(|index| replicas[index].leads(&mut leading[index])) {
+            break killed.elapsed();
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(5),
+            "no replica took over"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (capacity, epoch) = fleet_state(&redis, NAME);
+    let later = backend.figures(backend.now() - 1.5, backend.now());
+    println!(
+        "another replica leads {taken_over:?} after the kill; 3 s later: capacity {capacity}, \
+         window {epoch}, mean in flight {:.2} in the last 1.5 s",
+        later.mean_in_flight
+    );
+    assert!(taken_over < Duration::from_secs(3), "{taken_over:?}");
+    assert!(
+        epoch > epoch_after + 3,
+        "decisions go on: {epoch_after} -> {epoch}"
+    );
+    let share = later.mean_in_flight / K as f64;
+    assert!(
+        (0.6..=1.3).contains(&share),
+        "{share:.2} K after the failover"
+    );
+    let results = tokio::task::spawn_blocking(move || stop(&mut replicas))
+        .await
+        .unwrap();
+    println!("{results:?}");
+    assert!(
+        results
+            .iter()
+            .any(|result| number(result, "decisions") > 0.0),
+        "a survivor decided: {results:?}"
+    );
+}
+
+/// Scripts run by SHA: `EVALSHA` calls, less the first call of each script, which Redis
+/// answered `NOSCRIPT` (the script was then loaded, and called again).
+fn script_calls(redis: &RedisServer) -> u64 {
+    redis.calls("evalsha") - redis.calls("script|load")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncontended_operation_of_an_adaptive_fleet_limit_costs_two_round_trips() {
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let metrics = OperationMetrics::disabled();
+    let operation = |limit: RedisLimit| {
+        let metrics = metrics.clone();
+        async move {
+            metrics
+                .resources_operation(&limit, Operation::Judge, Executor::Inline, async {})
+                .await
+                .expect("a place");
+        }
+    };
+    // Its ticks an hour apart: every call is an operation's.
+    let limit = RedisLimit::builder("uncontended", 4)
+        .adaptive(Vegas::default(), 1..=64)
+        .adaptive_tick(Duration::from_secs(3600))
+        .build(&redis.url())
+        .unwrap();
+    operation(limit.clone()).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while limit.fleet().await.unwrap().active > 0 {
+        assert!(Instant::now() < deadline, "the first release");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let before = script_calls(&redis);
+    for done in 1..=10 {
+        operation(limit.clone()).await;
+        // Each release goes out before the next take (releases that come together go out in
+        // one call).
+        support::eventually("the release", || script_calls(&redis) - before >= 2 * done).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        script_calls(&redis) - before,
+        20,
+        "two calls each, none for the controller"
+    );
+
+    // With its ticks 100 ms apart: at most two calls per tick (the tick, and the leader's
+    // decision), whatever the operations.
+    let ticking = RedisLimit::builder("ticking", 4)
+        .adaptive(Vegas::default(), 1..=64)
+        .adaptive_tick(Duration::from_millis(100))
+        .build(&redis.url())
+        .unwrap();
+    operation(ticking.clone()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = script_calls(&redis);
+    let since = Instant::now();
+    let mut operations = 0;
+    while since.elapsed() < Duration::from_millis(1_000) {
+        let batch: Vec<_> = (0..4).map(|_| operation(ticking.clone())).collect();
+        for operation in batch {
+            operation.await;
+        }
+        operations += 4;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let calls = script_calls(&redis) - before;
+    let ticks = since.elapsed().as_millis() as u64 / 100 + 2;
+    println!("{operations} operations, {calls} calls, at most {ticks} ticks");
+    assert!(
+        calls <= 2 * operations + 2 * ticks,
+        "{calls} calls for {operations} operations and {ticks} ticks"
+    );
+    assert!(ticking.is_leader(), "the only process leads");
+    drop(limit);
+}
