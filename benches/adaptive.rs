@@ -6,8 +6,9 @@
 //! ```
 //!
 //! The controller's bounds are the limit's capacity (`n..=n`), so that both limits admit as many
-//! at once and the difference is the controller's work alone: an admission adds to one atomic,
-//! an end to three and reads the clock, and once per window the algorithm runs.
+//! at once and the difference is the controller's work alone: at this rate it hears a sample of
+//! the operations (a random draw at each admission), each of those is timed and added to the
+//! window, and once per window (2 ms or more) the algorithm runs.
 //!
 //! - `uncontended/*`: a current-thread runtime, a no-op inner service, a limit of 64, driven as
 //!   a reused service (`ready` + `call`) and as `clone().oneshot()`.
@@ -33,7 +34,7 @@ use criterion::{criterion_group, BenchmarkId, Criterion};
 use opentelemetry::metrics::Meter;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::Layer;
-use tower_resources_operation::adaptive::{Adaptive, Gradient};
+use tower_resources_operation::adaptive::{Adaptive, Vegas};
 use tower_resources_operation::{
     Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
 };
@@ -42,7 +43,7 @@ use tower_resources_operation::{
 fn limit(n: usize, adaptive: bool) -> Limit {
     let builder = Limit::builder(n).name("bench");
     match adaptive {
-        true => builder.adaptive(Adaptive::new(Gradient::default(), n..=n)),
+        true => builder.adaptive(Adaptive::new(Vegas::default(), n..=n)),
         false => builder,
     }
     .build()

@@ -18,7 +18,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use support::Telemetry;
 use tower::{Layer, Service, ServiceExt};
-use tower_resources_operation::adaptive::{Adaptive, Gradient};
+use tower_resources_operation::adaptive::{Adaptive, Algorithm, Sample};
 use tower_resources_operation::metrics::REJECTED_INSTRUMENT;
 use tower_resources_operation::per_request::{choose_fn, Choice};
 use tower_resources_operation::protocol::RejectAsError;
@@ -90,7 +90,15 @@ const MEASURED: u32 = 1_000;
 
 /// Allocations made by `MEASURED` rounds of `round` (given the round's number) after `WARM_UP`
 /// rounds, on a current-thread runtime.
-fn steady_state<F: Future<Output = ()>>(mut round: impl FnMut(u32) -> F) -> u64 {
+fn steady_state<F: Future<Output = ()>>(round: impl FnMut(u32) -> F) -> u64 {
+    steady_state_of(MEASURED, round)
+}
+
+/// [`steady_state`], measured over `measured` rounds.
+fn steady_state_of<F: Future<Output = ()>>(
+    measured: u32,
+    mut round: impl FnMut(u32) -> F,
+) -> u64 {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
@@ -99,7 +107,7 @@ fn steady_state<F: Future<Output = ()>>(mut round: impl FnMut(u32) -> F) -> u64 
             round(n).await;
         }
         let before = allocations();
-        for n in 0..MEASURED {
+        for n in 0..measured {
             round(n).await;
         }
         allocations() - before
@@ -235,22 +243,36 @@ fn no_allocation_per_scoped_operation_with_metrics_enabled() {
     assert_eq!(count("ok"), 2 * rounds - timeouts);
 }
 
+/// An algorithm that moves the capacity at every window, between 3 and 5: the resize path on
+/// every close.
+#[derive(Clone)]
+struct Toggle;
+
+impl Algorithm for Toggle {
+    fn update(&mut self, sample: &Sample) -> usize {
+        match sample.capacity {
+            3 => 5,
+            _ => 3,
+        }
+    }
+}
+
 /// Allocations made by operations of an adaptive limit, through the layer and the scoped API:
-/// one scoped operation in 50 ends `timeout`, so windows close, some congested, and the
-/// controller resizes the limit all along (checked).
+/// one scoped operation in 50 ends `timeout`, windows close (the first in a while, some
+/// congested), and the controller resizes the limit at each (checked). Windows last 2 ms or
+/// more, so this one runs longer than the others.
 fn adaptive_steady_state_allocations(metrics: OperationMetrics) -> u64 {
     let limit = Limit::builder(4)
-        .adaptive(Adaptive::new(Gradient::default(), 1..=8))
+        .adaptive(Adaptive::new(Toggle, 1..=8))
         .build();
-    // The last capacity seen, and how many times it changed: the warm-up's two timeouts
-    // account for a few changes at most, the measurement's twenty for the rest.
+    // The last capacity seen, and how many times it changed.
     let changes = Cell::new((limit.capacity(), 0));
     let service = ResourcesOperationLayer::new(limit.clone())
         .operation(Operation::Tool)
         .executor(Executor::Thread)
         .metrics(metrics.clone())
         .layer(Noop);
-    let allocations = steady_state(|n| {
+    let allocations = steady_state_of(50 * MEASURED, |n| {
         let (service, metrics, limit) = (service.clone(), metrics.clone(), &limit);
         let changes = &changes;
         async move {
@@ -283,7 +305,7 @@ fn no_allocation_per_operation_of_an_adaptive_limit() {
     let telemetry =
         assert_no_allocation_with_metrics_disabled_or_enabled(adaptive_steady_state_allocations);
     // The operations really were recorded, both forms.
-    let rounds = u64::from(WARM_UP + MEASURED);
+    let rounds = u64::from(WARM_UP + 50 * MEASURED);
     assert_eq!(telemetry.count(DURATION_INSTRUMENT, &[]), 2 * rounds);
 }
 

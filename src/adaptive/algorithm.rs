@@ -11,6 +11,10 @@ use super::Adaptive;
 /// operations admitted after it opened, which ran at the capacity it opened with. Operations
 /// admitted earlier count only in [`peak_in_flight`](Self::peak_in_flight) and, if they failed,
 /// in [`congested`](Self::congested) or [`stale_congested`](Self::stale_congested).
+///
+/// A busy limit's controller hears a sample of its operations (see the
+/// [module docs](super#cost)): its counts are then estimates, the sample's counts scaled up, and
+/// the run times and loads are the sample's.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct Sample {
@@ -49,7 +53,7 @@ pub struct Sample {
     /// Operations admitted before the window opened and still running when it closed, a
     /// round trip or more later: places held by operations that are slow or never answer (a
     /// server that drops what is above its capacity), which deliver nothing until they time
-    /// out. 0 for a window cut short, or of a fixed count.
+    /// out. 0 for a window cut short, of a fixed count, or heard in a sample.
     pub overdue: u64,
     /// Whether the window ran its course (a round trip, or its count of operations), rather
     /// than being closed early by congestion: only then are its run times and rate those of a

@@ -7,10 +7,16 @@
 //! have ended, or at the first sign of congestion. A failure of an operation admitted before the
 //! last decrease, within a round trip of it, is not news: that decrease already answered it, so
 //! it does not count as congestion (it still closes the window, for the algorithm to see).
+//!
+//! A busy limit's controller hears a sample of its operations: once a window is at least
+//! [`MIN_WINDOW`] long, the controller picks, as it opens the next, one in `2^k` operations
+//! to hear so that a window still holds about [`SAMPLES`] of them. The others are not timed
+//! for it, and cost no more than with a plain limit. Its counts are scaled back up for the
+//! algorithm. A limit doing a few thousand operations a second or fewer hears every one.
 
 use std::fmt;
 use std::ops::RangeInclusive;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -23,10 +29,22 @@ use crate::attributes::Outcome;
 use crate::guard::guarded;
 use crate::limit::{Control, Ended, MakeControl, Resize};
 
+/// The shortest window that closes on its count of ends (not the first, and not for
+/// congestion): what lets a busy limit's window hold enough operations to be sampled.
+pub(super) const MIN_WINDOW: Duration = Duration::from_millis(2);
+const MIN_WINDOW_NS: u64 = MIN_WINDOW.as_nanos() as u64;
+/// About how many operations a sampled window hears.
+pub(super) const SAMPLES: u64 = 32;
+/// At most one in this many operations is left unheard.
+const MAX_SCALE: u64 = 1 << 16;
+
 /// One limit's controller: the window that operations add to, and the algorithm that reads it
 /// when it closes.
 pub(super) struct Controller {
     window: Window,
+    /// Which operations its limit lets it hear: one in `sampling + 1` (a power of two), at
+    /// random ([`Resize::hear_one_in`]).
+    sampling: AtomicU32,
     /// When the current window opened, in nanoseconds (see [`Controller::nanos`]); 0 for the
     /// first window, which every operation belongs to.
     opened: AtomicU64,
@@ -75,6 +93,7 @@ impl Controller {
     pub(super) fn new(adaptive: &Adaptive, limit: Weak<dyn Resize>, capacity: usize) -> Self {
         let controller = Self {
             window: Window::new(),
+            sampling: AtomicU32::new(0),
             opened: AtomicU64::new(0),
             decreased: AtomicU64::new(0),
             round_trip_ns: AtomicU64::new(NONE),
@@ -103,8 +122,14 @@ impl Controller {
         matches!(self.windows, Windows::RoundTrip { .. })
     }
 
-    /// Sets when the next window closes, at `capacity`.
+    /// One in how many operations the current window hears.
+    fn scale(&self) -> u64 {
+        u64::from(self.sampling.load(Relaxed)) + 1
+    }
+
+    /// Sets when the next window closes, at `capacity`, counted in the ends it hears.
     fn open(&self, capacity: usize) {
+        let scale = self.scale() as usize;
         let due = match self.windows {
             // A turnover of operations admitted in the window: the first of them end one run
             // time after it opened, the rest within about one more. (Not fewer: the first to
@@ -113,7 +138,10 @@ impl Controller {
             Windows::RoundTrip { operations } => operations.max(capacity),
             Windows::Fixed { operations } => operations.max(capacity.saturating_mul(2)),
         };
-        let count = |n: usize| u64::try_from(n).unwrap_or(WINDOW_CAP).min(WINDOW_CAP);
+        let count = |n: usize| {
+            let heard = n.div_ceil(scale);
+            u64::try_from(heard).unwrap_or(WINDOW_CAP).min(WINDOW_CAP)
+        };
         let due = count(due);
         self.due.store(due, Relaxed);
         self.tolerated
@@ -122,11 +150,15 @@ impl Controller {
     }
 
     /// Whether a window that adds up to `running`, `age` old in nanoseconds (if known), is due
-    /// to close.
+    /// to close. The first window (opened at 0) has no shortest length.
     #[inline]
-    fn is_due(&self, running: Running, age: Option<u64>) -> bool {
+    fn is_due(&self, running: Running, age: Option<u64>, first: bool) -> bool {
         let tolerated = self.tolerated.load(Relaxed);
-        if running.congested > tolerated || running.ended >= self.due.load(Relaxed) {
+        if running.congested > tolerated {
+            return true;
+        }
+        let long_enough = first || age.is_none_or(|age| age >= MIN_WINDOW_NS);
+        if running.ended >= self.due.load(Relaxed) && long_enough {
             return true;
         }
         let Some(age) = age else {
@@ -142,7 +174,8 @@ impl Controller {
                 running.stale > tolerated
                     || (running.ended >= 1 && age >= self.interval_ns)
                     || (running.ended >= self.due.load(Relaxed).div_ceil(2)
-                        && age > round_trip.saturating_mul(2))
+                        && age > round_trip.saturating_mul(2)
+                        && long_enough)
             }
             Windows::Fixed { .. } => {
                 age >= self.interval_ns && running.ended >= self.turnover.load(Relaxed)
@@ -186,7 +219,7 @@ impl Controller {
         let counted = self.count(&end, opened);
         let running = self.window.add(counted, end.ran, end.in_flight);
         let age = end.at.map(|at| at.saturating_sub(opened));
-        if self.is_due(running, age) {
+        if self.is_due(running, age, opened == 0) {
             self.close(end.at, end.in_flight);
         }
     }
@@ -219,10 +252,11 @@ impl Controller {
         let opened = self.opened.load(Relaxed);
         let age = at.map(|at| at.saturating_sub(opened));
         // Another thread may have closed it between this end and the flag.
-        if !self.is_due(self.window.running(), age) {
+        if !self.is_due(self.window.running(), age, opened == 0) {
             return;
         }
         let totals = self.window.take();
+        let scale = self.scale();
         if let Some(at) = at {
             self.opened.store(at, Relaxed);
         }
@@ -230,7 +264,9 @@ impl Controller {
             let ns = u64::try_from(mean.as_nanos()).unwrap_or(NONE - 1);
             self.round_trip_ns.store(ns, Relaxed);
         }
-        let sample = self.sample(&totals, capacity, in_flight, age);
+        let sample = self.sample(&totals, scale, capacity, in_flight, age);
+        let one_in = limit.hear_one_in(one_in(&totals, scale, age));
+        self.sampling.store(one_in.max(1) - 1, Relaxed);
         let mut algorithm = self.algorithm.lock().unwrap_or_else(|p| p.into_inner());
         let next = guarded(|| algorithm.update(&sample)).unwrap_or(capacity);
         let next = next.clamp(self.min, self.max);
@@ -254,6 +290,7 @@ impl Controller {
     fn sample(
         &self,
         totals: &Totals,
+        scale: u64,
         capacity: usize,
         in_flight: usize,
         age: Option<u64>,
@@ -275,9 +312,9 @@ impl Controller {
             capacity,
             min_capacity: self.min,
             max_capacity: self.max,
-            ended: totals.ended,
-            congested: totals.congested,
-            stale_congested: totals.stale,
+            ended: totals.ended.saturating_mul(scale),
+            congested: totals.congested.saturating_mul(scale),
+            stale_congested: totals.stale.saturating_mul(scale),
             tolerance: self.tolerance,
             rejected: totals.rejected,
             mean_run_time: totals.mean_run_time(),
@@ -285,7 +322,8 @@ impl Controller {
             run_time_deviation: totals.run_time_deviation(),
             peak_in_flight: totals.peak,
             in_flight: totals.mean_in_flight(),
-            overdue: match self.is_round_trip() && round_trip && full {
+            // Counted from every end, so only while it hears every one.
+            overdue: match self.is_round_trip() && round_trip && full && scale == 1 {
                 true => overdue,
                 false => 0,
             },
@@ -293,6 +331,25 @@ impl Controller {
             elapsed: Duration::from_nanos(age.unwrap_or(0)),
         }
     }
+}
+
+/// One in how many of the next window's operations to hear: about [`SAMPLES`] of the ends
+/// that a window of [`MIN_WINDOW`] would see at the rate of the one that closed `age` after it
+/// opened, having heard one in `scale` of its `totals`; at least half of `scale`, so that a
+/// window open through an idle spell (which reads as a slow one) costs one window that hears
+/// twice as many, and a rate that fell for good is followed within a few windows.
+fn one_in(totals: &Totals, scale: u64, age: Option<u64>) -> u32 {
+    let floor = (scale / 2).max(1);
+    // A shorter window (the first, one that closed for congestion) cannot tell a rate.
+    let Some(age) = age.filter(|&age| age >= MIN_WINDOW_NS / 2) else {
+        return floor as u32;
+    };
+    let ends = u128::from(totals.after.saturating_mul(scale));
+    let per_min_window = ends * u128::from(MIN_WINDOW_NS) / u128::from(age);
+    let wanted = u64::try_from(per_min_window / u128::from(SAMPLES)).unwrap_or(MAX_SCALE);
+    let wanted = wanted.clamp(floor, MAX_SCALE);
+    // The largest power of two at most `wanted`.
+    (1u64 << (63 - wanted.leading_zeros())) as u32
 }
 
 impl Control for Controller {
@@ -363,7 +420,7 @@ impl MakeControl for Adaptive {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicU32, AtomicUsize};
 
     use super::*;
 
@@ -505,6 +562,113 @@ mod tests {
             assert!(sample.round_trip);
             assert_eq!(sample.overdue, 1, "{sample:?}");
         }
+    }
+
+    /// A limit that lets its controller hear one in `one_in` operations: every `one_in`-th.
+    struct Sampled {
+        capacity: AtomicUsize,
+        one_in: AtomicU32,
+        admitted: AtomicU32,
+    }
+
+    impl Resize for Sampled {
+        fn capacity(&self) -> usize {
+            self.capacity.load(Relaxed)
+        }
+
+        fn resize(&self, capacity: usize) {
+            self.capacity.store(capacity, Relaxed);
+        }
+
+        fn hear_one_in(&self, one_in: u32) -> u32 {
+            self.one_in.store(one_in, Relaxed);
+            one_in
+        }
+    }
+
+    impl Sampled {
+        fn hears_next(&self) -> bool {
+            let admitted = self.admitted.fetch_add(1, Relaxed);
+            admitted % self.one_in.load(Relaxed).max(1) == 0
+        }
+    }
+
+    #[test]
+    fn a_busy_limit_is_heard_in_samples_that_add_up_to_its_ends() {
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let recorder = Recorder {
+            samples: Arc::clone(&samples),
+            next: Arc::new(AtomicUsize::new(0)),
+        };
+        let limit = Arc::new(Sampled {
+            capacity: AtomicUsize::new(80),
+            one_in: AtomicU32::new(1),
+            admitted: AtomicU32::new(0),
+        });
+        let weak: Weak<dyn Resize> = Arc::downgrade(&limit) as Weak<dyn Resize>;
+        let controller = Controller::new(&Adaptive::new(recorder, 1..=100), weak, 80);
+        let start = Instant::now();
+        // An end every 1.4 us (714 a millisecond), each after 80 us, 80 in flight, for 42 ms.
+        let us = Duration::from_micros;
+        let (operations, mut heard_late) = (30_000u64, 0u64);
+        for i in 0..operations {
+            if !limit.hears_next() {
+                continue;
+            }
+            heard_late += u64::from(i >= operations / 2);
+            let at = start + us(1_000) + Duration::from_nanos(1_400 * i);
+            controller.ended(&Ended::new(Outcome::Ok, us(80), Some(at)), 80);
+        }
+        let samples = std::mem::take(&mut *samples.lock().unwrap());
+        // A window closes on its count only once it is 2 ms old: about 21 of them, not one
+        // per 80 ends.
+        assert!(samples.len() <= 23, "{} windows", samples.len());
+        // 1428 ends in a shortest window: one in 32 heard (about 45 of them a window).
+        assert_eq!(limit.one_in.load(Relaxed), 32);
+        let share = heard_late as f64 / (operations / 2) as f64;
+        assert!(
+            (0.024..=0.04).contains(&share),
+            "heard {share:.3} of the operations"
+        );
+        let late: Vec<&Sample> = samples.iter().skip(samples.len() / 2).collect();
+        for sample in &late {
+            assert_eq!(sample.mean_run_time, Some(us(80)), "{sample:?}");
+            assert_eq!(sample.in_flight, 80.0);
+            assert_eq!(sample.overdue, 0, "not counted from a sample");
+            assert_eq!(sample.ended % 32, 0, "scaled: {sample:?}");
+        }
+        // Scaled back up, the windows' own ends are about what ran in them (less the
+        // operations admitted before each opened: 80 us of each millisecond or so).
+        let own: u64 = late.iter().map(|sample| sample.ended).sum();
+        let elapsed = late.iter().map(|sample| sample.elapsed).sum::<Duration>();
+        let ran = elapsed.as_nanos() as f64 / 1_400.0;
+        assert!(
+            (0.8..=1.1).contains(&(own as f64 / ran)),
+            "{own} of {ran} ends"
+        );
+
+        // Idle for 50 ms, then as busy again: the window open through the idle spell does not
+        // read as a slow one (it halves the scale at most, for one window).
+        let busy_from = start + us(51_000) + Duration::from_nanos(1_400 * operations);
+        let mut lowest = u32::MAX;
+        for i in 0..10_000 {
+            if limit.hears_next() {
+                let at = busy_from + Duration::from_nanos(1_400 * i);
+                controller.ended(&Ended::new(Outcome::Ok, us(80), Some(at)), 80);
+                lowest = lowest.min(limit.one_in.load(Relaxed));
+            }
+        }
+        assert!(lowest >= 16, "one in {lowest} after an idle spell");
+
+        // The rate falls to an end a millisecond: within a few windows it hears every one.
+        let slow_from = busy_from + Duration::from_nanos(1_400 * 10_000);
+        for i in 1..=300 {
+            if limit.hears_next() {
+                let at = slow_from + Duration::from_millis(i);
+                controller.ended(&Ended::new(Outcome::Ok, us(80), Some(at)), 1);
+            }
+        }
+        assert_eq!(limit.one_in.load(Relaxed), 1, "hears every one again");
     }
 
     #[test]

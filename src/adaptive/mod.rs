@@ -35,6 +35,10 @@
 //! - or at once at the first sign of congestion that is news (see [`Adaptive::tolerance`]), so
 //!   that a probe above what the server takes costs one failure rather than a window of them.
 //!
+//! A window that closes on its count of ends lasts at least 2 ms: a limit doing a few thousand
+//! operations a second or fewer is not affected; a busier one decides at most 500 times a
+//! second, on a sample (see [Cost](#cost)).
+//!
 //! A failure of an operation admitted before the capacity was last lowered, within a round trip
 //! of that decrease, is not news: the decrease answered it. So a server that fails everything
 //! above its capacity gets one decrease per round trip, however many operations it fails, and
@@ -94,6 +98,18 @@
 //! metrics on). The thread whose operation closes a window wins an atomic flag and runs the
 //! algorithm, once per window, before that operation's place goes back. A limit without a
 //! controller pays one `Option` check per end.
+//!
+//! A busy limit's controller hears a sample: as each window opens, it asks its limit
+//! ([`Resize::hear_one_in`](crate::limit::Resize::hear_one_in)) to let it hear one in `2^k`
+//! operations, picked at random as each is admitted, so that a window of 2 ms hears about 32
+//! of them; its counts are scaled back up for the algorithm. The others are neither timed nor
+//! counted for it: with metrics off they cost what they cost with a plain limit (a random
+//! number from the thread's own generator, a few instructions, aside). A failure is then heard
+//! with the same odds, which at that rate is still within a window. The scale falls by half at
+//! most per window, so that a window open through an idle spell costs one window that hears
+//! twice as many, not a burst that hears all; a rate that falls for good is heard in full again
+//! within a few windows. `cargo bench --bench adaptive` measures an adaptive limit at 1.00 to
+//! 1.07x a plain one, metrics on or off, uncontended or contended (`BENCHMARKS.md`).
 
 mod aimd;
 mod algorithm;

@@ -132,9 +132,20 @@ pub trait Acquire {
         false
     }
 
+    /// Whether this limit wants to hear the end of the operation just admitted with `permit`:
+    /// asked once, as it is admitted, by every form of operation whose limit
+    /// [hears ends](Acquire::hears_ends). A limit that measures a sample of a busy limit's
+    /// operations says no to the rest: those are then neither timed nor told to
+    /// [`ended`](Acquire::ended) (with metrics off, they read no clock). Defaults to `true`.
+    #[inline]
+    fn hears_end(permit: &Self::Permit) -> bool {
+        let _ = permit;
+        true
+    }
+
     /// Hears how an admitted operation that holds `permit` ended, before the permit goes back:
     /// every form of operation calls it once, whatever the metrics, for a limit that
-    /// [hears ends](Acquire::hears_ends). An adaptive limit feeds its controller here. It must
+    /// [hears ends](Acquire::hears_ends) and [its end](Acquire::hears_end). An adaptive limit feeds its controller here. It must
     /// not panic (a panic is caught, and costs only what it would have done). Defaults to
     /// nothing.
     #[inline]
@@ -264,6 +275,11 @@ macro_rules! forward_acquire {
 
             fn hears_ends(&self) -> bool {
                 (**self).hears_ends()
+            }
+
+            #[inline]
+            fn hears_end(permit: &Self::Permit) -> bool {
+                A::hears_end(permit)
             }
 
             #[inline]

@@ -54,6 +54,17 @@ pub trait Resize: Send + Sync {
 
     /// Sets the capacity. Lowering it revokes no running operation.
     fn resize(&self, capacity: usize);
+
+    /// Lets its controller hear one in `one_in` of its operations (a power of two), picked at
+    /// random as each is admitted ([`Acquire::hears_end`](super::Acquire::hears_end)): at a
+    /// million operations a second, a sample tells a controller as much as every one, and the
+    /// others are not timed for it. Returns one in how many it hears from now on, which the
+    /// controller scales its counts by. Defaults to 1: every operation, for a limit that does
+    /// not sample.
+    fn hear_one_in(&self, one_in: u32) -> u32 {
+        let _ = one_in;
+        1
+    }
 }
 
 /// What hears a limit's operations end and may resize it: an adaptive controller.

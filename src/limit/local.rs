@@ -1,6 +1,8 @@
 //! [`Limit`]: the crate's own limit, which knows its capacity and its queue.
 
+use std::cell::Cell;
 use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 
 use tokio::sync::{Semaphore, TryAcquireError};
@@ -48,6 +50,8 @@ pub struct Limit {
 struct State {
     /// An adaptive limit's controller, which hears each operation's end.
     control: Option<Arc<dyn Control>>,
+    /// Which operations its controller hears: one in `sampling + 1`, a power of two.
+    sampling: AtomicU32,
     /// Its places, free, held or owed; and its waiters, counted.
     places: Resizable<Front<Semaphore>>,
     /// Waiters beyond this are turned away; `usize::MAX` for no bound. Set when the limit is
@@ -124,6 +128,7 @@ impl Limit {
                 max_queued,
                 gauge: Capacity::of_limit(name, read),
                 control,
+                sampling: AtomicU32::new(0),
             }
         });
         Self { state }
@@ -223,6 +228,34 @@ impl Resize for State {
     fn resize(&self, capacity: usize) {
         self.places.set_capacity(capacity);
     }
+
+    fn hear_one_in(&self, one_in: u32) -> u32 {
+        let one_in = 1 << (31 - one_in.max(1).leading_zeros());
+        self.sampling.store(one_in - 1, Relaxed);
+        one_in
+    }
+}
+
+/// Whether to hear the operation being admitted, given a sampling `mask` (one in `mask + 1`):
+/// from a random number of the thread's own (xorshift: a few instructions, nothing shared).
+#[inline]
+fn heard(mask: u32) -> bool {
+    thread_local! {
+        static STATE: Cell<u64> = const { Cell::new(0x9E37_79B9_7F4A_7C15) };
+    }
+    if mask == 0 {
+        return true;
+    }
+    STATE
+        .try_with(|state| {
+            let mut x = state.get();
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            state.set(x);
+            ((x >> 32) as u32) & mask == 0
+        })
+        .unwrap_or(true)
 }
 
 /// Makes a [`Limit`] with a bound on its queue, a name, or a controller: the things that are
@@ -406,6 +439,12 @@ impl Acquire for Limit {
     }
 
     #[inline]
+    fn hears_end(permit: &LimitPermit) -> bool {
+        let state = &*permit.state;
+        state.control.is_some() && heard(state.sampling.load(Relaxed))
+    }
+
+    #[inline]
     fn ended(permit: &LimitPermit, ended: &Ended) {
         let state = &*permit.state;
         if let Some(control) = &state.control {
@@ -517,3 +556,36 @@ impl fmt::Display for InvalidCapacity {
 }
 
 impl std::error::Error for InvalidCapacity {}
+
+// Not under loom: a `Limit`'s places are loom's there, which run only in a model.
+#[cfg(all(test, not(tro_loom)))]
+mod tests {
+    use super::*;
+    use crate::adaptive::{Adaptive, Vegas};
+
+    fn heard_of(limit: &Limit, operations: u32) -> u32 {
+        (0..operations)
+            .map(|_| {
+                let permit = limit.try_acquire().unwrap().unwrap();
+                u32::from(Limit::hears_end(&permit))
+            })
+            .sum()
+    }
+
+    #[test]
+    fn an_adaptive_limit_hears_the_share_its_controller_asks_for_and_a_plain_one_none() {
+        let limit = Limit::builder(4)
+            .adaptive(Adaptive::new(Vegas::default(), 1..=4))
+            .build();
+        assert_eq!(heard_of(&limit, 1000), 1000, "every one, to begin with");
+        // Rounded down to a power of two.
+        assert_eq!(limit.state.hear_one_in(5), 4);
+        let heard = heard_of(&limit, 40_000);
+        assert!((9_000..=11_000).contains(&heard), "{heard} of 40000");
+        assert_eq!(limit.state.hear_one_in(0), 1);
+        assert_eq!(heard_of(&limit, 1000), 1000);
+
+        let plain = Limit::new(4);
+        assert_eq!(heard_of(&plain, 1000), 0, "no controller, nothing to hear");
+    }
+}

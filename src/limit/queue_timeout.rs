@@ -63,6 +63,11 @@ impl<A: Acquire + Sync> Acquire for QueueTimeout<A> {
     }
 
     #[inline]
+    fn hears_end(permit: &Self::Permit) -> bool {
+        A::hears_end(permit)
+    }
+
+    #[inline]
     fn ended(permit: &Self::Permit, ended: &Ended) {
         A::ended(permit, ended)
     }

@@ -75,6 +75,8 @@ struct Record {
     /// When it started to wait (while waiting), or was admitted (once admitted); `None` if the
     /// clock could not be read (a duration from it is then 0).
     at: Option<Instant>,
+    /// Whether its limit hears its end ([`Acquire::hears_end`]), asked as it was admitted.
+    heard: bool,
 }
 
 /// Where a recorded operation stands. An enum, so that "nothing to record" takes no word of
@@ -220,6 +222,9 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         let Some(ended) = record.end(end, || classify(decides)) else {
             return;
         };
+        if !record.heard {
+            return;
+        }
         if let Some(permit) = self.permit.as_ref().or(lent) {
             guarded(|| A::ended(permit, &ended));
         }
@@ -333,8 +338,9 @@ impl<A: Acquire> Lifecycle<A> {
     /// ([`AcquireError::rejection`]: a failure is `unavailable`) and the error is returned for
     /// the caller to answer.
     ///
-    /// `records` is whether the admitted operation records anything: with a `series`, or for
-    /// a limit that [hears ends](Acquire::hears_ends) (it is then timed for the limit alone). `deadline` is how long the server lets the
+    /// `records` is whether the admitted operation may record anything: with a `series`, or for
+    /// a limit that [hears ends](Acquire::hears_ends) (it is then timed for the limit alone,
+    /// if the limit [hears its end](Acquire::hears_end)). `deadline` is how long the server lets the
     /// request take, if the layer knows: a wait dropped past it is
     /// [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not abandoned.
     #[inline(always)]
@@ -357,13 +363,16 @@ impl<A: Acquire> Lifecycle<A> {
             Ok(permit) => permit,
             Err(error) => return Poll::Ready(self.refused(error, series)),
         };
+        // Asked only where the limit could hear it: a limit that samples its operations
+        // leaves the others unrecorded, with metrics off.
+        let heard = records && A::hears_end(&permit);
         if self.permit.is_none() {
             self.permit = Some(permit);
         } else {
             held_twice(permit);
         }
-        if records {
-            self.record_admission(series);
+        if records && (heard || series.is_some()) {
+            self.record_admission(series, heard);
         }
         Poll::Ready(Ok(()))
     }
@@ -399,14 +408,18 @@ impl<A: Acquire> Lifecycle<A> {
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
     #[inline(never)]
-    fn record_admission(&mut self, series: Option<&Series>) {
+    fn record_admission(&mut self, series: Option<&Series>, heard: bool) {
         match &mut self.record {
-            Some(waited) => waited.admit(true),
+            Some(waited) => {
+                waited.admit(true);
+                waited.heard = heard;
+            }
             None => {
                 // It never waited (or waited unrecorded, for a limit that hears ends with
                 // metrics off): its queue sample is 0, and needs no clock.
                 let mut record = Record::new(series.cloned(), None);
                 record.admit(false);
+                record.heard = heard;
                 self.record = Some(record);
             }
         }
@@ -492,6 +505,7 @@ impl Record {
             chosen: Chosen::NONE,
             timing: 0,
             at,
+            heard: false,
         }
     }
 
