@@ -95,10 +95,7 @@ fn steady_state<F: Future<Output = ()>>(round: impl FnMut(u32) -> F) -> u64 {
 }
 
 /// [`steady_state`], measured over `measured` rounds.
-fn steady_state_of<F: Future<Output = ()>>(
-    measured: u32,
-    mut round: impl FnMut(u32) -> F,
-) -> u64 {
+fn steady_state_of<F: Future<Output = ()>>(measured: u32, mut round: impl FnMut(u32) -> F) -> u64 {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();

@@ -77,16 +77,35 @@ where
 /// It puts no bound on the error type, so a layer with it compiles wherever tower's
 /// `ConcurrencyLimit` does. For `timeout` on tower's or tokio's `Elapsed`, use
 /// [`TimeoutClassifier`].
+///
+/// It cannot read an `http::Response`'s status (that would need the response type to be
+/// `'static`, which breaks `Send` proofs: rust-lang/rust#110338): a `500` through it is `ok`.
+/// So the first `http::Response` it sees is warned about once, naming
+/// [`new_for_http`](crate::ResourcesOperationLayer::new_for_http).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultClassifier;
 
 impl<Res, Err> ClassifyOutcome<Res, Err> for DefaultClassifier {
     fn classify(&self, result: Result<&Res, &Err>) -> Outcome {
         match result {
-            Ok(_) => Outcome::Ok,
+            Ok(_) => {
+                if is_http_response::<Res>() {
+                    crate::diagnostics::report(crate::diagnostics::Mistake::HttpAsPlain, "");
+                }
+                Outcome::Ok
+            }
             Err(_) => Outcome::Error,
         }
     }
+}
+
+/// Whether `Res` is an `http::Response`, from its type's name: only to warn (a name that does
+/// not match, should the compiler spell it otherwise one day, costs the warning, nothing more).
+/// The name is a constant of each instantiation, which the compiler can fold the test into; it
+/// runs only where an operation records.
+#[inline]
+fn is_http_response<Res>() -> bool {
+    std::any::type_name::<Res>().starts_with("http::response::Response<")
 }
 
 /// Another classifier (by default the [`DefaultClassifier`]), plus: an error that is, or wraps,

@@ -77,6 +77,9 @@ impl RedisServer {
                 "",
                 "--loglevel",
                 "warning",
+                // For `slow_down`: DEBUG SLEEP, from this machine only.
+                "--enable-debug-command",
+                "local",
             ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -101,6 +104,29 @@ impl RedisServer {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+
+    /// Makes it slow until the returned guard is dropped: a thread of the test keeps it busy
+    /// with `DEBUG SLEEP` for `step` at a time, back to back, so that every other command waits
+    /// up to `step` (it answers, late).
+    pub fn slow_down(&self, step: Duration) -> SlowDown {
+        let running = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let mut connection = self.connection();
+        let thread = std::thread::spawn({
+            let running = std::sync::Arc::clone(&running);
+            move || {
+                while running.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _: ::redis::RedisResult<()> = ::redis::cmd("DEBUG")
+                        .arg("SLEEP")
+                        .arg(step.as_secs_f64())
+                        .query(&mut connection);
+                }
+            }
+        });
+        SlowDown {
+            running,
+            thread: Some(thread),
         }
     }
 
@@ -169,4 +195,20 @@ fn find_on_path(program: &str) -> Option<std::path::PathBuf> {
     std::env::split_paths(&path)
         .map(|dir| dir.join(program))
         .find(|candidate| candidate.is_file())
+}
+
+/// A `redis-server` made slow ([`RedisServer::slow_down`]), until dropped.
+pub struct SlowDown {
+    running: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for SlowDown {
+    fn drop(&mut self) {
+        self.running
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
