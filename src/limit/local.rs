@@ -560,8 +560,27 @@ impl std::error::Error for InvalidCapacity {}
 // Not under loom: a `Limit`'s places are loom's there, which run only in a model.
 #[cfg(all(test, not(tro_loom)))]
 mod tests {
+    use std::ops::RangeInclusive;
+
     use super::*;
-    use crate::adaptive::{Adaptive, Vegas};
+
+    /// A controller that only listens.
+    #[derive(Debug)]
+    struct Listens;
+
+    impl Control for Listens {
+        fn ended(&self, _: &Ended, _: usize) {}
+    }
+
+    impl MakeControl for Listens {
+        fn bounds(&self) -> RangeInclusive<usize> {
+            1..=4
+        }
+
+        fn make(&self, _: Weak<dyn Resize>, _: usize) -> Arc<dyn Control> {
+            Arc::new(Listens)
+        }
+    }
 
     fn heard_of(limit: &Limit, operations: u32) -> u32 {
         (0..operations)
@@ -574,9 +593,7 @@ mod tests {
 
     #[test]
     fn an_adaptive_limit_hears_the_share_its_controller_asks_for_and_a_plain_one_none() {
-        let limit = Limit::builder(4)
-            .adaptive(Adaptive::new(Vegas::default(), 1..=4))
-            .build();
+        let limit = Limit::builder(4).adaptive(Listens).build();
         assert_eq!(heard_of(&limit, 1000), 1000, "every one, to begin with");
         // Rounded down to a power of two.
         assert_eq!(limit.state.hear_one_in(5), 4);

@@ -1,7 +1,9 @@
 //! [`RedisLimitBuilder`]: a fleet limit's settings, and where its background work runs.
 
+use std::borrow::Cow;
+use std::collections::BTreeSet;
 use std::ops::RangeInclusive;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
@@ -70,12 +72,12 @@ pub struct RedisLimitBuilder {
 
 impl RedisLimitBuilder {
     #[track_caller]
-    pub(crate) fn new(name: &'static str, capacity: usize) -> Self {
-        if let Err(error) = check_name(name) {
+    pub(crate) fn new(name: Cow<'static, str>, capacity: usize) -> Self {
+        if let Err(error) = check_name(&name) {
             panic!("{error}");
         }
         Self {
-            name,
+            name: interned(name),
             capacity,
             lease_ttl: Duration::from_secs(10),
             call_timeout: Duration::from_millis(500),
@@ -306,5 +308,45 @@ impl RedisLimitBuilder {
             limit.register_metrics(meter);
         }
         Ok((limit, background))
+    }
+}
+
+/// `name`, for the life of the process: a `&'static str` as it is, a `String` kept once per
+/// distinct name (checked first, so that only a name that can name a limit is kept).
+fn interned(name: Cow<'static, str>) -> &'static str {
+    static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+    let name = match name {
+        Cow::Borrowed(name) => return name,
+        Cow::Owned(name) => name,
+    };
+    let mut names = NAMES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(kept) = names.get(name.as_str()) {
+        return kept;
+    }
+    let kept: &'static str = Box::leak(name.into_boxed_str());
+    names.insert(kept);
+    kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_from_configuration_is_kept_once_and_a_static_one_as_it_is() {
+        let first = interned(Cow::Owned(String::from("from-config")));
+        let again = interned(Cow::Owned(String::from("from-config")));
+        assert_eq!(first, "from-config");
+        assert!(std::ptr::eq(first, again), "one copy per distinct name");
+        let written: &'static str = "written";
+        assert!(std::ptr::eq(interned(Cow::Borrowed(written)), written));
+    }
+
+    #[test]
+    #[should_panic(expected = "judges of 2026")]
+    fn a_name_that_cannot_name_a_limit_is_refused_before_it_is_kept() {
+        let _ = RedisLimit::builder(String::from("judges of 2026"), 1);
     }
 }

@@ -82,8 +82,8 @@ struct Tally {
     rejected: AtomicU64,
 }
 
-/// What a tick takes of the tally.
-#[derive(Clone, Copy, Debug)]
+/// What a tick takes of the tally, and what the fleet's window adds up to.
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Counts {
     ended: u64,
     timed: u64,
@@ -340,14 +340,8 @@ pub(crate) struct Ticked {
 /// A window the leader took.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Taken {
-    ended: u64,
-    timed: u64,
-    sum_us: u64,
-    squares: u64,
-    min_us: Option<u64>,
-    congested: u64,
-    stale: u64,
-    rejected: u64,
+    /// The fleet's counts, every process's ticks added up.
+    counts: Counts,
     samples: u64,
     active_sum: u64,
     peak: u64,
@@ -373,14 +367,16 @@ impl Ticked {
         let taken = taken.then(|| {
             let count = |index: usize| number(9 + index).unwrap_or(0);
             Taken {
-                ended: count(0),
-                timed: count(1),
-                sum_us: count(2),
-                squares: count(3),
-                min_us: number(9 + 4),
-                congested: count(5),
-                stale: count(6),
-                rejected: count(7),
+                counts: Counts {
+                    ended: count(0),
+                    timed: count(1),
+                    sum_us: count(2),
+                    squares: count(3),
+                    min_us: number(9 + 4),
+                    congested: count(5),
+                    stale: count(6),
+                    rejected: count(7),
+                },
                 samples: count(8),
                 active_sum: count(9),
                 peak: count(10),
@@ -399,17 +395,18 @@ impl Ticked {
 impl Taken {
     /// The sample the algorithm decides from, at `capacity`.
     fn sample(&self, capacity: usize, settings: &AdaptiveSettings, age_ms: u64) -> Sample {
+        let counts = &self.counts;
         let mut sample = Sample::new(capacity, settings.min, settings.max);
-        sample.ended = self.ended;
-        sample.congested = self.congested;
-        sample.stale_congested = self.stale;
-        sample.rejected = self.rejected;
-        if self.timed > 0 {
-            let mean = self.sum_us as f64 / self.timed as f64;
+        sample.ended = counts.ended;
+        sample.congested = counts.congested;
+        sample.stale_congested = counts.stale;
+        sample.rejected = counts.rejected;
+        if counts.timed > 0 {
+            let mean = counts.sum_us as f64 / counts.timed as f64;
             sample.mean_run_time = Some(Duration::from_secs_f64(mean / 1e6));
-            sample.min_run_time = self.min_us.map(Duration::from_micros);
-            if self.timed >= 2 {
-                let mean_square = self.squares as f64 * 1024.0 / self.timed as f64;
+            sample.min_run_time = counts.min_us.map(Duration::from_micros);
+            if counts.timed >= 2 {
+                let mean_square = counts.squares as f64 * 1024.0 / counts.timed as f64;
                 let variance = (mean_square - mean * mean).max(0.0);
                 sample.run_time_deviation = Some(Duration::from_secs_f64(variance.sqrt() / 1e6));
             }
@@ -418,7 +415,7 @@ impl Taken {
         if self.samples > 0 {
             sample.in_flight = self.active_sum as f64 / self.samples as f64;
         }
-        sample.round_trip = self.congested == 0;
+        sample.round_trip = counts.congested == 0;
         sample.elapsed = Duration::from_millis(age_ms);
         sample
     }

@@ -1,6 +1,7 @@
 //! [`RedisLimit`], the handle: how an operation takes a place of the fleet ([`Acquire`]), what
 //! it holds meanwhile ([`RedisPermit`]), and what a process can read or change of the fleet.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -116,16 +117,27 @@ impl RedisLimit {
     /// A limit named `name` (shared by every process that names it), of `capacity` operations
     /// at once across the fleet if the fleet has no capacity yet: see [`RedisLimitBuilder`].
     ///
-    /// The name is also the limit's attribute in the metrics, so it is written in code: 1 to
-    /// 64 characters among `A-Z a-z 0-9 _ . : / -`, starting with a letter.
+    /// The name is also the limit's attribute in the metrics: 1 to 64 characters among
+    /// `A-Z a-z 0-9 _ . : / -`, starting with a letter. It may be a `&'static str` or a
+    /// `String` read from configuration: it is checked once, here, and a `String` is kept for
+    /// the life of the process, once per distinct name (a process names a few fleet limits, not
+    /// one per request).
+    ///
+    /// ```
+    /// use tower_resources_operation_redis::RedisLimit;
+    ///
+    /// let from_config = String::from("judges");
+    /// let builder = RedisLimit::builder(from_config, 8);
+    /// # drop(builder);
+    /// ```
     ///
     /// # Panics
     ///
     /// If `name` cannot name a limit ([`check_name`](tower_resources_operation::limit::check_name)
     /// says why), as `LimitBuilder::name` of `tower-resources-operation` does.
     #[track_caller]
-    pub fn builder(name: &'static str, capacity: usize) -> RedisLimitBuilder {
-        RedisLimitBuilder::new(name, capacity)
+    pub fn builder(name: impl Into<Cow<'static, str>>, capacity: usize) -> RedisLimitBuilder {
+        RedisLimitBuilder::new(name.into(), capacity)
     }
 
     pub(crate) fn from_shared(shared: Arc<Shared>) -> Self {
