@@ -57,7 +57,7 @@ impl<S> ResourcesOperation<S> {
         T::Limit: Clone + Send + Sync + 'static,
         <T::Limit as Acquire>::Permit: Send + 'static,
     {
-        tower_layer::Layer::layer(&crate::ResourcesOperationLayer::new(limit), inner)
+        tower_layer::Layer::layer(&super::ResourcesOperationLayer::new(limit), inner)
     }
 }
 
