@@ -16,6 +16,7 @@ use std::time::Duration;
 use axum::routing::{get, MethodRouter};
 use axum::Router;
 use http::StatusCode;
+use tokio::sync::Notify;
 use tower::limit::{ConcurrencyLimitLayer, GlobalConcurrencyLimitLayer};
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::timeout::TimeoutLayer;
@@ -327,35 +328,58 @@ async fn work_dropped_in_the_queue_at_the_servers_deadline_is_a_deadline_rejecti
 }
 
 /// Without the server's timeout told, the layer cannot explain the drop: it stays abandoned.
+///
+/// The place is held by a route outside the server's timeout (`/hold`, tagged `judge`), so both
+/// queued requests reach their deadline still waiting: none can be admitted in the milliseconds
+/// between one deadline and the next.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drop_in_the_queue_the_layer_cannot_explain_stays_abandoned() {
     let telemetry = Telemetry::new();
-    let layer = ResourcesOperationLayer::new_for_http(1)
-        .operation(Operation::Verify)
-        .metrics(telemetry.metrics.clone());
-    let route = slow().layer::<_, Infallible>(layer);
-    let router = Router::new()
-        .route("/verify", route)
+    let limit = Limit::new(1);
+    let layer = |operation| {
+        ResourcesOperationLayer::new_for_http(limit.clone())
+            .operation(operation)
+            .metrics(telemetry.metrics.clone())
+    };
+    let release = Arc::new(Notify::new());
+    let held = Arc::clone(&release);
+    let hold = get(move || async move {
+        held.notified().await;
+        "released"
+    })
+    .layer::<_, Infallible>(layer(Operation::Judge));
+    let verify = slow()
+        .layer::<_, Infallible>(layer(Operation::Verify))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             Duration::from_secs(1),
         ));
-    let addr = serve(router).await;
-    let clients: Vec<_> = (0..3)
+    let addr = serve(Router::new().route("/hold", hold).route("/verify", verify)).await;
+    let holder = tokio::spawn(async move { Client::open(addr).await.get("/hold").await.0 });
+    let judge = [(OPERATION_ATTRIBUTE, "judge")];
+    eventually("the place is held", || {
+        telemetry.live_value(ACTIVE_INSTRUMENT, &judge) == 1
+    })
+    .await;
+    let clients: Vec<_> = (0..2)
         .map(|_| tokio::spawn(async move { Client::open(addr).await.get("/verify").await.0 }))
         .collect();
-    eventually("one runs, two wait", || {
+    eventually("two wait", || {
         telemetry.live_value(QUEUED_INSTRUMENT, &VERIFY) == 2
     })
     .await;
     for client in clients {
         assert_eq!(client.await.unwrap(), 408);
     }
+    release.notify_one();
+    assert_eq!(holder.await.unwrap(), 200);
     eventually("every operation is counted", || {
         telemetry.live_value(ABANDONED_INSTRUMENT, &VERIFY) == 2
+            && telemetry.outcomes(&judge).values().sum::<u64>() == 1
     })
     .await;
     let deadline = [(REJECTION_ATTRIBUTE, "deadline")];
     assert_eq!(telemetry.live_value(REJECTED_INSTRUMENT, &deadline), 0);
-    assert_eq!(telemetry.outcomes(&VERIFY), only("cancelled"));
+    assert!(telemetry.outcomes(&VERIFY).is_empty(), "none of them ran");
+    assert_eq!(telemetry.outcomes(&judge), only("ok"));
 }
