@@ -177,8 +177,9 @@ async fn a_router_wide_timeout_in_front_of_a_per_request_layer_is_cancelled_unle
     );
 }
 
-/// Three requests at once on a route whose handler takes 150 ms; how many ran at once, and the
-/// most `queued` and `active` the metrics showed meanwhile.
+/// Three requests at once on a route whose handler takes 500 ms (long enough for all three to
+/// arrive while the first runs, on a slow machine too); how many ran at once, and the most
+/// `queued` and `active` the metrics showed meanwhile.
 async fn three_at_once(
     telemetry: &Telemetry,
     route: impl FnOnce(MethodRouter) -> MethodRouter,
@@ -189,7 +190,7 @@ async fn three_at_once(
         get(move || {
             let load = Arc::clone(&load);
             async move {
-                load.work(Duration::from_millis(150)).await;
+                load.work(Duration::from_millis(500)).await;
                 "done"
             }
         })
@@ -265,81 +266,30 @@ async fn towers_per_service_limit_under_axum_limits_each_connection_not_the_rout
     assert_eq!(ran, 3);
 }
 
-/// The setup: a capacity of 1, a Router-wide `TimeoutLayer` of 1 s the layer is told
-/// of, and 10 requests of 300 ms at once. Nobody hangs up: the server drops 7 at its deadline.
-/// The one it drops while it runs is `timeout`; the six it drops before they ever ran are
-/// `rejected{rejection="deadline"}`, not callers who left.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn work_dropped_in_the_queue_at_the_servers_deadline_is_a_deadline_rejection() {
-    const DEADLINE_OF_SERVER: Duration = Duration::from_secs(1);
-    let telemetry = Telemetry::new();
-    let layer = ResourcesOperationLayer::new_for_http(1)
-        .operation(Operation::Verify)
-        .executor(Executor::Subprocess)
-        .server_timeout(DEADLINE_OF_SERVER)
-        .metrics(telemetry.metrics.clone());
-    let route = get(|| async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        "verified"
-    })
-    .layer::<_, Infallible>(layer);
-    let router = Router::new()
-        .route("/verify", route)
-        .layer(TimeoutLayer::with_status_code(
-            StatusCode::REQUEST_TIMEOUT,
-            DEADLINE_OF_SERVER,
-        ));
-    let addr = serve(router).await;
-    let clients: Vec<_> = (0..10)
-        .map(|_| tokio::spawn(async move { Client::open(addr).await.get("/verify").await.0 }))
-        .collect();
-    let mut statuses = BTreeMap::new();
-    for client in clients {
-        *statuses.entry(client.await.unwrap()).or_insert(0) += 1;
-    }
-    assert_eq!(statuses, BTreeMap::from([(200, 3), (408, 7)]));
+/// The server's deadline in the tests of work dropped in the queue.
+const DEADLINE_OF_SERVER: Duration = Duration::from_secs(1);
 
-    let deadline = [
-        (OPERATION_ATTRIBUTE, "verify"),
-        (REJECTION_ATTRIBUTE, "deadline"),
-    ];
-    let books = || {
-        (
-            telemetry.outcomes(&VERIFY),
-            telemetry.live_value(REJECTED_INSTRUMENT, &deadline),
-            telemetry.live_value(ABANDONED_INSTRUMENT, &VERIFY),
-        )
-    };
-    eventually("every operation is counted", || {
-        let (outcomes, deadline, abandoned) = books();
-        outcomes.values().sum::<u64>() as i64 + deadline + abandoned == 10
-    })
-    .await;
-    // Three ran to the end; the one running at the deadline, and any admitted in the
-    // milliseconds between one request's deadline and the next's, ended `timeout`; every other
-    // one never ran, and was dropped waiting.
-    let (outcomes, deadline, abandoned) = books();
-    let timeout = outcomes.get("timeout").copied().unwrap_or(0) as i64;
-    assert_eq!(outcomes.get("ok"), Some(&3), "{outcomes:?}");
-    assert_eq!(timeout + deadline, 7, "{outcomes:?}, deadline {deadline}");
-    assert!(deadline >= 5, "{outcomes:?}, deadline {deadline}");
-    assert_eq!(abandoned, 0);
-    assert_eq!(telemetry.live_value(QUEUED_INSTRUMENT, &VERIFY), 0);
-}
+const JUDGE: [(&str, &str); 1] = [(OPERATION_ATTRIBUTE, "judge")];
 
-/// Without the server's timeout told, the layer cannot explain the drop: it stays abandoned.
+/// Serves `/verify` (the slow handler) inside a Router-wide `TimeoutLayer` of
+/// [`DEADLINE_OF_SERVER`], the layer told of it if `told`, and `/hold`, tagged `judge`, outside
+/// it, both on one limit of 1. Holds the place with `/hold`, sends `waiting` requests to
+/// `/verify`, and returns their statuses once each has its answer and the place is released.
 ///
-/// The place is held by a route outside the server's timeout (`/hold`, tagged `judge`), so both
-/// queued requests reach their deadline still waiting: none can be admitted in the milliseconds
-/// between one deadline and the next.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_drop_in_the_queue_the_layer_cannot_explain_stays_abandoned() {
-    let telemetry = Telemetry::new();
+/// Held from outside the timeout, the place never frees while they wait, so each queued request
+/// reaches its own deadline still waiting. (Behind a request that runs, the next one is admitted
+/// in the milliseconds between that one's deadline and its own, on a machine slow enough to
+/// spread their arrivals.)
+async fn dropped_behind_a_held_place(telemetry: &Telemetry, told: bool, waiting: i64) -> Vec<u16> {
     let limit = Limit::new(1);
     let layer = |operation| {
         ResourcesOperationLayer::new_for_http(limit.clone())
             .operation(operation)
             .metrics(telemetry.metrics.clone())
+    };
+    let verify_layer = match told {
+        true => layer(Operation::Verify).server_timeout(DEADLINE_OF_SERVER),
+        false => layer(Operation::Verify),
     };
     let release = Arc::new(Notify::new());
     let held = Arc::clone(&release);
@@ -348,38 +298,74 @@ async fn a_drop_in_the_queue_the_layer_cannot_explain_stays_abandoned() {
         "released"
     })
     .layer::<_, Infallible>(layer(Operation::Judge));
-    let verify = slow()
-        .layer::<_, Infallible>(layer(Operation::Verify))
+    let verify = Router::new()
+        .route("/verify", slow().layer::<_, Infallible>(verify_layer))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
-            Duration::from_secs(1),
+            DEADLINE_OF_SERVER,
         ));
-    let addr = serve(Router::new().route("/hold", hold).route("/verify", verify)).await;
+    let addr = serve(Router::new().route("/hold", hold).merge(verify)).await;
     let holder = tokio::spawn(async move { Client::open(addr).await.get("/hold").await.0 });
-    let judge = [(OPERATION_ATTRIBUTE, "judge")];
     eventually("the place is held", || {
-        telemetry.live_value(ACTIVE_INSTRUMENT, &judge) == 1
+        telemetry.live_value(ACTIVE_INSTRUMENT, &JUDGE) == 1
     })
     .await;
-    let clients: Vec<_> = (0..2)
+    let clients: Vec<_> = (0..waiting)
         .map(|_| tokio::spawn(async move { Client::open(addr).await.get("/verify").await.0 }))
         .collect();
-    eventually("two wait", || {
-        telemetry.live_value(QUEUED_INSTRUMENT, &VERIFY) == 2
+    eventually("they all wait", || {
+        telemetry.live_value(QUEUED_INSTRUMENT, &VERIFY) == waiting
     })
     .await;
+    let mut statuses = Vec::new();
     for client in clients {
-        assert_eq!(client.await.unwrap(), 408);
+        statuses.push(client.await.unwrap());
     }
     release.notify_one();
     assert_eq!(holder.await.unwrap(), 200);
-    eventually("every operation is counted", || {
+    eventually("the held operation ends", || {
+        telemetry.outcomes(&JUDGE).values().sum::<u64>() == 1
+    })
+    .await;
+    assert_eq!(telemetry.outcomes(&JUDGE), only("ok"));
+    statuses
+}
+
+/// The setup: a Router-wide `TimeoutLayer` of 1 s that the layer is told of, and a
+/// capacity of 1 that keeps 7 requests waiting past it. Nobody hangs up: the server drops them at
+/// its deadline before they ever ran, and they are `rejected{rejection="deadline"}`, not callers
+/// who left. (The one it drops while it runs is `timeout`:
+/// `a_timeout_outside_the_layer_told_with_server_timeout_is_recorded_as_timeout`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_dropped_in_the_queue_at_the_servers_deadline_is_a_deadline_rejection() {
+    let telemetry = Telemetry::new();
+    let statuses = dropped_behind_a_held_place(&telemetry, true, 7).await;
+    assert_eq!(statuses, [408; 7]);
+    let deadline = [
+        (OPERATION_ATTRIBUTE, "verify"),
+        (REJECTION_ATTRIBUTE, "deadline"),
+    ];
+    eventually("every drop is counted", || {
+        telemetry.live_value(REJECTED_INSTRUMENT, &deadline) == 7
+    })
+    .await;
+    assert_eq!(telemetry.live_value(ABANDONED_INSTRUMENT, &VERIFY), 0);
+    assert!(telemetry.outcomes(&VERIFY).is_empty(), "none of them ran");
+    assert_eq!(telemetry.live_value(QUEUED_INSTRUMENT, &VERIFY), 0);
+}
+
+/// Without the server's timeout told, the layer cannot explain the drop: it stays abandoned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drop_in_the_queue_the_layer_cannot_explain_stays_abandoned() {
+    let telemetry = Telemetry::new();
+    let statuses = dropped_behind_a_held_place(&telemetry, false, 2).await;
+    assert_eq!(statuses, [408; 2]);
+    eventually("every drop is counted", || {
         telemetry.live_value(ABANDONED_INSTRUMENT, &VERIFY) == 2
-            && telemetry.outcomes(&judge).values().sum::<u64>() == 1
     })
     .await;
     let deadline = [(REJECTION_ATTRIBUTE, "deadline")];
     assert_eq!(telemetry.live_value(REJECTED_INSTRUMENT, &deadline), 0);
     assert!(telemetry.outcomes(&VERIFY).is_empty(), "none of them ran");
-    assert_eq!(telemetry.outcomes(&judge), only("ok"));
+    assert_eq!(telemetry.live_value(QUEUED_INSTRUMENT, &VERIFY), 0);
 }

@@ -295,9 +295,10 @@ async fn unary_calls_are_ok_from_their_trailers_and_failures_are_decided_at_the_
 // Deadlines.
 
 /// Opens a `Watch` with a client deadline of `client_deadline`, sent as `grpc-timeout`, on a
-/// stream that runs longer (a message every 20 ms until the server drops it), and gives up at the
-/// deadline, mid-stream: drops the stream, which resets it. Returns once the server has dropped
-/// the body.
+/// stream that runs longer (a message every 20 ms until the server drops it), and gives up 100 ms
+/// past the deadline, mid-stream: drops the stream, which resets it. Returns once the server has
+/// dropped the body. (The client's clock starts before the request travels; giving up a little
+/// late keeps the drop past the deadline as the server counts it, however slow the trip.)
 async fn give_up_at_the_deadline_mid_stream(
     served: &mut Served,
     limit: &Limit,
@@ -305,7 +306,7 @@ async fn give_up_at_the_deadline_mid_stream(
 ) {
     let mut request = asking("ticking");
     request.set_timeout(client_deadline);
-    let gives_up = Instant::now() + client_deadline;
+    let gives_up = Instant::now() + client_deadline + Duration::from_millis(100);
     let mut stream = tokio::time::timeout_at(
         gives_up,
         HealthClient::new(served.channel.clone()).watch(request),

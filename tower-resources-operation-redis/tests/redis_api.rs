@@ -108,7 +108,7 @@ fn a_lease_ttl_shorter_than_three_call_timeouts_is_refused_with_the_figures() {
 async fn an_unreachable_redis_is_an_error_that_names_the_address_and_the_cause() {
     let address = format!("redis://127.0.0.1:{}/", closed_port());
     let limit = RedisLimit::builder("judges", 2)
-        .call_timeout(Duration::from_millis(300))
+        .call_timeout(Duration::from_secs(1))
         .build(&address)
         .unwrap();
     let error = within("ready", limit.ready()).await.unwrap_err();
@@ -123,7 +123,8 @@ async fn an_unreachable_redis_is_an_error_that_names_the_address_and_the_cause()
     // A caller after it is answered without asking, with the failure as the cause.
     let started = std::time::Instant::now();
     let refused = within("an acquire", limit.acquire()).await.unwrap_err();
-    assert!(started.elapsed() < Duration::from_millis(200), "at once");
+    // Well within the call timeout: it did not ask.
+    assert!(started.elapsed() < Duration::from_millis(300), "at once");
     assert_eq!(refused.rejection(), Rejection::Unavailable);
     let cause = refused
         .source()

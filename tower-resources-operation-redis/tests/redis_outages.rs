@@ -110,9 +110,10 @@ async fn waiters_hear_within_their_bound_through(fault: Fault) {
     const POLL: Duration = Duration::from_millis(300);
     // Far above the bound: a waiter that heard only by its own TTL fallback would fail.
     const TTL: Duration = Duration::from_secs(6);
-    // What each waiter must hear within, and some room for a loaded machine.
+    // What each waiter must hear within, and room for a loaded machine: still far below the
+    // TTL, the wait of a waiter that nothing told.
     let bound = POLL + CALL * 2;
-    let slack = Duration::from_millis(400);
+    let slack = Duration::from_millis(1_500);
     let Some(mut redis) = RedisServer::start() else {
         return;
     };
@@ -274,13 +275,14 @@ async fn after_the_first_failure_callers_are_answered_at_once_and_each_outage_is
             !closed.is_reachable() && !open.is_reachable()
         })
         .await;
-        // ...the callers after it are answered at once, whatever the stream does.
+        // ...the callers after it are answered at once, whatever the stream does: well within
+        // a call timeout (half of one leaves room for a loaded machine).
         let failed_open_before = open.failed_open();
         for _ in 0..20 {
             let started = Instant::now();
             let error = closed.acquire().await.unwrap_err();
             assert!(
-                started.elapsed() < CALL / 5,
+                started.elapsed() < CALL / 2,
                 "turned away after {:?}",
                 started.elapsed()
             );
@@ -288,7 +290,7 @@ async fn after_the_first_failure_callers_are_answered_at_once_and_each_outage_is
             let started = Instant::now();
             let permit = open.acquire().await.unwrap();
             assert!(
-                started.elapsed() < CALL / 5,
+                started.elapsed() < CALL / 2,
                 "admitted after {:?}",
                 started.elapsed()
             );
