@@ -352,12 +352,15 @@ impl<A: Acquire> Lifecycle<A> {
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
-        let acquired = match asking.is_waiting() {
-            false => match asking.try_now() {
-                Some(now) => now,
-                None => std::task::ready!(self.poll_wait(asking, series, deadline, cx)),
-            },
-            true => std::task::ready!(self.poll_wait(asking, series, deadline, cx)),
+        // One call site of the wait, out of line: what a free permit takes stays small enough
+        // to be inlined into every service's `poll_ready`.
+        let now = match asking.is_waiting() {
+            false => asking.try_now(),
+            true => None,
+        };
+        let acquired = match now {
+            Some(now) => now,
+            None => std::task::ready!(self.poll_wait(asking, series, deadline, cx)),
         };
         let permit = match acquired {
             Ok(permit) => permit,
@@ -378,7 +381,7 @@ impl<A: Acquire> Lifecycle<A> {
     }
 
     /// Waits for the permit: the operation counts as queued from the first `Pending`.
-    #[inline]
+    #[inline(never)]
     fn poll_wait(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
