@@ -352,8 +352,8 @@ impl<A: Acquire> Lifecycle<A> {
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
-        // One call site of the wait, out of line: what a free permit takes stays small enough
-        // to be inlined into every service's `poll_ready`.
+        // One call site of the wait, out of line: the path of a free permit does not carry
+        // the wait's code.
         let now = match asking.is_waiting() {
             false => asking.try_now(),
             true => None,
