@@ -19,13 +19,10 @@ pub(crate) enum Mistake {
     /// A layer of one operation counted a request that axum matched to no route: it wraps
     /// the whole Router, fallback (404) included.
     RouterWide,
-    /// A layer that classifies every returned response as `ok` (`new(..)`) saw an
-    /// `http::Response`.
-    HttpAsPlain,
 }
 
 impl Mistake {
-    const ALL: usize = 5;
+    const ALL: usize = 4;
 
     fn message(self) -> &'static str {
         match self {
@@ -47,12 +44,6 @@ impl Mistake {
                  fallback, a 404): it wraps the whole Router, so every 404 counts as its \
                  operation, ok. Put the layer on the routes it limits (.route(..).layer(..)), \
                  or make it per_request(ByMatchedPath::new()..) to choose by route"
-            }
-            Mistake::HttpAsPlain => {
-                "a layer made with ResourcesOperationLayer::new(..) (the DefaultClassifier) \
-                 recorded an http::Response: it counts every response as ok, a 500 or a 503 \
-                 included. Make it with ResourcesOperationLayer::new_for_http(..), which reads \
-                 the status (5xx is error, a 408 or 504 timeout)"
             }
             Mistake::UnknownLimit => {
                 "a per-request choice named a limit that its layer was not given (see \

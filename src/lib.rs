@@ -261,11 +261,13 @@
 //!
 //! 1. [`set_outcome`] inside the work wins over everything below (NeMo Gym's
 //!    `op.outcome = ...`).
-//! 2. The inner service answered: the classifier decides ([`classify::DefaultClassifier`]: `Ok` is
-//!    `ok`, `Err` is `error`; [`classify::TimeoutClassifier`] also makes tower's and tokio's
-//!    `Elapsed` `timeout`; [`classify::HttpClassifier`] and [`classify::GrpcClassifier`] read the
-//!    status). A classifier that panics costs the operation its outcome (`error`), never the
-//!    response.
+//! 2. The inner service answered: the classifier decides ([`classify::DefaultClassifier`]: the
+//!    response says ([`classify::OperationOutput`]: an `http::Response` by its status or its
+//!    `grpc-status`, a process's `Output` by its exit status, a plain value `ok`), `Err` is
+//!    `error`; [`classify::TimeoutClassifier`] also makes tower's and tokio's `Elapsed`
+//!    `timeout`; [`classify::HttpClassifier`] and [`classify::GrpcClassifier`] read the status,
+//!    with rules you can change; [`classify::ResultClassifier`] counts every answer `ok`). A
+//!    classifier that panics costs the operation its outcome (`error`), never the response.
 //! 3. The inner `poll_ready` failed: `error`, and the permit goes back.
 //! 4. A panic in the inner `poll_ready`, in `call`, or while polling its future or body:
 //!    `crashed`, the permit goes back, and the panic goes on.
@@ -344,10 +346,11 @@
 //!   and `Error` are the inner service's, `tower::load::Load` is forwarded, and
 //!   [`ResourcesOperation::new`] makes the service without the layer.
 //!
-//! # Two compile errors, and what to do about them
+//! # Compile errors, and what to do about them
 //!
-//! Both come from rustc proving `Send` for a spawned async block (rust-lang/rust#110338), with
-//! `BoxError` as the service's error, in `tokio::spawn(async move { svc.oneshot(req).await })`.
+//! The first two come from rustc proving `Send` for a spawned async block
+//! (rust-lang/rust#110338), with `BoxError` as the service's error, in
+//! `tokio::spawn(async move { svc.oneshot(req).await })`.
 //!
 //! With [`TimeoutClassifier`](classify::TimeoutClassifier), which looks into the error through
 //! `Any` and so needs it to be `'static`: "higher-ranked lifetime error", "could not prove
@@ -378,7 +381,8 @@
 //!
 //! For either, spawn the `oneshot` future itself, or box the service before the async block
 //! (`tower::util::BoxCloneService`). The default classifier puts no bound on the error, so the
-//! default layer compiles wherever tower's limit does. axum and tonic handlers, whose errors are
+//! default layer compiles wherever tower's limit does, for any response that says how its
+//! operation ended (see the third error below). axum and tonic handlers, whose errors are
 //! `Infallible`, meet neither error.
 //!
 //! ```
@@ -399,6 +403,15 @@
 //! assert_eq!(direct.await.unwrap().unwrap() + in_block.await.unwrap().unwrap(), 15);
 //! # }
 //! ```
+//!
+//! The third comes from a response the layer cannot read. The default classifier asks each
+//! response how its operation ended ([`classify::OperationOutput`]); for a response type of
+//! your own rustc says "`DefaultClassifier` cannot tell how an operation that answered
+//! `Verdict` ended" (E0277), or, where the service's method is called (`svc.oneshot(req)`),
+//! only "the method `oneshot` exists for struct `ResourcesOperation<..>`, but its trait bounds
+//! were not satisfied" (E0599). Implement [`classify::OperationOutput`] for the type (its
+//! verdict), or give the layer [`classify::ResultClassifier`], which counts every answer as
+//! `ok`: the [`DefaultClassifier`](classify::DefaultClassifier) shows both.
 //!
 //! # Cargo features
 //!

@@ -256,3 +256,56 @@ async fn two_routes_with_layers_from_one_semaphore_share_its_cap() {
     // Nothing was recorded under any other series.
     assert_eq!(telemetry.count(DURATION_INSTRUMENT, &[]), 8);
 }
+
+/// `new(..)`, the name that mirrors tower's `ConcurrencyLimitLayer::new`, on axum routes: each
+/// response is read by its status, as `new_for_http` reads it, so a 500 is not `ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_generic_layer_on_axum_routes_reads_each_responses_status() {
+    use axum::http::StatusCode;
+
+    let telemetry = Telemetry::new();
+    let slots = tower_resources_operation::Limit::new(2);
+    let verify = || {
+        ResourcesOperationLayer::new(slots.clone())
+            .operation(Operation::Verify)
+            .executor(Executor::Subprocess)
+            .metrics(telemetry.metrics.clone())
+    };
+    let answering = |status: StatusCode| get(move || async move { (status, "answered") });
+    let router = Router::new()
+        .route("/ok", answering(StatusCode::OK).layer(verify()))
+        .route("/missing", answering(StatusCode::NOT_FOUND).layer(verify()))
+        .route(
+            "/broken",
+            answering(StatusCode::INTERNAL_SERVER_ERROR).layer(verify()),
+        )
+        .route(
+            "/unavailable",
+            answering(StatusCode::SERVICE_UNAVAILABLE).layer(verify()),
+        )
+        .route(
+            "/upstream",
+            answering(StatusCode::GATEWAY_TIMEOUT).layer(verify()),
+        );
+    let addr = serve(router).await;
+
+    let statuses = get_all(
+        addr,
+        &["/ok", "/missing", "/broken", "/unavailable", "/upstream"],
+    )
+    .await;
+    let codes: Vec<_> = statuses
+        .iter()
+        .map(|line| line.split(' ').nth(1).unwrap_or_default())
+        .collect();
+    assert_eq!(codes, ["200", "404", "500", "503", "504"], "{statuses:?}");
+
+    let series = [
+        (OPERATION_ATTRIBUTE, "verify"),
+        (EXECUTOR_ATTRIBUTE, "subprocess"),
+    ];
+    assert_eq!(telemetry.ended(&series, "ok"), 2, "the 200 and the 404");
+    assert_eq!(telemetry.ended(&series, "error"), 2, "the 500 and the 503");
+    assert_eq!(telemetry.ended(&series, "timeout"), 1, "the 504");
+    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &[]), 5);
+}

@@ -391,3 +391,30 @@ async fn streaming_call_ends_with_its_head_and_a_status_only_in_trailers_counts_
     assert_eq!(telemetry.ended(&series, "error"), 0);
     assert_idle(&telemetry, &slots);
 }
+
+/// `new(..)`, put where tower's `ConcurrencyLimitLayer::new` was around a generated server,
+/// reads each call's `grpc-status` as `new_for_grpc` does: tonic's HTTP status is 200 whatever
+/// the call did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_generic_layer_reads_each_calls_grpc_status_too() {
+    let (telemetry, slots) = (Telemetry::new(), Limit::new(2));
+    let layer = tower_resources_operation::ResourcesOperationLayer::new(slots.clone())
+        .operation(Operation::Verify)
+        .executor(Executor::Subprocess)
+        .metrics(telemetry.metrics.clone());
+    let channel = serve(layer).await.channel;
+
+    assert_eq!(
+        check(&channel, "ok").await.unwrap(),
+        ServingStatus::Serving as i32
+    );
+    for service in ["deadline", "internal"] {
+        check(&channel, service).await.unwrap_err();
+    }
+
+    let series = VERIFY_SUBPROCESS;
+    assert_eq!(telemetry.ended(&series, "ok"), 1);
+    assert_eq!(telemetry.ended(&series, "timeout"), 1);
+    assert_eq!(telemetry.ended(&series, "error"), 1);
+    assert_idle(&telemetry, &slots);
+}

@@ -696,3 +696,42 @@ async fn a_call_that_finds_the_limit_full_gets_resource_exhausted_and_is_counted
     assert_eq!(telemetry.live_value(REJECTED_INSTRUMENT, &[]), 2);
     assert_idle(&telemetry, &limit);
 }
+
+/// `new(..).until_body_end()`: the generic layer reads a gRPC stream's outcome from its trailers,
+/// as the gRPC one does, and a trailers-only failure from its head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_generic_layer_in_the_body_end_form_reads_a_streams_trailers() {
+    let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
+    let generic = ResourcesOperationLayer::new(limit.clone())
+        .operation(Operation::Tool)
+        .executor(Executor::Process)
+        .metrics(telemetry.metrics.clone())
+        .until_body_end();
+    let mut served = serve(generic).await;
+
+    let (mut stream, call) = served.streaming("", 2).await;
+    call.fail(Status::internal("the tool broke midway"));
+    let status = message(&mut stream).await.unwrap_err();
+    assert_eq!(status.code(), Code::Internal, "{status:?}");
+    assert_eq!(telemetry.ended(&TOOL_PROCESS, "error"), 1);
+
+    let (stream, call) = served.streaming("", 0).await;
+    call.send();
+    call.fail(Status::deadline_exceeded("the watch ran out of time"));
+    let (messages, status) = drain(stream).await;
+    assert_eq!(
+        (messages, status.map_err(|s| s.code())),
+        (1, Err(Code::DeadlineExceeded))
+    );
+    assert_eq!(telemetry.ended(&TOOL_PROCESS, "timeout"), 1);
+
+    let failed = check(&served.channel, "internal").await.unwrap_err();
+    assert_eq!(failed.code(), Code::Internal);
+    assert_eq!(
+        telemetry.ended(&TOOL_PROCESS, "error"),
+        2,
+        "trailers-only, at the head"
+    );
+    assert_eq!(telemetry.ended(&TOOL_PROCESS, "ok"), 0);
+    assert_idle(&telemetry, &limit);
+}

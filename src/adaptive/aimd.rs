@@ -68,9 +68,18 @@ impl Default for Aimd {
 }
 
 impl Aimd {
-    /// Places added after a round trip without congestion, once the slow start is over.
-    /// Defaults to 1.
+    /// Places added after a round trip without congestion, once the slow start is over, at
+    /// least 1. Defaults to 1.
+    ///
+    /// # Panics
+    ///
+    /// If `step` is 0 (the capacity could then never grow back), with a message that says so.
+    #[track_caller]
     pub fn step(mut self, step: usize) -> Self {
+        assert!(
+            step > 0,
+            "tower-resources-operation: Aimd::step must be at least 1; got 0"
+        );
         self.step = step;
         self
     }

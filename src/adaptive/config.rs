@@ -82,7 +82,10 @@ impl Adaptive {
     /// If `operations` is 0.
     #[track_caller]
     pub fn window(mut self, operations: usize, interval: Duration) -> Self {
-        assert!(operations > 0, "a window needs at least one operation");
+        assert!(
+            operations > 0,
+            "tower-resources-operation: Adaptive::window needs at least 1 operation; got 0"
+        );
         self.windows = Windows::Fixed { operations };
         self.interval = interval;
         self

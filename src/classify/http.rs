@@ -1,8 +1,9 @@
 //! Classifiers for HTTP and gRPC responses.
 
+use http::header::CONTENT_TYPE;
 use http::{HeaderMap, Response, StatusCode};
 
-use super::{ClassifyOutcome, ClassifyTrailers};
+use super::{ClassifyOutcome, ClassifyTrailers, OperationOutput};
 use crate::attributes::Outcome;
 
 /// Lowest and highest status code an [`HttpClassifier`] can be told about.
@@ -165,6 +166,36 @@ impl<B, E> ClassifyOutcome<Response<B>, E> for GrpcClassifier {
 
 const GRPC_STATUS: &str = "grpc-status";
 
+/// An `http::Response` says how its operation ended by its status, or, for gRPC, by its
+/// `grpc-status`: what [`HttpClassifier::new`] and [`GrpcClassifier`] read.
+impl<B> OperationOutput for Response<B> {
+    #[inline]
+    fn outcome(&self) -> Outcome {
+        if is_grpc(self.headers()) {
+            GrpcClassifier::classify_headers(self.headers())
+        } else {
+            const SERVER_ERRORS: HttpClassifier = HttpClassifier::new();
+            SERVER_ERRORS.classify_status(self.status())
+        }
+    }
+
+    fn outcome_at_end(&self) -> Option<ClassifyTrailers> {
+        if is_grpc(self.headers()) {
+            ClassifyOutcome::<Self, ()>::classify_at_end(&GrpcClassifier, self)
+        } else {
+            None
+        }
+    }
+}
+
+/// Whether a response is gRPC's (`application/grpc`, `+proto` and the like, and gRPC-Web), whose
+/// HTTP status says nothing of the call.
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/grpc"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,6 +234,42 @@ mod tests {
         let c = HttpClassifier::new().with_error_range(0, 2000);
         assert_eq!(outcome(c, 100), Outcome::Error);
         assert_eq!(outcome(c, 999), Outcome::Error);
+    }
+
+    #[test]
+    fn a_response_says_its_outcome_by_its_status_or_for_grpc_by_its_grpc_status() {
+        let response = |status: u16, headers: &[(&str, &str)]| {
+            let mut builder = Response::builder().status(status);
+            for (name, value) in headers {
+                builder = builder.header(*name, *value);
+            }
+            builder.body(()).unwrap()
+        };
+        assert_eq!(response(200, &[]).outcome(), Outcome::Ok);
+        assert_eq!(response(404, &[]).outcome(), Outcome::Ok);
+        assert_eq!(response(500, &[]).outcome(), Outcome::Error);
+        assert_eq!(response(504, &[]).outcome(), Outcome::Timeout);
+        assert_eq!(response(499, &[]).outcome(), Outcome::Cancelled);
+        assert!(response(500, &[]).outcome_at_end().is_none());
+
+        // gRPC: the HTTP status is 200 whatever happened.
+        let grpc = [("content-type", "application/grpc")];
+        let failed = [
+            ("content-type", "application/grpc+proto"),
+            ("grpc-status", "13"),
+        ];
+        assert_eq!(response(200, &failed).outcome(), Outcome::Error);
+        assert!(
+            response(200, &failed).outcome_at_end().is_none(),
+            "decided at the head"
+        );
+        let streaming = response(200, &grpc);
+        assert_eq!(streaming.outcome(), Outcome::Ok);
+        let at_end = streaming.outcome_at_end().expect("decided by the trailers");
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "4".parse().unwrap());
+        assert_eq!(at_end(Some(&trailers)), Outcome::Timeout);
+        assert_eq!(at_end(None), Outcome::Ok);
     }
 
     #[test]

@@ -2,10 +2,13 @@
 //!
 //! - [`ClassifyOutcome`] reads a service's result, once, when the inner future completes; in
 //!   the body-end form it reads the response head, and the trailers at the end of the stream.
-//!   [`DefaultClassifier`], [`TimeoutClassifier`], [`HttpClassifier`] and [`GrpcClassifier`]
-//!   are the crate's; closures are classifiers too.
-//! - [`OperationOutput`] reads the output of the work given to
-//!   [`resources_operation`](crate::resources_operation).
+//!   [`DefaultClassifier`], [`ResultClassifier`], [`TimeoutClassifier`], [`HttpClassifier`] and
+//!   [`GrpcClassifier`] are the crate's; closures are classifiers too.
+//! - [`OperationOutput`] is what a value says of how its operation ended: an `http::Response`
+//!   its status, a process its exit status. The [`DefaultClassifier`] (the classifier of
+//!   [`ResourcesOperationLayer::new`](crate::ResourcesOperationLayer::new)) reads it from a
+//!   service's response, and [`resources_operation`](crate::resources_operation) from the output
+//!   of its work.
 //!
 //! A drop before the end is `cancelled` (or `timeout` past the caller's deadline) and a panic is
 //! `crashed`, whatever the classifier says; an outcome chosen with
@@ -20,8 +23,10 @@ use ::http::HeaderMap;
 use crate::attributes::Outcome;
 
 mod http;
+mod output;
 
 pub use self::http::{GrpcClassifier, HttpClassifier};
+pub use self::output::OperationOutput;
 
 /// Maps the result of the inner service to an [`Outcome`].
 ///
@@ -44,6 +49,12 @@ pub use self::http::{GrpcClassifier, HttpClassifier};
 ///
 /// A classifier runs on the request path: it should be cheap and must not panic (if it does, the
 /// response still goes out and the operation is recorded as `error`).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot tell how an operation that answered `{Res}` ended",
+    label = "this layer's classifier cannot read `{Res}`",
+    note = "the `DefaultClassifier` (of `ResourcesOperationLayer::new`) reads a response that implements `classify::OperationOutput`: implement it for `{Res}` (which of its values are an `error`?), or give the layer `.classifier(classify::ResultClassifier)`, which counts every answer as `ok`",
+    note = "`HttpClassifier` and `GrpcClassifier` read an `http::Response`"
+)]
 pub trait ClassifyOutcome<Res, Err> {
     /// The outcome of an operation whose inner future returned `result`.
     fn classify(&self, result: Result<&Res, &Err>) -> Outcome;
@@ -72,40 +83,99 @@ where
     }
 }
 
-/// `Ok` is [`Outcome::Ok`], `Err` is [`Outcome::Error`].
+/// The classifier of [`ResourcesOperationLayer::new`](crate::ResourcesOperationLayer::new): an
+/// answer is what it says of itself ([`OperationOutput`]), an `Err` is [`Outcome::Error`].
+///
+/// So an `http::Response` is read by its status, as [`HttpClassifier`] reads it (a `5xx` is
+/// `error`, a `408` or `504` `timeout`), a gRPC response by its `grpc-status`, as
+/// [`GrpcClassifier`] reads it, a process's `Output` by its exit status, and a plain value
+/// (`()`, `bool`, a number, a string) is `ok`. `new(..)` on an axum route, a hyper service or a
+/// tonic service therefore counts a `500` as `error`, as `new_for_http` does.
 ///
 /// It puts no bound on the error type, so a layer with it compiles wherever tower's
-/// `ConcurrencyLimit` does. For `timeout` on tower's or tokio's `Elapsed`, use
-/// [`TimeoutClassifier`].
+/// `ConcurrencyLimit` does for every response type that implements [`OperationOutput`]. For a
+/// response type of your own, implement [`OperationOutput`] for it, or give the layer the
+/// [`ResultClassifier`], which counts every answer as `ok`:
 ///
-/// It cannot read an `http::Response`'s status (that would need the response type to be
-/// `'static`, which breaks `Send` proofs: rust-lang/rust#110338): a `500` through it is `ok`.
-/// So the first `http::Response` it sees is warned about once, naming
-/// [`new_for_http`](crate::ResourcesOperationLayer::new_for_http).
+/// ```compile_fail,E0277
+/// use tower::{service_fn, Layer, ServiceExt};
+/// use tower_resources_operation::ResourcesOperationLayer;
+///
+/// struct Verdict {
+///     passed: bool,
+/// }
+///
+/// # async fn run() {
+/// let verifier = ResourcesOperationLayer::new(2).layer(service_fn(|answer: u32| async move {
+///     Ok::<_, std::convert::Infallible>(Verdict { passed: answer == 42 })
+/// }));
+/// // `Verdict: OperationOutput` is not satisfied: the layer cannot tell how it ended.
+/// let _ = verifier.oneshot(42).await;
+/// # }
+/// ```
+///
+/// ```
+/// use tower::{service_fn, Layer, ServiceExt};
+/// use tower_resources_operation::classify::{OperationOutput, ResultClassifier};
+/// use tower_resources_operation::{Outcome, ResourcesOperationLayer};
+///
+/// struct Verdict {
+///     passed: bool,
+/// }
+///
+/// // What a verdict says of its operation: a verifier that could not pass it failed.
+/// impl OperationOutput for Verdict {
+///     fn outcome(&self) -> Outcome {
+///         if self.passed { Outcome::Ok } else { Outcome::Error }
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let verify = |answer: u32| async move {
+///     Ok::<_, std::convert::Infallible>(Verdict { passed: answer == 42 })
+/// };
+/// let read = ResourcesOperationLayer::new(2).layer(service_fn(verify));
+/// assert!(read.oneshot(42).await.unwrap().passed);
+/// // Or count every verdict as `ok`, whatever it says.
+/// let any = ResourcesOperationLayer::new(2).classifier(ResultClassifier).layer(service_fn(verify));
+/// assert!(!any.oneshot(7).await.unwrap().passed);
+/// # }
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultClassifier;
 
-impl<Res, Err> ClassifyOutcome<Res, Err> for DefaultClassifier {
+impl<Res: OperationOutput, Err> ClassifyOutcome<Res, Err> for DefaultClassifier {
+    #[inline]
     fn classify(&self, result: Result<&Res, &Err>) -> Outcome {
         match result {
-            Ok(_) => {
-                if is_http_response::<Res>() {
-                    crate::diagnostics::report(crate::diagnostics::Mistake::HttpAsPlain, "");
-                }
-                Outcome::Ok
-            }
+            Ok(response) => response.outcome(),
             Err(_) => Outcome::Error,
         }
     }
+
+    fn classify_at_end(&self, response: &Res) -> Option<ClassifyTrailers> {
+        response.outcome_at_end()
+    }
 }
 
-/// Whether `Res` is an `http::Response`, from its type's name: only to warn (a name that does
-/// not match, should the compiler spell it otherwise one day, costs the warning, nothing more).
-/// The name is a constant of each instantiation, which the compiler can fold the test into; it
-/// runs only where an operation records.
-#[inline]
-fn is_http_response<Res>() -> bool {
-    std::any::type_name::<Res>().starts_with("http::response::Response<")
+/// `Ok` is [`Outcome::Ok`], whatever the response; `Err` is [`Outcome::Error`].
+///
+/// For a service whose responses carry no verdict, of a type that does not implement
+/// [`OperationOutput`]: it puts no bound on the response or the error, so a layer with it
+/// compiles wherever tower's `ConcurrencyLimit` does. Wrapped in a [`TimeoutClassifier`], an
+/// `Elapsed` error is `timeout`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ResultClassifier;
+
+impl<Res, Err> ClassifyOutcome<Res, Err> for ResultClassifier {
+    #[inline]
+    fn classify(&self, result: Result<&Res, &Err>) -> Outcome {
+        match result {
+            Ok(_) => Outcome::Ok,
+            Err(_) => Outcome::Error,
+        }
+    }
 }
 
 /// Another classifier (by default the [`DefaultClassifier`]), plus: an error that is, or wraps,
@@ -118,7 +188,7 @@ fn is_http_response<Res>() -> bool {
 /// `Any` needs the error type to be `'static`, and rustc cannot always prove that inside an
 /// async block (rust-lang/rust#110338): a layered service whose error is a `BoxError`, driven
 /// with `oneshot` inside `tokio::spawn(async move { .. })`, then fails to compile. See the
-/// [crate docs](crate#two-compile-errors-and-what-to-do-about-them) for the ways around it.
+/// [crate docs](crate#compile-errors-and-what-to-do-about-them) for the ways around it.
 ///
 /// ```
 /// use std::time::Duration;
@@ -239,32 +309,6 @@ pub(crate) fn any_error_outcome<E: 'static>(error: &E) -> Outcome {
     error_outcome(error)
 }
 
-/// How [`resources_operation`](crate::resources_operation) reads the outcome of a future's output.
-///
-/// `Result` is `ok` or, for `Err`, what [`error_outcome`] says of the error (`timeout` for an
-/// `Elapsed`, `error` otherwise); `()` is `ok`. Implement it for an output type of your own; it
-/// should not panic (if it does, the output still goes to the caller and the operation is
-/// recorded as `error`).
-pub trait OperationOutput {
-    /// The outcome of an operation whose work returned `self`.
-    fn outcome(&self) -> Outcome;
-}
-
-impl<T, E: 'static> OperationOutput for Result<T, E> {
-    fn outcome(&self) -> Outcome {
-        match self {
-            Ok(_) => Outcome::Ok,
-            Err(error) => any_error_outcome(error),
-        }
-    }
-}
-
-impl OperationOutput for () {
-    fn outcome(&self) -> Outcome {
-        Outcome::Ok
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,6 +326,19 @@ mod tests {
         let elapsed: BoxError = Box::new(tower::timeout::error::Elapsed::new());
         let err = ClassifyOutcome::<u8, BoxError>::classify(&DefaultClassifier, Err(&elapsed));
         assert_eq!(err, Outcome::Error);
+    }
+
+    #[test]
+    fn the_default_reads_what_a_response_says_and_the_result_classifier_only_ok_or_err() {
+        let server_error = ::http::Response::builder().status(500).body(()).unwrap();
+        let default =
+            ClassifyOutcome::<_, BoxError>::classify(&DefaultClassifier, Ok(&server_error));
+        assert_eq!(default, Outcome::Error);
+        let result = ClassifyOutcome::<_, BoxError>::classify(&ResultClassifier, Ok(&server_error));
+        assert_eq!(result, Outcome::Ok);
+        let boom: BoxError = "boom".into();
+        let failed = ClassifyOutcome::<(), BoxError>::classify(&ResultClassifier, Err(&boom));
+        assert_eq!(failed, Outcome::Error);
     }
 
     #[test]

@@ -36,7 +36,7 @@ use crate::protocol::{CanAnswer, Grpc, Http, Plain};
 ///
 /// | constructor | classifier | a rejection is answered | deadline |
 /// |---|---|---|---|
-/// | [`new`](Self::new) | [`DefaultClassifier`] | never: the layer refuses a limit that may reject ([`Plain`]) | none |
+/// | [`new`](Self::new) | [`DefaultClassifier`]: what the response says ([`OperationOutput`](crate::classify::OperationOutput)), an `http::Response` by its status | never: the layer refuses a limit that may reject ([`Plain`]) | none |
 /// | [`new_for_http`](Self::new_for_http) | [`HttpClassifier`] | `503` ([`Http`]) | [`server_timeout`](Self::server_timeout), a header |
 /// | [`new_for_grpc`](Self::new_for_grpc) | [`GrpcClassifier`] | RESOURCE_EXHAUSTED ([`Grpc`]) | `grpc-timeout`, [`server_timeout`](ResourcesOperationLayer::server_timeout) |
 ///
@@ -238,9 +238,17 @@ struct Parts<C, L, P> {
 impl ResourcesOperationLayer {
     /// A generic layer on `limit`: a number of operations at once (a new [`Limit`]), or any
     /// [`Acquire`] (a [`Limit`] whose clones share it, an `Arc<Semaphore>`, a limit of your
-    /// own). Its classifier is the [`DefaultClassifier`], and its protocol [`Plain`]: like
-    /// tower's limit it never answers a rejection, so it refuses a limit that may turn
-    /// operations away (give it [`protocol`](Self::protocol) first).
+    /// own). Its protocol is [`Plain`]: like tower's limit it never answers a rejection, so it
+    /// refuses a limit that may turn operations away (give it [`protocol`](Self::protocol)
+    /// first).
+    ///
+    /// Its classifier is the [`DefaultClassifier`]: each response says how its operation ended
+    /// ([`OperationOutput`](crate::classify::OperationOutput)). An `http::Response` is read by
+    /// its status (a `5xx` is `error`), so this layer, put where tower's
+    /// `ConcurrencyLimitLayer::new` was on an axum route or a tonic service, counts a `500` as
+    /// an error; a process's `Output` by its exit status; a plain value is `ok`. A response type
+    /// of your own implements `OperationOutput`, or the layer is given the
+    /// [`ResultClassifier`](crate::classify::ResultClassifier).
     ///
     /// # Panics
     ///
