@@ -214,104 +214,67 @@ mod tests {
         assert!(!s.is_used());
     }
 
+    /// `give` panics with a message that names `setting` and `value`.
+    fn assert_refused<T>(setting: &str, value: &str, give: impl FnOnce() -> T) {
+        let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(give))
+            .err()
+            .unwrap_or_else(|| panic!("{setting} = {value} was taken"));
+        let message = match payload.downcast_ref::<&str>() {
+            Some(message) => (*message).to_owned(),
+            None => payload
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_default(),
+        };
+        assert!(
+            message.contains(setting) && message.contains(value),
+            "{setting} = {value}: {message}"
+        );
+    }
+
     /// Every setting out of its range is refused where it is given, with a message that names
     /// the setting and the value (0.3 clamped some of them without a word).
     #[test]
     fn each_setting_out_of_range_is_refused_naming_the_setting_and_the_value() {
-        use std::panic::{catch_unwind, AssertUnwindSafe};
+        assert_refused("Gradient::tolerance", "0.5", || {
+            Gradient::default().tolerance(0.5)
+        });
+        assert_refused("Gradient::smoothing", "0.0", || {
+            Gradient::default().smoothing(0.0)
+        });
+        assert_refused("Gradient::backoff", "1.5", || {
+            Gradient::default().backoff(1.5)
+        });
+        assert_refused("Aimd::backoff", "1.5", || Aimd::default().backoff(1.5));
+        assert_refused("Aimd::backoff", "NaN", || Aimd::default().backoff(f64::NAN));
+        assert_refused("Aimd::run_time_ratio", "0.5", || {
+            Aimd::default().run_time_ratio(0.5)
+        });
+        assert_refused("Aimd::step", "0", || Aimd::default().step(0));
+        assert_refused("Vegas::backoff", "1.0", || Vegas::default().backoff(1.0));
+        assert_refused("Vegas::queue alpha", "-1.0", || {
+            Vegas::default().queue(-1.0, 3.0)
+        });
+        assert_refused("Vegas::queue beta", "0.5", || {
+            Vegas::default().queue(1.0, 0.5)
+        });
+        let adaptive = || Adaptive::new(Vegas::default(), 1..=8);
+        assert_refused("Adaptive::tolerance", "2.0", || adaptive().tolerance(2.0));
+        assert_refused("Adaptive::window", "0", || {
+            adaptive().window(0, Duration::from_secs(1))
+        });
+        assert_refused("bounds", "0..=4", || Adaptive::new(Vegas::default(), 0..=4));
 
-        let refusals: [(&str, &str, Box<dyn Fn()>); 12] = [
-            (
-                "Gradient::tolerance",
-                "0.5",
-                Box::new(|| drop(Gradient::default().tolerance(0.5))),
-            ),
-            (
-                "Gradient::smoothing",
-                "0.0",
-                Box::new(|| drop(Gradient::default().smoothing(0.0))),
-            ),
-            (
-                "Gradient::backoff",
-                "1.5",
-                Box::new(|| drop(Gradient::default().backoff(1.5))),
-            ),
-            (
-                "Aimd::backoff",
-                "1.5",
-                Box::new(|| drop(Aimd::default().backoff(1.5))),
-            ),
-            (
-                "Aimd::backoff",
-                "NaN",
-                Box::new(|| drop(Aimd::default().backoff(f64::NAN))),
-            ),
-            (
-                "Aimd::run_time_ratio",
-                "0.5",
-                Box::new(|| drop(Aimd::default().run_time_ratio(0.5))),
-            ),
-            (
-                "Aimd::step",
-                "0",
-                Box::new(|| drop(Aimd::default().step(0))),
-            ),
-            (
-                "Vegas::backoff",
-                "1.0",
-                Box::new(|| drop(Vegas::default().backoff(1.0))),
-            ),
-            (
-                "Vegas::queue alpha",
-                "-1.0",
-                Box::new(|| drop(Vegas::default().queue(-1.0, 3.0))),
-            ),
-            (
-                "Vegas::queue beta",
-                "0.5",
-                Box::new(|| drop(Vegas::default().queue(1.0, 0.5))),
-            ),
-            (
-                "Adaptive::tolerance",
-                "2.0",
-                Box::new(|| drop(Adaptive::new(Vegas::default(), 1..=8).tolerance(2.0))),
-            ),
-            (
-                "Adaptive::window",
-                "0",
-                Box::new(|| {
-                    drop(Adaptive::new(Vegas::default(), 1..=8).window(0, Duration::from_secs(1)))
-                }),
-            ),
-        ];
-        for (setting, value, give) in refusals {
-            let payload = catch_unwind(AssertUnwindSafe(give)).expect_err(setting);
-            let message = match payload.downcast_ref::<&str>() {
-                Some(message) => (*message).to_owned(),
-                None => payload
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .unwrap_or_default(),
-            };
-            assert!(
-                message.contains(setting) && message.contains(value),
-                "{setting} = {value}: {message}"
-            );
-        }
         // The values at the edges of each range are taken.
-        drop(
-            Gradient::default()
-                .tolerance(1.0)
-                .smoothing(1.0)
-                .backoff(1.0),
-        );
-        drop(Aimd::default().backoff(0.5).run_time_ratio(1.0).step(1));
-        drop(Vegas::default().backoff(0.5).queue(0.0, 0.0));
-        drop(
-            Adaptive::new(Vegas::default(), 1..=1)
-                .tolerance(1.0)
-                .window(1, Duration::ZERO),
-        );
+        let _ = Gradient::default()
+            .tolerance(1.0)
+            .smoothing(1.0)
+            .backoff(1.0);
+        let _ = Aimd::default().backoff(0.5).run_time_ratio(1.0).step(1);
+        let _ = Vegas::default().backoff(0.5).queue(0.0, 0.0);
+        let _ = Adaptive::new(Vegas::default(), 1..=1)
+            .tolerance(1.0)
+            .window(1, Duration::ZERO);
     }
 
     #[test]

@@ -76,6 +76,12 @@ impl RedisLimitBuilder {
         if let Err(error) = check_name(&name) {
             panic!("{error}");
         }
+        assert!(
+            capacity > 0,
+            "tower-resources-operation-redis: the fleet limit {name:?} has a capacity of 0, \
+             which admits nothing; give it 1 or more (set_capacity(0) pauses a fleet that \
+             serves)"
+        );
         Self {
             name: interned(name),
             capacity,
@@ -94,7 +100,8 @@ impl RedisLimitBuilder {
 
     /// How long a held place outlives a process that stops extending it (see
     /// [choosing the TTL](crate#choosing-the-lease-ttl)). Defaults to 10 s; at least three
-    /// times the call timeout.
+    /// times the call timeout, and at least 30 ms (checked when the limit is built, whatever
+    /// the order of the settings).
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = ttl;
         self
@@ -102,8 +109,13 @@ impl RedisLimitBuilder {
 
     /// How long any one call to Redis may take, connecting included, before the limit gives
     /// the configured answer. Defaults to 500 ms.
+    ///
+    /// # Panics
+    ///
+    /// If `timeout` is shorter than 1 ms, naming it.
+    #[track_caller]
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
-        self.call_timeout = timeout;
+        self.call_timeout = at_least_a_millisecond("a call timeout", timeout);
         self
     }
 
@@ -111,8 +123,13 @@ impl RedisLimitBuilder {
     /// it (the fallback for a lost wake-up; one call per process, whatever the number of
     /// waiters), and how often Redis is asked again while it is down. Defaults to 1 s; never
     /// less often than every third of the TTL.
+    ///
+    /// # Panics
+    ///
+    /// If `every` is shorter than 1 ms, naming it.
+    #[track_caller]
     pub fn fallback_poll(mut self, every: Duration) -> Self {
-        self.fallback_poll = every;
+        self.fallback_poll = at_least_a_millisecond("a fallback poll", every);
         self
     }
 
@@ -214,12 +231,7 @@ impl RedisLimitBuilder {
     /// If `tick` is shorter than 1 ms.
     #[track_caller]
     pub fn adaptive_tick(mut self, tick: Duration) -> Self {
-        assert!(
-            tick >= Duration::from_millis(1),
-            "tower-resources-operation-redis: an adaptive tick must be at least 1 ms; got \
-             {tick:?}"
-        );
-        self.adaptive_tick = tick;
+        self.adaptive_tick = at_least_a_millisecond("an adaptive tick", tick);
         self
     }
 
@@ -234,10 +246,16 @@ impl RedisLimitBuilder {
     ///
     /// # Errors
     ///
-    /// [`ErrorKind::InvalidAddress`](crate::ErrorKind::InvalidAddress) if `address` is not a
-    /// Redis URL, [`InvalidSettings`](crate::ErrorKind::InvalidSettings) if the TTL is shorter
-    /// than three call timeouts or than 30 ms, and [`NoRuntime`](crate::ErrorKind::NoRuntime)
-    /// outside a tokio runtime (see [`build_pair`](Self::build_pair)).
+    /// What only the environment can say: [`ErrorKind::InvalidAddress`](crate::ErrorKind::InvalidAddress)
+    /// if `address` is not a Redis URL, and [`NoRuntime`](crate::ErrorKind::NoRuntime) outside
+    /// a tokio runtime (see [`build_pair`](Self::build_pair)).
+    ///
+    /// # Panics
+    ///
+    /// If the lease TTL is shorter than three call timeouts, or than 30 ms, naming both: a bad
+    /// value is refused when the limit is built, as every other one of this builder and of
+    /// `tower-resources-operation` is.
+    #[track_caller]
     pub fn build(self, address: &str) -> Result<RedisLimit, Error> {
         let (limit, background) = self.build_pair(address)?;
         let runtime = tokio::runtime::Handle::try_current()
@@ -256,8 +274,20 @@ impl RedisLimitBuilder {
     /// # Errors
     ///
     /// As [`build`](Self::build), but never `NoRuntime`.
+    ///
+    /// # Panics
+    ///
+    /// As [`build`](Self::build).
+    #[track_caller]
     pub fn build_pair(self, address: &str) -> Result<(RedisLimit, Background), Error> {
         let name = self.name;
+        assert!(
+            self.lease_ttl >= self.call_timeout * 3 && self.lease_ttl >= Duration::from_millis(30),
+            "tower-resources-operation-redis: the fleet limit {name:?}'s lease TTL ({:?}) must \
+             be at least three call timeouts ({:?}), and at least 30 ms",
+            self.lease_ttl,
+            self.call_timeout
+        );
         let keys = Keys::new(&self.key_prefix, name);
         let (pushes, pushed) = unbounded_channel();
         let transport = Transport::open(
@@ -267,17 +297,6 @@ impl RedisLimitBuilder {
             self.call_timeout,
             pushes,
         )?;
-        if self.lease_ttl < self.call_timeout * 3 || self.lease_ttl < Duration::from_millis(30) {
-            return Err(Error::invalid_settings(
-                name,
-                transport.address(),
-                format!(
-                    "the lease TTL ({:?}) must be at least three call timeouts ({:?}), and at \
-                     least 30 ms",
-                    self.lease_ttl, self.call_timeout
-                ),
-            ));
-        }
         let core = Arc::new(Core::new(Settings {
             name,
             keys,
@@ -309,6 +328,16 @@ impl RedisLimitBuilder {
         }
         Ok((limit, background))
     }
+}
+
+/// `duration`, if it is 1 ms or more; otherwise a panic that names `what` and the value.
+#[track_caller]
+fn at_least_a_millisecond(what: &str, duration: Duration) -> Duration {
+    assert!(
+        duration >= Duration::from_millis(1),
+        "tower-resources-operation-redis: {what} must be at least 1 ms; got {duration:?}"
+    );
+    duration
 }
 
 /// `name`, for the life of the process: a `&'static str` as it is, a `String` kept once per

@@ -282,39 +282,30 @@ impl Core {
         invocation.arg(tick_arguments(control, seen, counts));
         let fields: Vec<String> = self.transport.invoke(&invocation).await?;
         let ticked = Ticked::parse(&fields).ok_or_else(|| {
-            Error::invalid_settings(
-                self.name,
-                self.transport.address(),
-                "a malformed tick".to_owned(),
-            )
+            Error::unexpected(self.name, self.transport.address(), "a malformed tick")
         })?;
         self.capacity.store(ticked.capacity, Ordering::Relaxed);
         Ok(ticked)
     }
 
     /// The leader's decision: the fleet's capacity from now on, and what its algorithm
-    /// measured. Dropped by Redis if this process no longer leads.
+    /// measured. Dropped by Redis if this process no longer leads: then `Ok(false)`.
     pub(crate) async fn fleet_decide(
         &self,
         control: &FleetControl,
         next: usize,
         known: &Known,
-    ) -> Result<(), Error> {
+    ) -> Result<bool, Error> {
         let mut invocation = self.fleet_invocation(&SCRIPTS.fleet_decide);
         invocation.arg(decide_arguments(control, next, known));
         let capacity: i64 = self.transport.invoke(&invocation).await?;
-        match usize::try_from(capacity) {
-            Ok(capacity) => {
-                self.capacity.store(capacity, Ordering::Relaxed);
-                control.learn(known);
-                Ok(())
-            }
-            Err(_) => Err(Error::invalid_settings(
-                self.name,
-                self.transport.address(),
-                "no longer the leader".to_owned(),
-            )),
-        }
+        // A negative answer: another process leads now.
+        let Ok(capacity) = usize::try_from(capacity) else {
+            return Ok(false);
+        };
+        self.capacity.store(capacity, Ordering::Relaxed);
+        control.learn(known);
+        Ok(true)
     }
 
     /// The fleet's capacity, leases and tickets.

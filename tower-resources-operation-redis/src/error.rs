@@ -49,9 +49,6 @@ pub enum ErrorKind {
     /// The address is not a Redis URL the limit can use (`redis://host:port/db`, or
     /// `redis+unix:///path`).
     InvalidAddress,
-    /// The builder's settings do not go together (a lease TTL shorter than three call
-    /// timeouts, or than 30 ms).
-    InvalidSettings,
     /// [`build`](crate::RedisLimitBuilder::build) was called outside a tokio runtime, where
     /// it has nowhere to spawn the limit's background task. Call it within one, or use
     /// [`build_pair`](crate::RedisLimitBuilder::build_pair) and run the task yourself.
@@ -62,8 +59,8 @@ pub enum ErrorKind {
     /// Redis could not be reached: the connection was refused, dropped or could not be made,
     /// or the server is not ready (loading its data, a replica without its master).
     Unreachable,
-    /// Redis answered with an error: authentication, a script error, a key of another type
-    /// under the limit's names.
+    /// Redis answered with an error (authentication, a script error, a key of another type
+    /// under the limit's names), or with what the limit's scripts never answer.
     Redis,
 }
 
@@ -126,9 +123,15 @@ impl Error {
         )
     }
 
-    /// The builder's settings do not go together: `what`.
-    pub(crate) fn invalid_settings(limit: &'static str, address: &str, what: String) -> Self {
-        Self::new(ErrorKind::InvalidSettings, limit, address, what, None)
+    /// Redis answered what the limit's scripts never answer: `what`.
+    pub(crate) fn unexpected(limit: &'static str, address: &str, what: &str) -> Self {
+        Self::new(
+            ErrorKind::Redis,
+            limit,
+            address,
+            format!("Redis answered what the limit's scripts never answer: {what}"),
+            None,
+        )
     }
 
     /// `build` outside a tokio runtime.

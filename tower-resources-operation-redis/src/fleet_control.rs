@@ -474,7 +474,7 @@ pub(crate) async fn decide(core: Arc<Core>) {
             baseline_us: baseline.map(micros),
             estimate_us: estimate.map(micros),
         };
-        if core.fleet_decide(control, next, &decision).await.is_ok() {
+        if let Ok(true) = core.fleet_decide(control, next, &decision).await {
             control.decisions.fetch_add(1, Relaxed);
         }
     }

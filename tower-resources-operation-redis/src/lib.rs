@@ -106,7 +106,8 @@
 //!
 //! # Failures, and how each is answered
 //!
-//! Never a panic, never a hang. Every call to Redis has a timeout
+//! Once built, never a panic, never a hang (a bad setting panics when the limit is built, as
+//! in `tower-resources-operation`). Every call to Redis has a timeout
 //! ([`call_timeout`](RedisLimitBuilder::call_timeout), default 500 ms). After the first call
 //! that fails, the limit answers every caller at once, without asking Redis, until the
 //! background task reaches it again (it asks at once, then every

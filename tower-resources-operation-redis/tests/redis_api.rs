@@ -89,19 +89,72 @@ fn an_address_that_is_not_a_redis_url_is_an_error_that_hides_its_password() {
     assert!(!format!("{limit:?}").contains("hunter2"));
 }
 
+/// What `give` panicked with.
+fn refusal(give: impl FnOnce()) -> String {
+    let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(give))
+        .expect_err("the value is refused");
+    match payload.downcast_ref::<String>() {
+        Some(message) => message.clone(),
+        None => payload.downcast_ref::<&str>().unwrap().to_string(),
+    }
+}
+
+/// One rule for bad values, in both crates: refused when the limit is built, with a panic that
+/// names the value, before anything runs (what only the environment can say, an address or a
+/// runtime, is an error instead).
 #[test]
-fn a_lease_ttl_shorter_than_three_call_timeouts_is_refused_with_the_figures() {
-    let error = RedisLimit::builder("judges", 2)
-        .lease_ttl(Duration::from_secs(1))
-        .call_timeout(Duration::from_millis(500))
-        .build_pair("redis://127.0.0.1:6379/")
-        .unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::InvalidSettings);
-    let message = error.to_string();
+fn each_bad_setting_is_refused_when_the_limit_is_built_naming_the_value() {
+    let address = "redis://127.0.0.1:6379/";
+    let ttl = refusal(|| {
+        drop(
+            RedisLimit::builder("judges", 2)
+                .lease_ttl(Duration::from_secs(1))
+                .call_timeout(Duration::from_millis(500))
+                .build_pair(address),
+        )
+    });
+    assert!(ttl.contains("1s") && ttl.contains("500ms"), "{ttl}");
+    // Whatever the order the two were given in.
+    let ttl = refusal(|| {
+        drop(
+            RedisLimit::builder("judges", 2)
+                .call_timeout(Duration::from_millis(500))
+                .lease_ttl(Duration::from_millis(20))
+                .build_pair(address),
+        )
+    });
+    assert!(ttl.contains("20ms") && ttl.contains("30 ms"), "{ttl}");
+
+    let zero = refusal(|| drop(RedisLimit::builder("judges", 0)));
+    assert!(zero.contains("\"judges\" has a capacity of 0"), "{zero}");
+    let call = refusal(|| drop(RedisLimit::builder("judges", 2).call_timeout(Duration::ZERO)));
     assert!(
-        message.contains("1s") && message.contains("500ms"),
-        "{message}"
+        call.contains("call timeout") && call.contains("0ns"),
+        "{call}"
     );
+    let poll =
+        refusal(|| drop(RedisLimit::builder("judges", 2).fallback_poll(Duration::from_micros(10))));
+    assert!(
+        poll.contains("fallback poll") && poll.contains("10µs"),
+        "{poll}"
+    );
+    let tick = refusal(|| drop(RedisLimit::builder("judges", 2).adaptive_tick(Duration::ZERO)));
+    assert!(
+        tick.contains("adaptive tick") && tick.contains("0ns"),
+        "{tick}"
+    );
+    let name = refusal(|| drop(RedisLimit::builder(String::from("judges of 2026"), 2)));
+    assert!(name.contains("judges of 2026"), "{name}");
+
+    // The settings at their edges are taken.
+    let (limit, _background) = RedisLimit::builder("judges", 1)
+        .call_timeout(Duration::from_millis(10))
+        .lease_ttl(Duration::from_millis(30))
+        .fallback_poll(Duration::from_millis(1))
+        .adaptive_tick(Duration::from_millis(1))
+        .build_pair(address)
+        .unwrap();
+    assert_eq!(limit.capacity(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
