@@ -1,7 +1,7 @@
 //! Classifiers for HTTP and gRPC responses.
 
 use http::header::CONTENT_TYPE;
-use http::{HeaderMap, Response, StatusCode};
+use http::{HeaderMap, HeaderName, Response, StatusCode};
 
 use super::{ClassifyOutcome, ClassifyTrailers, OperationOutput};
 use crate::attributes::Outcome;
@@ -164,18 +164,22 @@ impl<B, E> ClassifyOutcome<Response<B>, E> for GrpcClassifier {
     }
 }
 
-const GRPC_STATUS: &str = "grpc-status";
+/// The header, made once: a `&str` would be parsed into a header name at every lookup.
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 
 /// An `http::Response` says how its operation ended by its status, or, for gRPC, by its
 /// `grpc-status`: what [`HttpClassifier::new`] and [`GrpcClassifier`] read.
 impl<B> OperationOutput for Response<B> {
     #[inline]
     fn outcome(&self) -> Outcome {
-        if is_grpc(self.headers()) {
-            GrpcClassifier::classify_headers(self.headers())
-        } else {
-            const SERVER_ERRORS: HttpClassifier = HttpClassifier::new();
-            SERVER_ERRORS.classify_status(self.status())
+        // gRPC answers 200 whatever the call did, and says how it went in `grpc-status`; an
+        // HTTP 200 carries none, and is `ok` either way. Any other status is HTTP's to read.
+        const SERVER_ERRORS: HttpClassifier = HttpClassifier::new();
+        match self.status() {
+            StatusCode::OK if is_grpc(self.headers()) => {
+                GrpcClassifier::classify_headers(self.headers())
+            }
+            status => SERVER_ERRORS.classify_status(status),
         }
     }
 
@@ -270,6 +274,8 @@ mod tests {
         trailers.insert("grpc-status", "4".parse().unwrap());
         assert_eq!(at_end(Some(&trailers)), Outcome::Timeout);
         assert_eq!(at_end(None), Outcome::Ok);
+        // A gRPC answer that is not a 200 (a proxy's 503) is read as HTTP.
+        assert_eq!(response(503, &grpc).outcome(), Outcome::Error);
     }
 
     #[test]

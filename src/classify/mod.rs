@@ -208,7 +208,9 @@ pub struct TimeoutClassifier<C = DefaultClassifier> {
 }
 
 impl TimeoutClassifier {
-    /// The [`DefaultClassifier`], plus timeouts.
+    /// The [`DefaultClassifier`], plus timeouts. For a response type that does not implement
+    /// [`OperationOutput`], wrap the [`ResultClassifier`] instead:
+    /// `TimeoutClassifier::wrap(ResultClassifier)`.
     pub const fn new() -> Self {
         Self {
             inner: DefaultClassifier,

@@ -15,7 +15,7 @@ use crate::attributes::Outcome;
 /// | value | outcome |
 /// |---|---|
 /// | `http::Response` | its status, as [`HttpClassifier`](super::HttpClassifier) reads it: a `5xx` is `error`, a `408` or `504` `timeout`, a `499` `cancelled`, any other `ok` |
-/// | `http::Response` of gRPC (`content-type: application/grpc…`) | its `grpc-status`, as [`GrpcClassifier`](super::GrpcClassifier) reads it: in the head, or, in the body-end form, in the trailers |
+/// | `http::Response` of gRPC (`content-type: application/grpc…`, status 200) | its `grpc-status`, as [`GrpcClassifier`](super::GrpcClassifier) reads it: in the head, or, in the body-end form, in the trailers |
 /// | `std::process::Output`, `ExitStatus` | `ok` if the process exited with success, `error` otherwise (a verifier that failed, or was killed) |
 /// | `Result<T, E>` | `ok`; an `Err` is what [`error_outcome`](super::error_outcome) says of the error (`timeout` for an `Elapsed`, `error` otherwise) |
 /// | `()`, `bool`, `char`, numbers, `String`, `str`, `Vec<T>`, `Option<T>` | `ok`: they carry no verdict |
