@@ -134,7 +134,8 @@ impl RedisLimit {
     /// # Panics
     ///
     /// If `name` cannot name a limit ([`check_name`](tower_resources_operation::limit::check_name)
-    /// says why), as `LimitBuilder::name` of `tower-resources-operation` does.
+    /// says why), as `LimitBuilder::name` of `tower-resources-operation` does, or if `capacity`
+    /// is 0, as `Limit::new(0)` does.
     #[track_caller]
     pub fn builder(name: impl Into<Cow<'static, str>>, capacity: usize) -> RedisLimitBuilder {
         RedisLimitBuilder::new(name.into(), capacity)
