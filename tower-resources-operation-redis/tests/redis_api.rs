@@ -105,23 +105,21 @@ fn refusal(give: impl FnOnce()) -> String {
 #[test]
 fn each_bad_setting_is_refused_when_the_limit_is_built_naming_the_value() {
     let address = "redis://127.0.0.1:6379/";
+    let builder = || RedisLimit::builder("judges", 2);
+    let call = Duration::from_millis(500);
     let ttl = refusal(|| {
-        drop(
-            RedisLimit::builder("judges", 2)
-                .lease_ttl(Duration::from_secs(1))
-                .call_timeout(Duration::from_millis(500))
-                .build_pair(address),
-        )
+        let built = builder()
+            .lease_ttl(Duration::from_secs(1))
+            .call_timeout(call);
+        drop(built.build_pair(address))
     });
     assert!(ttl.contains("1s") && ttl.contains("500ms"), "{ttl}");
     // Whatever the order the two were given in.
     let ttl = refusal(|| {
-        drop(
-            RedisLimit::builder("judges", 2)
-                .call_timeout(Duration::from_millis(500))
-                .lease_ttl(Duration::from_millis(20))
-                .build_pair(address),
-        )
+        let built = builder()
+            .call_timeout(call)
+            .lease_ttl(Duration::from_millis(20));
+        drop(built.build_pair(address))
     });
     assert!(ttl.contains("20ms") && ttl.contains("30 ms"), "{ttl}");
 
