@@ -59,14 +59,47 @@ pub(crate) fn report(mistake: Mistake, detail: &str) {
     if REPORTED[mistake as usize].swap(true, Ordering::Relaxed) {
         return;
     }
-    let message = format!("tower-resources-operation: {}{}", mistake.message(), detail);
-    // Without a subscriber (the default setup), `tracing` would drop it: standard error then.
+    warn(&format!(
+        "tower-resources-operation: {}{}",
+        mistake.message(),
+        detail
+    ));
+}
+
+/// Warns whoever runs the process, once per call: as a `tracing` warning (target
+/// `tower_resources_operation`) when a subscriber is installed and the `tracing` feature is on,
+/// and on standard error otherwise (with no subscriber, the default setup, `tracing` would drop
+/// it). How this crate says what would otherwise go unseen, and how a limit of your own can: the
+/// fleet limit of `tower-resources-operation-redis` says its outages this way.
+///
+/// Start the message with what speaks (`"my-pool: ..."`): every such warning has this crate's
+/// target.
+///
+/// ```
+/// tower_resources_operation::limit::warn("my-pool: the pool is unreachable; operations are turned away");
+/// ```
+pub fn warn(message: &str) {
     #[cfg(feature = "tracing")]
-    if !tracing::dispatcher::get_default(|dispatch| {
-        dispatch.is::<tracing::subscriber::NoSubscriber>()
-    }) {
+    if has_subscriber() {
         tracing::warn!(target: "tower_resources_operation", "{message}");
         return;
     }
     eprintln!("WARN tower_resources_operation: {message}");
+}
+
+/// Tells whoever runs the process news worth a line (what ended a [`warn`]ing: a store reached
+/// again), as [`warn`] does: an `info` event to a subscriber, else standard error.
+pub fn inform(message: &str) {
+    #[cfg(feature = "tracing")]
+    if has_subscriber() {
+        tracing::info!(target: "tower_resources_operation", "{message}");
+        return;
+    }
+    eprintln!("INFO tower_resources_operation: {message}");
+}
+
+/// Whether a `tracing` subscriber other than the no-op one is in place.
+#[cfg(feature = "tracing")]
+fn has_subscriber() -> bool {
+    !tracing::dispatcher::get_default(|dispatch| dispatch.is::<tracing::subscriber::NoSubscriber>())
 }

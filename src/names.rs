@@ -77,3 +77,10 @@ pub const LIMIT_BASELINE_INSTRUMENT: &str = "gym.resources.limit.adaptive.baseli
 pub const LIMIT_ESTIMATE_INSTRUMENT: &str = "gym.resources.limit.adaptive.estimate_ms";
 /// Attribute key of a limit's name, on the `gym.resources.limit.*` instruments only.
 pub const LIMIT_ATTRIBUTE: &str = "nemo.gym.resources.limit";
+/// Attribute key of whose capacity a limit's is ([`Scope`](crate::limit::Scope): one of
+/// [`SCOPES`]), on the `gym.resources.limit.*` instruments and on
+/// `gym.resources.operation.limit`. An addition of this crate.
+pub const LIMIT_SCOPE_ATTRIBUTE: &str = "nemo.gym.resources.limit.scope";
+/// The values of [`LIMIT_SCOPE_ATTRIBUTE`]: `process` (added up over processes), `fleet` (the
+/// same on every process: read once), `share` (a fleet limit on its share: added up).
+pub const SCOPES: &[&str] = &["process", "fleet", "share"];

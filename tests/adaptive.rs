@@ -24,7 +24,7 @@ use tower::{service_fn, Layer as _, ServiceExt as _};
 use tower_resources_operation::adaptive::{Adaptive, Aimd, Algorithm, Gradient, Sample};
 use tower_resources_operation::metrics::{
     LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT,
-    LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT,
+    LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT, LIMIT_SCOPE_ATTRIBUTE,
 };
 use tower_resources_operation::per_request::{choose_fn, Choice};
 use tower_resources_operation::{
@@ -589,10 +589,11 @@ async fn a_named_adaptive_limit_reports_its_baseline_and_estimate() {
         let point = &points[0];
         assert_eq!(
             point.attributes.keys().collect::<Vec<_>>(),
-            [LIMIT_ATTRIBUTE],
-            "bounded: the limit's name alone"
+            [LIMIT_ATTRIBUTE, LIMIT_SCOPE_ATTRIBUTE],
+            "bounded: the limit's name and scope alone"
         );
         assert_eq!(point.attributes[LIMIT_ATTRIBUTE], "judges");
+        assert_eq!(point.attributes[LIMIT_SCOPE_ATTRIBUTE], "process");
         // 100 ms give or take 10%, the moving average and the lowest of it.
         within(instrument, point.value, 85.0..=115.0);
     }

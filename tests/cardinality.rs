@@ -18,7 +18,8 @@ use tower_resources_operation::classify::{
     ClassifyOutcome, GrpcClassifier, HttpClassifier, TimeoutClassifier,
 };
 use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT, REJECTIONS, REJECTION_ATTRIBUTE,
+    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, LIMIT_SCOPE_ATTRIBUTE, REJECTED_INSTRUMENT, REJECTIONS,
+    REJECTION_ATTRIBUTE, SCOPES,
 };
 use tower_resources_operation::{
     Executor, Limit, Operation, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
@@ -178,12 +179,16 @@ fn assert_series_bounded(telemetry: &Telemetry) {
         };
         let with_outcome = metric.name == DURATION_INSTRUMENT;
         let with_rejection = metric.name == REJECTED_INSTRUMENT;
+        // The limit gauge, by whose capacity it is (process, fleet, share).
+        let with_scope = metric.name == LIMIT_INSTRUMENT;
         let bound = OPERATIONS.len()
             * EXECUTORS.len()
             * if with_outcome {
                 OUTCOMES.len()
             } else if with_rejection {
                 REJECTIONS.len()
+            } else if with_scope {
+                SCOPES.len()
             } else {
                 1
             };
@@ -203,6 +208,9 @@ fn assert_series_bounded(telemetry: &Telemetry) {
             if with_rejection {
                 keys.push(REJECTION_ATTRIBUTE);
             }
+            if with_scope {
+                keys.push(LIMIT_SCOPE_ATTRIBUTE);
+            }
             let mut expected_keys: Vec<&str> = keys.clone();
             expected_keys.sort_unstable();
             let actual_keys: Vec<&str> = attributes.keys().map(String::as_str).collect();
@@ -214,6 +222,9 @@ fn assert_series_bounded(telemetry: &Telemetry) {
             }
             if with_rejection {
                 assert!(REJECTIONS.contains(&attributes[REJECTION_ATTRIBUTE].as_str()));
+            }
+            if with_scope {
+                assert!(SCOPES.contains(&attributes[LIMIT_SCOPE_ATTRIBUTE].as_str()));
             }
         }
     }

@@ -15,7 +15,7 @@ use support::http::serve;
 use support::prometheus::label::{EXECUTOR, OPERATION, OUTCOME, REJECTION};
 use support::prometheus::Exporter;
 use support::within;
-use tower_resources_operation::metrics::METER_NAME;
+use tower_resources_operation::metrics::{LIMIT_SCOPE_ATTRIBUTE, METER_NAME};
 use tower_resources_operation::OPERATION_BOUNDARIES_MS;
 
 /// The label the exporter adds: the name of the meter the series come from.
@@ -317,8 +317,12 @@ async fn metrics_endpoint_shows_the_series_without_unit_suffixes_and_counts_ever
     }
 
     // Labels: the attribute keys with dots as underscores, plus the exporter's scope label.
+    let limit_scope = LIMIT_SCOPE_ATTRIBUTE.replace('.', "_");
     for sample in after.samples.iter().filter(|s| s.name.starts_with("gym_")) {
         let mut keys: BTreeSet<&str> = [OPERATION, EXECUTOR, SCOPE].into();
+        if sample.name == LIMIT {
+            keys.insert(&limit_scope);
+        }
         if sample.name.starts_with(DURATION) {
             keys.insert(OUTCOME);
         }
@@ -484,6 +488,7 @@ async fn a_named_adaptive_limit_shows_its_controllers_series() {
     let text = exporter.text();
     let exposition = Exposition::parse(&text);
     let label = LIMIT_ATTRIBUTE.replace('.', "_");
+    let scope = LIMIT_SCOPE_ATTRIBUTE.replace('.', "_");
     for series in [
         "gym_resources_limit_capacity",
         "gym_resources_limit_active",
@@ -498,8 +503,9 @@ async fn a_named_adaptive_limit_shows_its_controllers_series() {
             .keys()
             .filter(|key| key.starts_with("nemo_"))
             .collect();
-        assert_eq!(crates, [&label], "{series}");
+        assert_eq!(crates, [&label, &scope], "{series}");
         assert_eq!(samples[0].labels[&label], "judges", "{series}");
+        assert_eq!(samples[0].labels[&scope], "process", "{series}");
     }
     assert_eq!(
         exposition.value("gym_resources_limit_capacity", &[]),

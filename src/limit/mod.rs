@@ -10,7 +10,7 @@
 //!
 //! A limit of your own uses the same seams as the crate's: [`Acquire`] to admit,
 //! [`Capacity::of_limit`] to report its name, capacity and live counts, and
-//! [`Acquire::ended`] with a [`Control`] to be adapted.
+//! [`Acquire::ended`] with a [`Control`] to be adapted, and [`warn`] to say what goes wrong.
 
 mod acquire;
 mod error;
@@ -22,6 +22,7 @@ mod queue_timeout;
 mod report;
 mod resize;
 
+pub use crate::diagnostics::{inform, warn};
 pub use acquire::{Acquire, IntoLimit};
 pub(crate) use error::limit_failed;
 pub use error::AcquireError;
@@ -29,4 +30,4 @@ pub use feedback::{Control, Ended, MakeControl, Resize};
 pub use local::{InvalidCapacity, Limit, LimitBuilder, LimitPermit};
 pub(crate) use poll::{in_place, Asking, Waiting};
 pub use queue_timeout::QueueTimeout;
-pub use report::{check_name, Capacity, InvalidName, Reading};
+pub use report::{check_name, Capacity, InvalidName, Reading, Scope};

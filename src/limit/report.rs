@@ -60,6 +60,54 @@ pub struct Reading {
     pub baseline: Option<Duration>,
     /// An adaptive limit's estimate of its recent run time, if its algorithm keeps one.
     pub estimate: Option<Duration>,
+    /// Whose capacity it is: this process's (the default), or a whole fleet's.
+    pub scope: Scope,
+}
+
+/// Whose capacity a [`Reading`] is, so that a dashboard adds up what adds up: reported as
+/// [`LIMIT_SCOPE_ATTRIBUTE`](crate::metrics::LIMIT_SCOPE_ATTRIBUTE) with every named limit's
+/// instruments and with `gym.resources.operation.limit`.
+///
+/// A process-local limit of 4 on each of 3 replicas is 12 places: its capacity is added up over
+/// the replicas. A fleet limit of 4 is 4 places, reported alike by each of the 3: its capacity
+/// is read once (the largest), never added up. Its `active` and `queued` are each replica's
+/// own, and are added up either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Scope {
+    /// This process's own limit: added up over the processes that report it.
+    #[default]
+    Process,
+    /// One limit for the whole fleet, the same capacity reported by every process: read once.
+    Fleet,
+    /// A fleet limit that cannot reach its store, running on this process's share of the
+    /// fleet's last capacity: the shares add up (to at most that capacity), as `Process` does.
+    Share,
+}
+
+impl Scope {
+    /// Every scope, in the order of [`SCOPES`](crate::metrics::SCOPES).
+    pub const ALL: [Scope; 3] = [Scope::Process, Scope::Fleet, Scope::Share];
+
+    /// Its value as an attribute: `process`, `fleet` or `share`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Scope::Process => "process",
+            Scope::Fleet => "fleet",
+            Scope::Share => "share",
+        }
+    }
+
+    /// Its position in [`ALL`](Self::ALL).
+    pub(crate) const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl Reading {
@@ -71,7 +119,21 @@ impl Reading {
             queued,
             baseline: None,
             estimate: None,
+            scope: Scope::Process,
         }
+    }
+
+    /// The same reading, of a limit whose capacity is `scope`'s: a fleet limit says
+    /// [`Scope::Fleet`] (or [`Scope::Share`] while it runs on its share).
+    ///
+    /// ```
+    /// use tower_resources_operation::limit::{Reading, Scope};
+    ///
+    /// let fleet = Reading::new(4, 1, 0).with_scope(Scope::Fleet);
+    /// assert_eq!(fleet.scope.as_str(), "fleet");
+    /// ```
+    pub fn with_scope(self, scope: Scope) -> Self {
+        Self { scope, ..self }
     }
 
     /// The same reading, with what an adaptive limit's controller measured.
@@ -83,8 +145,8 @@ impl Reading {
         }
     }
 
-    /// `self` and `other` as one limit: limits that share a name add up (their run times: the
-    /// slowest).
+    /// `self` and `other` as one limit: limits that share a name (and a scope) add up (their
+    /// run times: the slowest).
     pub(crate) fn add(&mut self, other: &Reading) {
         self.capacity = self.capacity.saturating_add(other.capacity);
         self.active = self.active.saturating_add(other.active);

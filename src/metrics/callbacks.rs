@@ -12,7 +12,8 @@ use crate::limit::Reading;
 use crate::names::{
     ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE,
     LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT, LIMIT_ESTIMATE_INSTRUMENT,
-    LIMIT_INSTRUMENT, LIMIT_QUEUED_INSTRUMENT, QUEUED_INSTRUMENT, REJECTED_INSTRUMENT,
+    LIMIT_INSTRUMENT, LIMIT_QUEUED_INSTRUMENT, LIMIT_SCOPE_ATTRIBUTE, QUEUED_INSTRUMENT,
+    REJECTED_INSTRUMENT,
 };
 
 /// Registers the observable instruments, each read by one callback over every reported series.
@@ -59,7 +60,7 @@ pub(super) fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
         let callback = move |observer: &dyn opentelemetry::metrics::AsyncInstrument<i64>| {
             for (limit, reading) in shared.limits.named() {
                 let value = i64::try_from(value(&reading)).unwrap_or(i64::MAX);
-                observer.observe(value, &[KeyValue::new(LIMIT_ATTRIBUTE, limit)]);
+                observer.observe(value, &named_attributes(limit, &reading));
             }
         };
         (name, description, callback)
@@ -116,8 +117,7 @@ pub(super) fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
             .with_callback(move |observer| {
                 for (limit, reading) in shared.limits.named() {
                     if let Some(run_time) = value(&reading) {
-                        observer
-                            .observe(millis(run_time), &[KeyValue::new(LIMIT_ATTRIBUTE, limit)]);
+                        observer.observe(millis(run_time), &named_attributes(limit, &reading));
                     }
                 }
             })
@@ -146,4 +146,12 @@ pub(super) fn register_callbacks(meter: &Meter, shared: &Arc<Shared>) {
             )
         })
         .build();
+}
+
+/// A named limit's attributes: its name and its scope (built at collection, not per operation).
+fn named_attributes(limit: Arc<str>, reading: &Reading) -> [KeyValue; 2] {
+    [
+        KeyValue::new(LIMIT_ATTRIBUTE, limit),
+        KeyValue::new(LIMIT_SCOPE_ATTRIBUTE, reading.scope.as_str()),
+    ]
 }

@@ -13,10 +13,10 @@ use opentelemetry::KeyValue;
 
 use super::registry::Registry;
 use crate::attributes::{Executor, Operation, Outcome, Rejection};
-use crate::limit::Capacity;
+use crate::limit::{Capacity, Scope};
 use crate::names::{
-    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS,
-    OUTCOME_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT, REJECTION_ATTRIBUTE,
+    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, LIMIT_SCOPE_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 
 /// Series per meter: one per (operation, executor).
@@ -176,12 +176,16 @@ impl Shared {
     }
 
     /// Observes, for each series with at least one known limit, the sum of the capacities of its
-    /// distinct limits.
+    /// distinct limits, by their scope.
     pub(super) fn observe_limits(&self, mut observe: impl FnMut(i64, &[KeyValue])) {
-        for (index, total) in self.limits.totals().iter().enumerate() {
-            if let Some(total) = total {
-                let value = i64::try_from(*total).unwrap_or(i64::MAX);
-                observe(value, &self.series_attributes[index]);
+        for (index, totals) in self.limits.totals().iter().enumerate() {
+            for (scope, total) in Scope::ALL.iter().zip(totals) {
+                if let Some(total) = total {
+                    let value = i64::try_from(*total).unwrap_or(i64::MAX);
+                    let [operation, executor] = self.series_attributes[index].clone();
+                    let scope = KeyValue::new(LIMIT_SCOPE_ATTRIBUTE, scope.as_str());
+                    observe(value, &[operation, executor, scope]);
+                }
             }
         }
     }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::guard::guarded;
-use crate::limit::{Capacity, Reading};
+use crate::limit::{Capacity, Reading, Scope};
 
 /// Limits per series remembered without taking the registry's lock.
 const KNOWN: usize = 4;
@@ -53,20 +53,20 @@ impl<const SERIES: usize> Registry<SERIES> {
         }
     }
 
-    /// The sum of the capacities of each series' limits (`None` for a series with none), and
-    /// forgets the limits that are gone. A capacity that panics when read costs its series
-    /// that collection.
-    pub(super) fn totals(&self) -> [Option<usize>; SERIES] {
-        let mut totals = [None::<usize>; SERIES];
+    /// The sum of the capacities of each series' limits, by scope (`None` for a series with
+    /// none of that scope), and forgets the limits that are gone. A capacity that panics when
+    /// read costs its series that collection.
+    pub(super) fn totals(&self) -> [[Option<usize>; Scope::ALL.len()]; SERIES] {
+        let mut totals = [[None::<usize>; Scope::ALL.len()]; SERIES];
         self.read(|index, _, reading| {
-            let total = totals[index].get_or_insert(0);
+            let total = totals[index][reading.scope.index()].get_or_insert(0);
             *total = total.saturating_add(reading.capacity);
         });
         totals
     }
 
     /// Each named limit's reading, once per limit however many series draw from it; limits
-    /// that share a name add up. In the order the names were first registered.
+    /// that share a name and a scope add up. In the order the names were first registered.
     pub(super) fn named(&self) -> Vec<(Arc<str>, Reading)> {
         let mut seen: Vec<u64> = Vec::new();
         let mut named: Vec<(Arc<str>, Reading)> = Vec::new();
@@ -78,7 +78,10 @@ impl<const SERIES: usize> Registry<SERIES> {
                 return;
             }
             seen.push(capacity.id());
-            match named.iter_mut().find(|(known, _)| known == name) {
+            match named
+                .iter_mut()
+                .find(|(known, sum)| known == name && sum.scope == reading.scope)
+            {
                 Some((_, sum)) => sum.add(&reading),
                 None => named.push((Arc::clone(name), reading)),
             }

@@ -1,9 +1,8 @@
 //! [`RedisLimitBuilder`]: a fleet limit's settings, and where its background work runs.
 
 use std::borrow::Cow;
-use std::collections::BTreeSet;
 use std::ops::RangeInclusive;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
@@ -11,19 +10,45 @@ use tokio::sync::mpsc::unbounded_channel;
 use tower_resources_operation::adaptive::Algorithm;
 use tower_resources_operation::limit::{check_name, Capacity};
 
-use crate::core::{Core, Keys, Settings};
 use crate::error::Error;
-use crate::fleet_control::{AdaptiveSettings, FleetControl};
-use crate::keeper::Background;
-use crate::limit::{RedisLimit, Shared};
-use crate::transport::Transport;
+use crate::fleet::background::Background;
+use crate::fleet::control::{AdaptiveSettings, FleetControl};
+use crate::fleet::member::{Handle, Member, Settings, Unreachable};
+use crate::limit::RedisLimit;
+use crate::redis_store::{self, Address, Keys, RedisStore, Transport};
+
+impl RedisLimit {
+    /// A limit named `name` (shared by every process that names it), of `capacity` operations
+    /// at once across the fleet if the fleet has no capacity yet: see [`RedisLimitBuilder`].
+    ///
+    /// The name is also the limit's attribute in the metrics: 1 to 64 characters among
+    /// `A-Z a-z 0-9 _ . : / -`, starting with a letter. It may be a `&'static str` or a
+    /// `String` read from configuration.
+    ///
+    /// ```
+    /// use tower_resources_operation_redis::RedisLimit;
+    ///
+    /// let from_config = String::from("judges");
+    /// let builder = RedisLimit::builder(from_config, 8);
+    /// # drop(builder);
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `name` cannot name a limit ([`check_name`] says why), as `LimitBuilder::name` of
+    /// `tower-resources-operation` does, or if `capacity` is 0, as `Limit::new(0)` does.
+    #[track_caller]
+    pub fn builder(name: impl Into<Cow<'static, str>>, capacity: usize) -> RedisLimitBuilder {
+        RedisLimitBuilder::new(name.into(), capacity)
+    }
+}
 
 /// Makes a [`RedisLimit`]: its lease TTL, call timeout, queue bound, what it does when Redis
 /// cannot be reached, and where its background work runs.
 ///
 /// ```
 /// use std::time::Duration;
-/// use tower_resources_operation_redis::RedisLimit;
+/// use tower_resources_operation_redis::{RedisLimit, Unreachable};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), tower_resources_operation_redis::Error> {
@@ -31,7 +56,7 @@ use crate::transport::Transport;
 /// let sandboxes = RedisLimit::builder("sandboxes", 32)
 ///     .lease_ttl(Duration::from_secs(15))
 ///     .max_queued(100)
-///     .fail_open()
+///     .when_unreachable(Unreachable::Open)
 ///     .build("redis://127.0.0.1:6379/")?; // connects at the first call, not here
 /// assert_eq!((sandboxes.name(), sandboxes.capacity()), ("sandboxes", 32));
 /// # Ok(())
@@ -56,13 +81,15 @@ use crate::transport::Transport;
 #[derive(Clone, Debug)]
 #[must_use = "a builder makes nothing until `build`"]
 pub struct RedisLimitBuilder {
-    name: &'static str,
+    name: Arc<str>,
     capacity: usize,
     lease_ttl: Duration,
     call_timeout: Duration,
     fallback_poll: Duration,
+    /// `None`: 250 ms, or a third of the TTL if that is shorter.
+    claim_timeout: Option<Duration>,
     max_queued: Option<usize>,
-    fail_open: bool,
+    unreachable: Unreachable,
     overwrite_capacity: bool,
     key_prefix: String,
     meters: Vec<Meter>,
@@ -72,7 +99,7 @@ pub struct RedisLimitBuilder {
 
 impl RedisLimitBuilder {
     #[track_caller]
-    pub(crate) fn new(name: Cow<'static, str>, capacity: usize) -> Self {
+    fn new(name: Cow<'static, str>, capacity: usize) -> Self {
         if let Err(error) = check_name(&name) {
             panic!("{error}");
         }
@@ -83,13 +110,14 @@ impl RedisLimitBuilder {
              serves)"
         );
         Self {
-            name: interned(name),
+            name: Arc::from(name),
             capacity,
             lease_ttl: Duration::from_secs(10),
             call_timeout: Duration::from_millis(500),
             fallback_poll: Duration::from_secs(1),
+            claim_timeout: None,
             max_queued: None,
-            fail_open: false,
+            unreachable: Unreachable::Share,
             overwrite_capacity: false,
             key_prefix: "tro".to_owned(),
             meters: Vec::new(),
@@ -133,27 +161,52 @@ impl RedisLimitBuilder {
         self
     }
 
+    /// How long a place handed over to a waiter is kept for it before it returns to the fleet
+    /// (see [members that die](crate#members-that-die)). Its process takes it up at once when
+    /// it hears of it (one round trip); one that is gone never does, and then every ticket of
+    /// that process leaves the queue with the place. Defaults to 250 ms (a third of the lease
+    /// TTL if that is shorter): far below the lease TTL, and far above a round trip to Redis.
+    /// At most a third of the TTL (checked when the limit is built). A waiter whose process is slower than this to
+    /// take its place up (a pause, a Redis slower than the claim timeout) joins the queue
+    /// again at its end.
+    ///
+    /// # Panics
+    ///
+    /// If `timeout` is shorter than 1 ms, naming it.
+    #[track_caller]
+    pub fn claim_timeout(mut self, timeout: Duration) -> Self {
+        self.claim_timeout = Some(at_least_a_millisecond("a claim timeout", timeout));
+        self
+    }
+
     /// At most `max_queued` operations wait, across the whole fleet: one more is turned away
     /// at once with `Rejection::QueueFull`. `0` turns away every operation that finds no free
-    /// place. Defaults to no bound.
+    /// place. While Redis is out of reach, each replica queues at most its share of it. Defaults
+    /// to no bound.
     pub fn max_queued(mut self, max_queued: usize) -> Self {
         self.max_queued = Some(max_queued);
         self
     }
 
-    /// When Redis cannot be reached, admits the operation without the fleet limit, and counts
-    /// it in `gym.resources.limit.failed_open`, instead of turning it away as `unavailable`
-    /// (the default).
-    pub fn fail_open(mut self) -> Self {
-        self.fail_open = true;
+    /// What the limit answers while Redis cannot be reached: run on this replica's share of
+    /// the fleet's last capacity ([`Unreachable::Share`], the default), turn operations away
+    /// ([`Unreachable::Closed`]), or admit them without the fleet limit
+    /// ([`Unreachable::Open`]).
+    pub fn when_unreachable(mut self, answer: Unreachable) -> Self {
+        self.unreachable = answer;
         self
     }
 
-    /// When Redis cannot be reached, turns the operation away with `Rejection::Unavailable`.
-    /// The default.
-    pub fn fail_closed(mut self) -> Self {
-        self.fail_open = false;
-        self
+    /// The same as `when_unreachable(Unreachable::Open)`: admits the operation without the
+    /// fleet limit, and counts it in `gym.resources.limit.failed_open`.
+    pub fn fail_open(self) -> Self {
+        self.when_unreachable(Unreachable::Open)
+    }
+
+    /// The same as `when_unreachable(Unreachable::Closed)`: turns the operation away with
+    /// `Rejection::Unavailable`.
+    pub fn fail_closed(self) -> Self {
+        self.when_unreachable(Unreachable::Closed)
     }
 
     /// Makes the builder's capacity the whole fleet's at this process's first call (as
@@ -235,14 +288,15 @@ impl RedisLimitBuilder {
         self
     }
 
-    /// The limit, on the Redis at `address` (a `redis://host:port/db` URL, or
-    /// `redis+unix:///path`), with its background task spawned on the current tokio runtime.
+    /// The limit, on the Redis at `address` (a `redis://host:port/db` URL, `redis+unix:///path`,
+    /// or with the `cluster` feature an [`Address::cluster`]), with its background task
+    /// spawned on the current tokio runtime.
     ///
     /// Call it within the runtime that serves for as long as the limit does (with its time and
     /// IO drivers enabled); the task ends once every handle and permit is gone. The connection
-    /// is made at the first call, not here, so a process can start while Redis is away (see
-    /// [`RedisLimit::ready`]); its own tasks (the `redis` crate's connection driver) are spawned
-    /// on the runtime of the call that makes it.
+    /// is made by the background task's first refresh, or the first call, not here, so a
+    /// process can start while Redis is away (see [`RedisLimit::ready`]); its own tasks (the
+    /// `redis` crate's connection driver) are spawned on the runtime of the call that makes it.
     ///
     /// # Errors
     ///
@@ -252,14 +306,16 @@ impl RedisLimitBuilder {
     ///
     /// # Panics
     ///
-    /// If the lease TTL is shorter than three call timeouts, or than 30 ms, naming both: a bad
-    /// value is refused when the limit is built, as every other one of this builder and of
-    /// `tower-resources-operation` is.
+    /// If the lease TTL is shorter than three call timeouts, or than 30 ms, or the claim
+    /// timeout longer than a third of the TTL, naming them: a bad value is refused when the
+    /// limit is built, as every other one of this builder and of `tower-resources-operation`
+    /// is.
     #[track_caller]
-    pub fn build(self, address: &str) -> Result<RedisLimit, Error> {
+    pub fn build(self, address: impl Into<Address>) -> Result<RedisLimit, Error> {
+        let name = Arc::clone(&self.name);
         let (limit, background) = self.build_pair(address)?;
         let runtime = tokio::runtime::Handle::try_current()
-            .map_err(|cause| Error::no_runtime(limit.name(), limit.address(), cause))?;
+            .map_err(|cause| Error::no_runtime(&name, limit.address(), cause))?;
         runtime.spawn(background);
         Ok(limit)
     }
@@ -279,8 +335,11 @@ impl RedisLimitBuilder {
     ///
     /// As [`build`](Self::build).
     #[track_caller]
-    pub fn build_pair(self, address: &str) -> Result<(RedisLimit, Background), Error> {
-        let name = self.name;
+    pub fn build_pair(
+        self,
+        address: impl Into<Address>,
+    ) -> Result<(RedisLimit, Background), Error> {
+        let name = Arc::clone(&self.name);
         assert!(
             self.lease_ttl >= self.call_timeout * 3 && self.lease_ttl >= Duration::from_millis(30),
             "tower-resources-operation-redis: the fleet limit {name:?}'s lease TTL ({:?}) must \
@@ -288,41 +347,64 @@ impl RedisLimitBuilder {
             self.lease_ttl,
             self.call_timeout
         );
-        let keys = Keys::new(&self.key_prefix, name);
-        let (pushes, pushed) = unbounded_channel();
+        let claim_timeout = self
+            .claim_timeout
+            .unwrap_or_else(|| Duration::from_millis(250).min(self.lease_ttl / 3));
+        assert!(
+            claim_timeout * 3 <= self.lease_ttl,
+            "tower-resources-operation-redis: the fleet limit {name:?}'s claim timeout ({:?}) \
+             must be at most a third of its lease TTL ({:?})",
+            claim_timeout,
+            self.lease_ttl
+        );
+        let keys = Keys::new(&self.key_prefix, &name);
+        let (events, heard) = unbounded_channel();
         let transport = Transport::open(
-            name,
-            address,
+            Arc::clone(&name),
+            &address.into(),
             keys.channel.clone(),
             self.call_timeout,
-            pushes,
+            events,
         )?;
-        let core = Arc::new(Core::new(Settings {
-            name,
+        let store = RedisStore::new(
+            Arc::clone(&name),
             keys,
             transport,
-            capacity: self.capacity,
-            overwrite: self.overwrite_capacity,
-            max_queued: self.max_queued,
-            fail_open: self.fail_open,
-            lease_ttl: self.lease_ttl,
-            call_timeout: self.call_timeout,
-            fallback_poll: self.fallback_poll.min(self.lease_ttl / 3),
-            adaptive: self.adaptive.map(|mut adaptive| {
-                adaptive.tick = self.adaptive_tick;
-                FleetControl::new(adaptive, self.call_timeout, self.lease_ttl)
-            }),
-        }));
+            redis_store::Settings {
+                capacity: self.capacity,
+                lease_ttl: self.lease_ttl,
+                claim_timeout,
+                max_queued: self.max_queued,
+            },
+        );
+        let member = Arc::new(Member::new(
+            store,
+            Settings {
+                name: Arc::clone(&name),
+                capacity: self.capacity,
+                overwrite: self.overwrite_capacity,
+                max_queued: self.max_queued,
+                unreachable: self.unreachable,
+                lease_ttl: self.lease_ttl,
+                call_timeout: self.call_timeout,
+                fallback_poll: self.fallback_poll.min(self.lease_ttl / 3),
+                claim_timeout,
+                control: self.adaptive.map(|mut adaptive| {
+                    adaptive.tick = self.adaptive_tick;
+                    FleetControl::new(adaptive, self.call_timeout, self.lease_ttl)
+                }),
+            },
+        ));
         let (releases, released) = unbounded_channel();
-        let shared = Arc::new_cyclic(|shared: &Weak<Shared>| {
-            let shared = shared.clone();
-            let gauge = Capacity::of_limit(Some(name), move || {
-                shared.upgrade().map(|shared| shared.core.reading())
+        let handle = Arc::new_cyclic(|handle: &Weak<Handle<RedisStore>>| {
+            let handle = handle.clone();
+            let gauge = Capacity::of_limit(Some(&name), move || {
+                handle.upgrade().map(|handle| handle.member.reading())
             });
-            Shared::new(Arc::clone(&core), releases, gauge)
+            Handle::new(Arc::clone(&member), releases, gauge)
         });
-        let background = Background::new(core, released, pushed);
-        let limit = RedisLimit::from_shared(shared);
+        let background = Background::new(member, released, heard);
+        let limit = RedisLimit::from_handle(handle);
         for meter in &self.meters {
             limit.register_metrics(meter);
         }
@@ -340,42 +422,21 @@ fn at_least_a_millisecond(what: &str, duration: Duration) -> Duration {
     duration
 }
 
-/// `name`, for the life of the process: a `&'static str` as it is, a `String` kept once per
-/// distinct name (checked first, so that only a name that can name a limit is kept).
-fn interned(name: Cow<'static, str>) -> &'static str {
-    static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
-    let name = match name {
-        Cow::Borrowed(name) => return name,
-        Cow::Owned(name) => name,
-    };
-    let mut names = NAMES
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(kept) = names.get(name.as_str()) {
-        return kept;
-    }
-    let kept: &'static str = Box::leak(name.into_boxed_str());
-    names.insert(kept);
-    kept
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn a_name_from_configuration_is_kept_once_and_a_static_one_as_it_is() {
-        let first = interned(Cow::Owned(String::from("from-config")));
-        let again = interned(Cow::Owned(String::from("from-config")));
-        assert_eq!(first, "from-config");
-        assert!(std::ptr::eq(first, again), "one copy per distinct name");
-        let written: &'static str = "written";
-        assert!(std::ptr::eq(interned(Cow::Borrowed(written)), written));
+    #[should_panic(expected = "judges of 2026")]
+    fn a_name_that_cannot_name_a_limit_is_refused() {
+        let _ = RedisLimit::builder(String::from("judges of 2026"), 1);
     }
 
     #[test]
-    #[should_panic(expected = "judges of 2026")]
-    fn a_name_that_cannot_name_a_limit_is_refused_before_it_is_kept() {
-        let _ = RedisLimit::builder(String::from("judges of 2026"), 1);
+    #[should_panic(expected = "claim timeout (4s) must be at most a third of its lease TTL")]
+    fn a_claim_timeout_longer_than_a_third_of_the_ttl_is_refused() {
+        let _ = RedisLimit::builder("judges", 1)
+            .claim_timeout(Duration::from_secs(4))
+            .build_pair("redis://127.0.0.1:6379/");
     }
 }

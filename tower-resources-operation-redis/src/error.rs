@@ -1,13 +1,12 @@
-//! [`Error`]: why a fleet limit could not be built, or a call to Redis failed. It names the
-//! limit, the address (without its password) and the cause; the `redis` crate's error, when
-//! there is one, is only its [`source`](std::error::Error::source).
+//! [`Error`]: why a fleet limit could not be built, or a call to its store failed. It names the
+//! limit, the address (without its password) and the cause; the store client's own error, when
+//! there is one, is only its [`source`](std::error::Error::source). Nothing here knows Redis:
+//! the store makes its errors through [`Error::new`].
 
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
-
-use redis::RedisError;
 
 /// Why a fleet limit could not be built, or a call of it to Redis failed.
 ///
@@ -32,7 +31,7 @@ pub struct Error {
 
 struct Inner {
     kind: ErrorKind,
-    limit: &'static str,
+    limit: Arc<str>,
     /// The address, as said in messages: without its password.
     address: String,
     /// What went wrong, in words, the cause included.
@@ -71,8 +70,8 @@ impl Error {
     }
 
     /// The name of the limit it is about.
-    pub fn limit(&self) -> &'static str {
-        self.inner.limit
+    pub fn limit(&self) -> &str {
+        &self.inner.limit
     }
 
     /// The Redis address the limit was given, without its password.
@@ -93,9 +92,11 @@ impl Error {
         matches!(self.kind(), ErrorKind::Timeout | ErrorKind::Unreachable)
     }
 
-    fn new(
+    /// An error of `kind` about the limit `limit` on the store at `address` (as messages say
+    /// it), described by `message`, caused by `source`.
+    pub(crate) fn new(
         kind: ErrorKind,
-        limit: &'static str,
+        limit: &Arc<str>,
         address: &str,
         message: String,
         source: Option<Box<dyn StdError + Send + Sync>>,
@@ -103,7 +104,7 @@ impl Error {
         Self {
             inner: Arc::new(Inner {
                 kind,
-                limit,
+                limit: Arc::clone(limit),
                 address: address.to_owned(),
                 message,
                 short_circuited: false,
@@ -112,19 +113,8 @@ impl Error {
         }
     }
 
-    /// `address` cannot be used: `cause`.
-    pub(crate) fn invalid_address(limit: &'static str, address: &str, cause: RedisError) -> Self {
-        Self::new(
-            ErrorKind::InvalidAddress,
-            limit,
-            address,
-            format!("not a Redis address the limit can use ({cause})"),
-            Some(Box::new(cause)),
-        )
-    }
-
     /// Redis answered what the limit's scripts never answer: `what`.
-    pub(crate) fn unexpected(limit: &'static str, address: &str, what: &str) -> Self {
+    pub(crate) fn unexpected(limit: &Arc<str>, address: &str, what: &str) -> Self {
         Self::new(
             ErrorKind::Redis,
             limit,
@@ -136,7 +126,7 @@ impl Error {
 
     /// `build` outside a tokio runtime.
     pub(crate) fn no_runtime(
-        limit: &'static str,
+        limit: &Arc<str>,
         address: &str,
         cause: tokio::runtime::TryCurrentError,
     ) -> Self {
@@ -154,7 +144,7 @@ impl Error {
     }
 
     /// No answer within `timeout`.
-    pub(crate) fn timeout(limit: &'static str, address: &str, timeout: Duration) -> Self {
+    pub(crate) fn timeout(limit: &Arc<str>, address: &str, timeout: Duration) -> Self {
         Self::new(
             ErrorKind::Timeout,
             limit,
@@ -164,50 +154,12 @@ impl Error {
         )
     }
 
-    /// A call, bounded by `timeout`, that failed with `cause`.
-    pub(crate) fn from_redis(
-        limit: &'static str,
-        address: &str,
-        timeout: Duration,
-        cause: RedisError,
-    ) -> Self {
-        use redis::ErrorKind as Redis;
-        let (kind, what) = if cause.is_timeout() {
-            (
-                ErrorKind::Timeout,
-                format!("Redis did not answer within the call timeout ({timeout:?})"),
-            )
-        } else if cause.is_io_error()
-            || cause.is_connection_dropped()
-            || cause.is_connection_refusal()
-            || matches!(
-                cause.kind(),
-                Redis::IoError
-                    | Redis::BusyLoadingError
-                    | Redis::TryAgain
-                    | Redis::ClusterDown
-                    | Redis::MasterDown
-            )
-        {
-            (ErrorKind::Unreachable, "Redis cannot be reached".to_owned())
-        } else {
-            (ErrorKind::Redis, "Redis answered with an error".to_owned())
-        };
-        Self::new(
-            kind,
-            limit,
-            address,
-            format!("{what}: {cause}"),
-            Some(Box::new(cause)),
-        )
-    }
-
     /// The answer given without asking Redis, after `self`.
     pub(crate) fn short_circuited(&self) -> Self {
         Self {
             inner: Arc::new(Inner {
                 kind: self.kind(),
-                limit: self.inner.limit,
+                limit: Arc::clone(&self.inner.limit),
                 address: self.inner.address.clone(),
                 message: format!(
                     "not asked: Redis failed a moment ago ({}), and the limit answers at once \
@@ -250,33 +202,4 @@ impl StdError for Error {
             .as_deref()
             .map(|source| source as &(dyn StdError + 'static))
     }
-}
-
-/// `address` as messages say it: the host, port and database of a URL, never its user or
-/// password; an address that does not parse, with whatever is between `://` and `@` hidden.
-pub(crate) fn redact(address: &str, parsed: Option<&redis::ConnectionInfo>) -> String {
-    use redis::ConnectionAddr;
-    if let Some(info) = parsed {
-        let db = info.redis.db;
-        return match &info.addr {
-            ConnectionAddr::Tcp(host, port) => format!("redis://{host}:{port}/{db}"),
-            ConnectionAddr::TcpTls { host, port, .. } => format!("rediss://{host}:{port}/{db}"),
-            ConnectionAddr::Unix(path) => format!("redis+unix://{}?db={db}", path.display()),
-        };
-    }
-    let mut shown = match (address.find("://"), address.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}://***{}", &address[..scheme], &address[at..])
-        }
-        _ => address.to_owned(),
-    };
-    if shown.len() > 200 {
-        let mut end = 200;
-        while !shown.is_char_boundary(end) {
-            end -= 1;
-        }
-        shown.truncate(end);
-        shown.push('…');
-    }
-    shown
 }

@@ -277,21 +277,19 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 
 mod builder;
-mod core;
 mod error;
-mod fleet_control;
-mod health;
-mod keeper;
+mod fleet;
+mod guard;
 mod limit;
 pub mod metrics;
-mod scripts;
-mod transport;
-mod waiters;
+mod redis_store;
 
 pub use builder::RedisLimitBuilder;
 pub use error::{Error, ErrorKind};
-pub use keeper::Background;
+pub use fleet::background::Background;
+pub use fleet::member::Unreachable;
 pub use limit::{Fleet, RedisLimit, RedisPermit};
+pub use redis_store::Address;
 
 #[cfg(doc)]
 use tower_resources_operation::adaptive::{Algorithm, Sample};

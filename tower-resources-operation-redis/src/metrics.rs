@@ -31,8 +31,8 @@ use std::sync::{Arc, Weak};
 use opentelemetry::metrics::Meter;
 use opentelemetry::KeyValue;
 
-use crate::core::Core;
-use crate::limit::Shared;
+use crate::fleet::member::{Handle, Member};
+use crate::redis_store::RedisStore;
 
 /// Observable counter, `{operation}`: operations a fleet limit admitted without itself because
 /// it could not reach Redis and was told to [fail open](crate::RedisLimitBuilder::fail_open),
@@ -48,28 +48,28 @@ pub const LEASES_LOST_INSTRUMENT: &str = "gym.resources.limit.leases_lost";
 pub use tower_resources_operation::metrics::LIMIT_ATTRIBUTE;
 
 /// Registers the limit's instruments on `meter`.
-pub(crate) fn register(meter: &Meter, shared: &Arc<Shared>) {
+pub(crate) fn register(meter: &Meter, handle: &Arc<Handle<RedisStore>>) {
     for (name, description, count) in [
         (
             FAILED_OPEN_INSTRUMENT,
             "Operations a fleet limit admitted without itself, failing open, because it could not reach Redis.",
-            (|core| &core.failed_open) as fn(&Core) -> &AtomicU64,
+            (|member| &member.failed_open) as fn(&Member<RedisStore>) -> &AtomicU64,
         ),
         (
             LEASES_LOST_INSTRUMENT,
             "Leases of a fleet limit found lost while their operations ran.",
-            |core| &core.leases_lost,
+            |member| &member.leases_lost,
         ),
     ] {
-        let limit: Weak<Shared> = Arc::downgrade(shared);
-        let attributes = [KeyValue::new(LIMIT_ATTRIBUTE, shared.core.name)];
+        let limit: Weak<Handle<RedisStore>> = Arc::downgrade(handle);
+        let attributes = [KeyValue::new(LIMIT_ATTRIBUTE, Arc::clone(&handle.member.name))];
         meter
             .u64_observable_counter(name)
             .with_unit("{operation}")
             .with_description(description)
             .with_callback(move |observer| {
                 if let Some(limit) = limit.upgrade() {
-                    observer.observe(count(&limit.core).load(Ordering::Relaxed), &attributes);
+                    observer.observe(count(&limit.member).load(Ordering::Relaxed), &attributes);
                 }
             })
             .build();

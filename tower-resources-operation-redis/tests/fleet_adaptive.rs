@@ -846,7 +846,7 @@ async fn an_uncontended_operation_of_an_adaptive_fleet_limit_costs_two_round_tri
         .adaptive(Vegas::default(), 1..=64)
         .adaptive_tick(Duration::from_secs(3600))
         .lease_ttl(Duration::from_secs(3600))
-        .build(&redis.url())
+        .build(redis.url())
         .unwrap();
     operation(limit.clone()).await;
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -873,7 +873,7 @@ async fn an_uncontended_operation_of_an_adaptive_fleet_limit_costs_two_round_tri
     let ticking = RedisLimit::builder("ticking", 4)
         .adaptive(Vegas::default(), 1..=64)
         .adaptive_tick(Duration::from_millis(100))
-        .build(&redis.url())
+        .build(redis.url())
         .unwrap();
     operation(ticking.clone()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;

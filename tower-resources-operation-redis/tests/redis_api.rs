@@ -193,7 +193,7 @@ async fn ready_says_whether_redis_answers_now_not_whether_it_once_connected() {
     };
     let limit = RedisLimit::builder("judges", 2)
         .call_timeout(Duration::from_millis(300))
-        .build(&redis.url())
+        .build(redis.url())
         .unwrap();
     limit.ready().await.unwrap();
     redis.pause();
@@ -215,7 +215,7 @@ async fn build_pair_leaves_the_background_work_to_the_caller_and_it_ends_with_th
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let (limit, background) = patient("judges", 2).build_pair(&redis.url()).unwrap();
+    let (limit, background) = patient("judges", 2).build_pair(redis.url()).unwrap();
     let permit = within("a place", limit.acquire()).await.unwrap();
     assert_eq!(limit.fleet().await.unwrap().active, 1);
 
@@ -241,7 +241,7 @@ async fn build_spawns_its_background_work_on_the_current_runtime() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let limit = patient("judges", 2).build(&redis.url()).unwrap();
+    let limit = patient("judges", 2).build(redis.url()).unwrap();
     drop(within("a place", limit.acquire()).await.unwrap());
     within("the release", async {
         while limit.fleet().await.unwrap().active != 0 {
@@ -261,7 +261,7 @@ async fn the_fleet_instruments_are_registered_only_when_asked_and_stop_with_thei
         return;
     };
     let t = Telemetry::new();
-    let limit = patient("judges", 2).build(&redis.url()).unwrap();
+    let limit = patient("judges", 2).build(redis.url()).unwrap();
     limit.ready().await.unwrap();
     let names = [FAILED_OPEN_INSTRUMENT, LEASES_LOST_INSTRUMENT];
     for name in names {

@@ -22,7 +22,7 @@ use support::redis_server::RedisServer;
 use support::{live, Telemetry};
 use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
 use tower_resources_operation::{Acquire, Executor, Operation, Rejection, DURATION_INSTRUMENT};
-use tower_resources_operation_redis::RedisLimit;
+use tower_resources_operation_redis::{RedisLimit, Unreachable};
 
 /// The environment variable that makes [`replica`] a replica, with its settings.
 const REPLICA: &str = "TRO_FLEET_REPLICA";
@@ -50,14 +50,15 @@ struct Settings {
     concurrency: usize,
     work_ms: u64,
     spread_ms: u64,
-    fail_open: bool,
+    /// What the replica answers while Redis is away: `closed`, `open` or `share`.
+    unreachable: String,
 }
 
 impl Settings {
     fn encode(&self) -> String {
         format!(
             "redis={} observer={} capacity={} ttl_ms={} call_ms={} mode={} ops={} concurrency={} \
-             work_ms={} spread_ms={} fail_open={}",
+             work_ms={} spread_ms={} unreachable={}",
             self.redis,
             self.observer,
             self.capacity,
@@ -68,7 +69,7 @@ impl Settings {
             self.concurrency,
             self.work_ms,
             self.spread_ms,
-            self.fail_open
+            self.unreachable
         )
     }
 
@@ -89,7 +90,7 @@ impl Settings {
             concurrency: number("concurrency") as usize,
             work_ms: number("work_ms"),
             spread_ms: number("spread_ms"),
-            fail_open: pairs["fail_open"] == "true",
+            unreachable: pairs["unreachable"].to_owned(),
         }
     }
 }
@@ -123,9 +124,11 @@ async fn run_replica(settings: Settings) {
         .lease_ttl(Duration::from_millis(settings.ttl_ms))
         .call_timeout(Duration::from_millis(settings.call_ms))
         .fallback_poll(Duration::from_millis(settings.call_ms));
-    if settings.fail_open {
-        builder = builder.fail_open();
-    }
+    builder = builder.when_unreachable(match settings.unreachable.as_str() {
+        "open" => Unreachable::Open,
+        "closed" => Unreachable::Closed,
+        _ => Unreachable::Share,
+    });
     let limit = builder.build(&settings.redis).unwrap();
     limit.ready().await.expect("Redis at the start");
     if settings.mode == "hold" {
@@ -148,14 +151,19 @@ async fn run_replica(settings: Settings) {
     let slots = Arc::new(tokio::sync::Semaphore::new(settings.concurrency));
     say("READY");
     let mut operations = Vec::new();
+    let on_share = Arc::new(std::sync::atomic::AtomicU64::new(0));
     for _ in 0..settings.ops {
         let slot = Arc::clone(&slots).acquire_owned().await.unwrap();
         let (t, limit, mut observer) = (Arc::clone(&t), limit.clone(), observer.clone());
+        let on_share = Arc::clone(&on_share);
         let work = Duration::from_millis(settings.work_ms);
         operations.push(tokio::spawn(async move {
             let answer = t
                 .metrics
                 .resources_operation(&limit, Operation::Verify, Executor::Process, async {
+                    if limit.is_on_share() {
+                        on_share.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
                     enter(&mut observer).await;
                     tokio::time::sleep(work).await;
                     leave(&mut observer).await;
@@ -193,9 +201,10 @@ async fn run_replica(settings: Settings) {
     say(&format!(
         "RESULT admitted={admitted} unavailable={unavailable} other={other} \
          failed_open={} leases_lost={} queued={queued} active={active} recorded={recorded} \
-         counted_unavailable={counted_unavailable} recovered={recovered}",
+         counted_unavailable={counted_unavailable} recovered={recovered} on_share={}",
         limit.failed_open(),
         limit.leases_lost(),
+        on_share.load(std::sync::atomic::Ordering::Relaxed),
     ));
 }
 
@@ -316,7 +325,7 @@ fn test_handle(redis: &RedisServer, capacity: usize) -> RedisLimit {
     RedisLimit::builder(NAME, capacity)
         .lease_ttl(Duration::from_secs(60))
         .fallback_poll(Duration::from_millis(200))
-        .build(&redis.url())
+        .build(redis.url())
         .unwrap()
 }
 
@@ -346,7 +355,7 @@ fn burst(redis: &RedisServer, observer: &RedisServer, capacity: usize) -> Settin
         concurrency: 8,
         work_ms: 20,
         spread_ms: 0,
-        fail_open: false,
+        unreachable: "closed".to_owned(),
     }
 }
 
@@ -443,19 +452,21 @@ async fn with_redis_restarted_mid_load_no_caller_hangs_and_each_gets_its_configu
     let (Some(mut redis), Some(observer)) = (RedisServer::start(), RedisServer::start()) else {
         return;
     };
-    // Two replicas fail closed, one fails open; operations arrive over 3 s, Redis is away for
-    // one of them.
+    // One replica fails closed, one fails open, one runs on its share; operations arrive over
+    // 3 s, Redis is away for one of them.
     let mut settings = burst(&redis, &observer, CAPACITY);
     settings.ops = 60;
     settings.concurrency = 6;
     settings.spread_ms = 50;
     settings.work_ms = 30;
     let mut open = settings.clone();
-    open.fail_open = true;
+    open.unreachable = "open".to_owned();
+    let mut share = settings.clone();
+    share.unreachable = "share".to_owned();
     let mut replicas = vec![
         Replica::start(&settings),
-        Replica::start(&settings),
         Replica::start(&open),
+        Replica::start(&share),
     ];
     replicas = within("the replicas start", Duration::from_secs(60), move || {
         for replica in &mut replicas {
@@ -496,15 +507,23 @@ async fn with_redis_restarted_mid_load_no_caller_hangs_and_each_gets_its_configu
             count(result, "counted_unavailable"),
             count(result, "unavailable")
         );
-        if index < 2 {
-            assert!(
-                count(result, "unavailable") > 0,
-                "failing closed: {result:?}"
-            );
-            assert_eq!(count(result, "failed_open"), 0);
-        } else {
-            assert_eq!(count(result, "unavailable"), 0, "failing open: {result:?}");
-            assert!(count(result, "failed_open") > 0, "{result:?}");
+        match index {
+            0 => {
+                assert!(
+                    count(result, "unavailable") > 0,
+                    "failing closed: {result:?}"
+                );
+                assert_eq!(count(result, "failed_open"), 0);
+            }
+            1 => {
+                assert_eq!(count(result, "unavailable"), 0, "failing open: {result:?}");
+                assert!(count(result, "failed_open") > 0, "{result:?}");
+            }
+            _ => {
+                assert_eq!(count(result, "unavailable"), 0, "on its share: {result:?}");
+                assert_eq!(count(result, "failed_open"), 0, "{result:?}");
+                assert!(count(result, "on_share") > 0, "{result:?}");
+            }
         }
     }
     let handle = test_handle(&redis, CAPACITY);

@@ -122,7 +122,8 @@ async fn waiters_hear_within_their_bound_through(fault: Fault) {
             .lease_ttl(TTL)
             .call_timeout(CALL)
             .fallback_poll(POLL)
-            .build(&redis.url())
+            .fail_closed()
+            .build(redis.url())
             .unwrap()
     };
     // `busy` will send a stream of releases while Redis is frozen; `idle` only waits; `callers`
@@ -245,8 +246,8 @@ async fn after_the_first_failure_callers_are_answered_at_once_and_each_outage_is
             .call_timeout(CALL)
             .fallback_poll(POLL)
     };
-    let closed = build(CLOSED).build(&redis.url()).unwrap();
-    let open = build(OPEN).fail_open().build(&redis.url()).unwrap();
+    let closed = build(CLOSED).fail_closed().build(redis.url()).unwrap();
+    let open = build(OPEN).fail_open().build(redis.url()).unwrap();
     // A steady stream of other callers, before, during and after the outage.
     let stop = Arc::new(AtomicBool::new(false));
     let streams = [
@@ -351,7 +352,7 @@ async fn a_configured_capacity_that_is_not_the_fleets_is_kept_with_one_warning_u
             .lease_ttl(Duration::from_secs(60))
             .call_timeout(Duration::from_secs(5))
     };
-    let first = build(3).build(&redis.url()).unwrap();
+    let first = build(3).build(redis.url()).unwrap();
     first.ready().await.unwrap();
     assert_eq!(
         first.fleet().await.unwrap().capacity,
@@ -367,7 +368,7 @@ async fn a_configured_capacity_that_is_not_the_fleets_is_kept_with_one_warning_u
     );
 
     // Another capacity: the fleet's is kept, with one warning, however many calls it makes.
-    let later = build(7).build(&redis.url()).unwrap();
+    let later = build(7).build(redis.url()).unwrap();
     for _ in 0..10 {
         drop(within("a place", later.acquire()).await.unwrap());
     }
@@ -387,7 +388,7 @@ async fn a_configured_capacity_that_is_not_the_fleets_is_kept_with_one_warning_u
 
     // Built to overwrite: its first call makes its capacity the fleet's, and every replica
     // hears it.
-    let overwriting = build(5).overwrite_capacity().build(&redis.url()).unwrap();
+    let overwriting = build(5).overwrite_capacity().build(redis.url()).unwrap();
     drop(within("a place", overwriting.acquire()).await.unwrap());
     assert_eq!(overwriting.fleet().await.unwrap().capacity, 5);
     support::eventually("every replica hears it", || {
@@ -395,7 +396,7 @@ async fn a_configured_capacity_that_is_not_the_fleets_is_kept_with_one_warning_u
     })
     .await;
     // A capacity set by the first call is the caller's choice: nothing to warn about.
-    let operator = build(9).build(&redis.url()).unwrap();
+    let operator = build(9).build(redis.url()).unwrap();
     operator.set_capacity(4).await.unwrap();
     drop(within("a place", operator.acquire()).await.unwrap());
     assert_eq!(operator.capacity(), 4);

@@ -1,6 +1,6 @@
-//! A `tracing` subscriber for the whole test binary that keeps each event's level, target,
-//! `limit` field and message, so that a test can count what was said about its own limit (each
-//! test names its limits apart).
+//! A `tracing` subscriber for the whole test binary that keeps each event's level, target and
+//! message, so that a test can count what was said about its own limit (each test names its
+//! limits apart, and every message names its limit).
 
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -14,7 +14,6 @@ use tracing::{Event, Level, Metadata, Subscriber};
 pub struct Said {
     pub level: Level,
     pub target: String,
-    pub limit: String,
     pub message: String,
 }
 
@@ -37,8 +36,10 @@ pub fn start() {
     captured();
 }
 
-/// What was said so far about the limit `limit`, at `level`, by this crate.
+/// What was said so far about the limit `limit`, at `level`, by this crate (through the core
+/// crate's diagnostics, whose target it is).
 pub fn said(limit: &str, level: Level) -> Vec<Said> {
+    let named = format!("the fleet limit {limit:?}");
     captured()
         .0
         .lock()
@@ -46,8 +47,8 @@ pub fn said(limit: &str, level: Level) -> Vec<Said> {
         .iter()
         .filter(|said| {
             said.level == level
-                && said.target == "tower_resources_operation_redis"
-                && said.limit == limit
+                && said.target == "tower_resources_operation"
+                && said.message.contains(&named)
         })
         .cloned()
         .collect()
@@ -55,24 +56,19 @@ pub fn said(limit: &str, level: Level) -> Vec<Said> {
 
 #[derive(Default)]
 struct Fields {
-    limit: String,
     message: String,
 }
 
 impl Visit for Fields {
     fn record_str(&mut self, field: &Field, value: &str) {
-        match field.name() {
-            "limit" => self.limit = value.to_owned(),
-            "message" => self.message = value.to_owned(),
-            _ => {}
+        if field.name() == "message" {
+            self.message = value.to_owned();
         }
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn Debug) {
-        match field.name() {
-            "limit" => self.limit = format!("{value:?}").trim_matches('"').to_owned(),
-            "message" => self.message = format!("{value:?}"),
-            _ => {}
+        if field.name() == "message" {
+            self.message = format!("{value:?}");
         }
     }
 }
@@ -93,7 +89,6 @@ impl Subscriber for Captured {
         self.0.lock().unwrap().push(Said {
             level: *metadata.level(),
             target: metadata.target().to_owned(),
-            limit: fields.limit,
             message: fields.message,
         });
     }

@@ -1,12 +1,11 @@
 //! An adaptive fleet limit's controller in one process ([`FleetControl`]): what its operations'
-//! ends add to (a handful of relaxed atomics, nothing that reaches Redis), what the process
-//! knows of the fleet's window and decisions, and the background loop ([`decide`]) that flushes
-//! the counts to Redis every tick and, in the one process that holds the leader's lease, runs
-//! the algorithm once per window of the fleet.
+//! ends add to (a handful of relaxed atomics, nothing that reaches the store), and what the
+//! process knows of the fleet's window and decisions. The background task flushes the counts
+//! to the store every tick and, in the one process that holds the leader's lease, runs the
+//! algorithm once per window of the fleet.
 
 use std::fmt;
 use std::ops::RangeInclusive;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,8 +16,7 @@ use tower_resources_operation::adaptive::{Algorithm, Sample};
 use tower_resources_operation::limit::Ended;
 use tower_resources_operation::Outcome;
 
-use crate::core::Core;
-use crate::waiters::next_id;
+use super::books::next_id;
 
 /// An atomic duration's "none".
 const NONE: u64 = u64::MAX;
@@ -67,7 +65,7 @@ impl fmt::Debug for AdaptiveSettings {
 
 /// What this process's operations added up to since the last tick.
 #[derive(Debug)]
-struct Tally {
+pub(crate) struct Tally {
     /// Of the operations admitted in the window this process knows of: ended, ended `ok`, the
     /// sum of their run times (µs), of their squares (µs² / 1024), the shortest (`NONE`).
     ended: AtomicU64,
@@ -85,14 +83,14 @@ struct Tally {
 /// What a tick takes of the tally, and what the fleet's window adds up to.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Counts {
-    ended: u64,
-    timed: u64,
-    sum_us: u64,
-    squares: u64,
-    min_us: Option<u64>,
-    congested: u64,
-    stale: u64,
-    rejected: u64,
+    pub(crate) ended: u64,
+    pub(crate) timed: u64,
+    pub(crate) sum_us: u64,
+    pub(crate) squares: u64,
+    pub(crate) min_us: Option<u64>,
+    pub(crate) congested: u64,
+    pub(crate) stale: u64,
+    pub(crate) rejected: u64,
 }
 
 impl Tally {
@@ -109,7 +107,7 @@ impl Tally {
         }
     }
 
-    fn take(&self) -> Counts {
+    pub(crate) fn take(&self) -> Counts {
         Counts {
             ended: self.ended.swap(0, Relaxed),
             timed: self.timed.swap(0, Relaxed),
@@ -128,12 +126,12 @@ impl Tally {
 
 /// An adaptive fleet limit's controller in this process.
 pub(crate) struct FleetControl {
-    settings: AdaptiveSettings,
+    pub(crate) settings: AdaptiveSettings,
     /// This process's id as a candidate for the leader's lease.
-    id: String,
+    pub(crate) id: String,
     /// How long the leader's lease lasts without a tick that extends it.
     pub(crate) leader_ttl: Duration,
-    tally: Tally,
+    pub(crate) tally: Tally,
     /// The fleet's window, as this process last heard (0 before it heard any).
     epoch: AtomicU64,
     /// The first window after the fleet's last decrease (0 for none), and when this process
@@ -145,9 +143,9 @@ pub(crate) struct FleetControl {
     baseline_us: AtomicU64,
     estimate_us: AtomicU64,
     /// Whether this process held the leader's lease at its last tick.
-    leads: AtomicBool,
+    pub(crate) leads: AtomicBool,
     /// Windows this process decided.
-    decisions: AtomicU64,
+    pub(crate) decisions: AtomicU64,
     origin: Instant,
     /// Tick now: a first sign of congestion, or the leader hears that the window is due.
     pub(crate) doorbell: Notify,
@@ -283,24 +281,6 @@ impl FleetControl {
         self.estimate_us
             .store(known.estimate_us.unwrap_or(NONE), Relaxed);
     }
-
-    /// What was published of a decision: `<epoch> <decreased> <rtt> <baseline> <estimate>`.
-    pub(crate) fn heard(&self, message: &str) {
-        let mut parts = message.split(' ').map(|part| part.parse::<i64>().ok());
-        let mut next = || parts.next().flatten();
-        let (Some(epoch), Some(decreased)) = (next(), next()) else {
-            return;
-        };
-        let us = |value: Option<i64>| value.and_then(|v| u64::try_from(v).ok());
-        let (rtt_us, baseline_us, estimate_us) = (us(next()), us(next()), us(next()));
-        self.learn(&Known {
-            epoch: u64::try_from(epoch).unwrap_or(0),
-            decreased: u64::try_from(decreased).unwrap_or(0),
-            rtt_us,
-            baseline_us,
-            estimate_us,
-        });
-    }
 }
 
 impl fmt::Debug for FleetControl {
@@ -317,7 +297,7 @@ impl fmt::Debug for FleetControl {
 }
 
 /// What a tick or a decision says of the fleet's adaptive state.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Known {
     pub(crate) epoch: u64,
     pub(crate) decreased: u64,
@@ -341,60 +321,20 @@ pub(crate) struct Ticked {
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Taken {
     /// The fleet's counts, every process's ticks added up.
-    counts: Counts,
-    samples: u64,
-    active_sum: u64,
-    peak: u64,
-}
-
-impl Ticked {
-    /// The script's strings, as [`FLEET_TICK`](crate::scripts) returns them.
-    pub(crate) fn parse(fields: &[String]) -> Option<Self> {
-        let number = |index: usize| -> Option<u64> {
-            fields
-                .get(index)
-                .and_then(|field| field.parse::<i64>().ok())
-                .and_then(|value| u64::try_from(value).ok())
-        };
-        let taken = number(0)? == 1;
-        let known = Known {
-            epoch: number(2)?,
-            decreased: number(5).unwrap_or(0),
-            rtt_us: number(6),
-            baseline_us: number(7),
-            estimate_us: number(8),
-        };
-        let taken = taken.then(|| {
-            let count = |index: usize| number(9 + index).unwrap_or(0);
-            Taken {
-                counts: Counts {
-                    ended: count(0),
-                    timed: count(1),
-                    sum_us: count(2),
-                    squares: count(3),
-                    min_us: number(9 + 4),
-                    congested: count(5),
-                    stale: count(6),
-                    rejected: count(7),
-                },
-                samples: count(8),
-                active_sum: count(9),
-                peak: count(10),
-            }
-        });
-        Some(Self {
-            capacity: usize::try_from(number(1)?).unwrap_or(usize::MAX),
-            leads: number(3)? == 1,
-            age_ms: number(4).unwrap_or(0),
-            known,
-            taken,
-        })
-    }
+    pub(crate) counts: Counts,
+    pub(crate) samples: u64,
+    pub(crate) active_sum: u64,
+    pub(crate) peak: u64,
 }
 
 impl Taken {
     /// The sample the algorithm decides from, at `capacity`.
-    fn sample(&self, capacity: usize, settings: &AdaptiveSettings, age_ms: u64) -> Sample {
+    pub(crate) fn sample(
+        &self,
+        capacity: usize,
+        settings: &AdaptiveSettings,
+        age_ms: u64,
+    ) -> Sample {
         let counts = &self.counts;
         let mut sample = Sample::new(capacity, settings.min, settings.max);
         sample.ended = counts.ended;
@@ -421,152 +361,9 @@ impl Taken {
     }
 }
 
-/// An adaptive limit's background loop: a tick every `tick` (sooner at the first sign of
-/// congestion, or when the leader hears the window is due), and the leader's decision on each
-/// window it takes. Redis errors here reach no request: the counts of a tick that failed are
-/// dropped, and the loop goes on. Never ends by itself.
-pub(crate) async fn decide(core: Arc<Core>) {
-    let Some(control) = core.adaptive.as_ref() else {
-        return;
-    };
-    let settings = &control.settings;
-    // The leader's algorithm: made anew each time this process takes the lease, from the
-    // fleet's stored capacity.
-    let mut algorithm: Option<Box<dyn Algorithm>> = None;
-    loop {
-        let _ = tokio::time::timeout(settings.tick, control.doorbell.notified()).await;
-        if core.health.is_down() {
-            // The counts of an outage are dropped: the fleet cannot be measured meanwhile.
-            let _ = control.tally.take();
-            continue;
-        }
-        let seen = control.epoch();
-        let counts = control.tally.take();
-        let Ok(ticked) = core.fleet_tick(control, seen, counts).await else {
-            continue;
-        };
-        control.learn(&ticked.known);
-        control.leads.store(ticked.leads, Relaxed);
-        if !ticked.leads {
-            algorithm = None;
-            continue;
-        }
-        let Some(taken) = ticked.taken else {
-            continue;
-        };
-        let algorithm = algorithm.get_or_insert_with(|| (settings.make)());
-        let sample = taken.sample(ticked.capacity, settings, ticked.age_ms);
-        let next = catch_unwind(AssertUnwindSafe(|| algorithm.update(&sample)))
-            .unwrap_or(ticked.capacity)
-            .clamp(settings.min, settings.max);
-        let (baseline, estimate) = catch_unwind(AssertUnwindSafe(|| {
-            (algorithm.baseline(), algorithm.estimate())
-        }))
-        .unwrap_or_default();
-        let rtt_us = sample.mean_run_time.map(micros).or(ticked.known.rtt_us);
-        let decision = Known {
-            epoch: ticked.known.epoch,
-            decreased: match next < ticked.capacity {
-                true => ticked.known.epoch,
-                false => ticked.known.decreased,
-            },
-            rtt_us,
-            baseline_us: baseline.map(micros),
-            estimate_us: estimate.map(micros),
-        };
-        if let Ok(true) = core.fleet_decide(control, next, &decision).await {
-            control.decisions.fetch_add(1, Relaxed);
-        }
-    }
-}
-
-fn micros(duration: Duration) -> u64 {
+/// `duration` in whole microseconds, for the atomics and the store.
+pub(crate) fn micros(duration: Duration) -> u64 {
     u64::try_from(duration.as_micros())
         .unwrap_or(NONE - 1)
         .min(NONE - 1)
-}
-
-/// The arguments of a tick, after the common ones.
-pub(crate) fn tick_arguments(control: &FleetControl, seen: u64, counts: Counts) -> Vec<String> {
-    let ms = |duration: Duration| duration.as_millis().to_string();
-    let floor = control.settings.tick * 2;
-    vec![
-        control.id.clone(),
-        ms(control.leader_ttl),
-        seen.to_string(),
-        counts.ended.to_string(),
-        counts.timed.to_string(),
-        counts.sum_us.to_string(),
-        counts.squares.to_string(),
-        counts
-            .min_us
-            .map_or_else(|| "-1".to_owned(), |us| us.to_string()),
-        counts.congested.to_string(),
-        counts.stale.to_string(),
-        counts.rejected.to_string(),
-        ms(floor.max(Duration::from_millis(100))),
-        ms(Duration::from_secs(1)),
-        "0".to_owned(),
-    ]
-}
-
-/// The arguments of a decision, after the common ones.
-pub(crate) fn decide_arguments(control: &FleetControl, next: usize, known: &Known) -> Vec<String> {
-    let us = |us: Option<u64>| us.map_or_else(|| "-1".to_owned(), |us| us.to_string());
-    vec![
-        control.id.clone(),
-        known.epoch.to_string(),
-        next.to_string(),
-        us(known.rtt_us),
-        us(known.baseline_us),
-        us(known.estimate_us),
-    ]
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn strings(fields: &[&str]) -> Vec<String> {
-        fields.iter().map(|field| (*field).to_owned()).collect()
-    }
-
-    #[test]
-    fn a_tick_that_took_no_window_says_what_the_fleet_knows() {
-        let ticked = Ticked::parse(&strings(&["0", "7", "12", "0", "40", "", "", "", ""])).unwrap();
-        assert_eq!(
-            (ticked.capacity, ticked.leads, ticked.age_ms),
-            (7, false, 40)
-        );
-        assert_eq!((ticked.known.epoch, ticked.known.decreased), (12, 0));
-        assert_eq!(ticked.known.rtt_us, None);
-        assert!(ticked.taken.is_none());
-    }
-
-    #[test]
-    fn a_taken_window_makes_the_fleets_sample() {
-        let fields = strings(&[
-            "1", "8", "5", "1", "150", "3", "50000", "51000", "52000", // known
-            "8", "6", "300000", "14648437", "49000", "1", "2", "0", "4", "30", "9",
-        ]);
-        let ticked = Ticked::parse(&fields).unwrap();
-        assert!(ticked.leads);
-        assert_eq!(ticked.known.baseline_us, Some(51_000));
-        let settings = AdaptiveSettings::new(
-            tower_resources_operation::adaptive::Vegas::default(),
-            1..=64,
-        );
-        let sample = ticked.taken.unwrap().sample(8, &settings, ticked.age_ms);
-        assert_eq!(
-            (sample.ended, sample.congested, sample.stale_congested),
-            (8, 1, 2)
-        );
-        assert_eq!(sample.mean_run_time, Some(Duration::from_millis(50)));
-        assert_eq!(sample.min_run_time, Some(Duration::from_millis(49)));
-        assert_eq!((sample.peak_in_flight, sample.in_flight), (9, 7.5));
-        assert!(!sample.round_trip, "congested");
-        assert_eq!(sample.elapsed, Duration::from_millis(150));
-        let deviation = sample.run_time_deviation.unwrap();
-        assert!(deviation < Duration::from_millis(1), "{deviation:?}");
-    }
 }

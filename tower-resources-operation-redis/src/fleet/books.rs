@@ -1,0 +1,117 @@
+//! This process's books of one fleet limit: the places its permits hold, the places admitted on
+//! its share that the store has not heard of yet, and its waiters, each with the [`Slot`] where
+//! it hears what became of its ticket. Also the ids: unique across the fleet, and each telling
+//! which process it is of.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use tokio::sync::Notify;
+
+/// This process's ids of one limit.
+#[derive(Default)]
+pub(crate) struct Books {
+    /// Leases held by permits (extended by every refresh).
+    pub(crate) held: HashSet<String>,
+    /// Places admitted on this process's share while the store was out of reach, still running:
+    /// the store is told of them (they become leases) at the first refresh that reaches it.
+    pub(crate) unheard: HashSet<String>,
+    /// Waiters, by id.
+    pub(crate) waiting: HashMap<String, Arc<Slot>>,
+}
+
+/// Where a waiter hears what became of its ticket. What it hears is a number that only grows
+/// until it reads it ([`ASK`], then [`GRANTED`]): a grant is never lost to a later "ask again".
+#[derive(Default)]
+pub(crate) struct Slot {
+    news: AtomicU8,
+    notify: Notify,
+    /// Whether it has a ticket in the fleet's queue (and so is refreshed, and counted).
+    pub(crate) queued: AtomicBool,
+}
+
+const NO_NEWS: u8 = 0;
+/// Ask the store again: a place was handed over to it (to be claimed), a wake-up may have been
+/// lost, the ticket is gone, or the store went away or came back.
+pub(crate) const ASK: u8 = 1;
+/// The place is its: a refresh claimed it.
+pub(crate) const GRANTED: u8 = 2;
+
+impl Slot {
+    /// Tells the waiter `news` ([`ASK`] or [`GRANTED`]).
+    pub(crate) fn tell(&self, news: u8) {
+        self.news.fetch_max(news, Ordering::AcqRel);
+        self.notify.notify_one();
+    }
+
+    /// The news since the last read, if any.
+    pub(crate) fn take_news(&self) -> u8 {
+        self.news.swap(NO_NEWS, Ordering::AcqRel)
+    }
+
+    /// Resolves once news may have come.
+    pub(crate) async fn notified(&self) {
+        self.notify.notified().await;
+    }
+}
+
+/// This process's token: random, and the same for every id the process makes, so that the store
+/// can tell a process's tickets from another's (and drop every ticket of a process found dead).
+pub(crate) fn process_token() -> &'static str {
+    static TOKEN: OnceLock<String> = OnceLock::new();
+    TOKEN.get_or_init(|| {
+        let mut hasher = RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+            hasher.write_u128(since.as_nanos());
+        }
+        format!("{:016x}", hasher.finish())
+    })
+}
+
+/// A new id, unique across the fleet: this process's token, a colon, and a count.
+pub(crate) fn next_id() -> String {
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let count = COUNT.fetch_add(1, Ordering::Relaxed);
+    format!("{}:{count}", process_token())
+}
+
+/// Whether `id` is one of this process's.
+pub(crate) fn is_own(id: &str) -> bool {
+    id.split_once(':')
+        .is_some_and(|(token, _)| token == process_token())
+}
+
+/// Locks `mutex`, whatever a panic left in it (what it guards stays consistent step by step).
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_unique_and_say_which_process_they_are_of() {
+        let (a, b) = (next_id(), next_id());
+        assert_ne!(a, b);
+        assert!(is_own(&a) && is_own(&b));
+        assert!(a.starts_with(process_token()));
+        assert!(!is_own("0123456789abcdef:1"));
+        assert!(!is_own("no-colon"));
+    }
+
+    #[test]
+    fn a_grant_is_never_lost_to_a_later_ask() {
+        let slot = Slot::default();
+        slot.tell(GRANTED);
+        slot.tell(ASK);
+        assert_eq!(slot.take_news(), GRANTED);
+        assert_eq!(slot.take_news(), NO_NEWS);
+    }
+}

@@ -1,0 +1,204 @@
+//! [`Store`]: what a fleet limit asks of the store it is kept in. Everything else of the fleet
+//! limit (its waiters, its health, its share while the store is out of reach, its background
+//! work, its controller) is written once against this trait; the Redis store implements it.
+//!
+//! Each method is one atomic step on the store's side, answered with what the fleet needs to
+//! know next (the capacity, the live replicas). What the store pushes (a place handed over, a
+//! new capacity, a decision) comes as [`Event`]s on the channel it was made with.
+//!
+//! # What a store keeps, and what it must guarantee
+//!
+//! - **Places.** A *lease* is a place held by an operation: an id with an expiry the holder's
+//!   process extends ([`refresh`](Store::refresh)). A *claim* is a place handed over to a
+//!   waiter, held for the claim timeout only: its process takes it up by asking again
+//!   ([`take`](Store::take) with the same id, or a refresh), which makes it a lease. At most
+//!   `capacity` leases and claims together, never one place to two ids.
+//! - **Tickets.** A waiter's place in the fleet's queue, first come, first served, with an expiry
+//!   its process extends. A claim that expires untaken says its process is gone: every ticket
+//!   of that process leaves the queue with it (ids are `process:count`).
+//! - **Processes.** Each refresh (and each take) says its process is alive, until a lease TTL
+//!   later: the live replicas, from which a process works out its share of the capacity.
+//! - **The clock.** Every expiry is on the store's own clock, never a replica's.
+//! - **Wake-ups.** A place handed over, a capacity set and a decision taken are pushed to every
+//!   process; a wake-up lost is covered by the refresh.
+//!
+//! # On other stores (checked on paper, not built)
+//!
+//! - **etcd.** Leases are etcd leases (`LeaseGrant`, kept alive by the refresh; a process's
+//!   leases and tickets can share one etcd lease per process, so that its death drops them all
+//!   at once). Each step is one transaction (`Txn` with compare on the mod revision of a
+//!   `capacity` key and the count of keys under `holders/`); the queue is keys under `queue/`
+//!   ordered by their create revision; wake-ups are a `Watch` on the limit's prefix. A claim is
+//!   a key with a lease of its own, of the claim timeout.
+//! - **PostgreSQL.** Rows: `holders(id, process, expires)`, `queue(id, process, arrival,
+//!   expires)`, `processes(token, expires)`, `capacity`; each step a transaction at
+//!   `SERIALIZABLE` (or one `SELECT ... FOR UPDATE` on the limit's row), with `now()` of the
+//!   server; wake-ups by `NOTIFY` in the same transaction, heard with `LISTEN`.
+//!
+//! Both fit the trait as it stands: nothing in it is Redis's (scripts and channels are the
+//! Redis store's own business). It stays private to this crate in this release: one store has
+//! been built against it, and a seam is proved by its second user. When one comes, the fleet
+//! half of this crate moves to a crate of its own, with the trait public there (as
+//! opentelemetry-otlp writes its exporter once against a client trait of its own).
+
+use std::future::Future;
+use std::time::Duration;
+
+use super::control::{Counts, Known, Ticked};
+use crate::error::Error;
+
+/// What a fleet limit asks of its store. See [the module](self).
+pub(crate) trait Store: Send + Sync + 'static {
+    /// The store's address, as messages say it (without a password).
+    fn address(&self) -> &str;
+
+    /// Connects (and starts hearing what is pushed) if that is not done yet, or else checks
+    /// that the store answers now.
+    fn connect(&self) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Asks for a place for `id`: takes a free one (none waiting before it), takes up the one
+    /// handed over to it (its claim), keeps its ticket (extended), queues it, or turns it away
+    /// (the queue is at its bound).
+    fn take(&self, id: &str) -> impl Future<Output = Result<Taken, Error>> + Send;
+
+    /// Gives back the leases, claims and tickets `ids`, and hands the places freed to the
+    /// first waiters. Returns the capacity.
+    fn release(&self, ids: &[String]) -> impl Future<Output = Result<usize, Error>> + Send;
+
+    /// Says this process is alive; extends its leases and tickets, makes its claims leases,
+    /// and makes leases of the places it admitted on its share while the store was out of
+    /// reach; says what became of each.
+    fn refresh(&self, books: &Refresh<'_>)
+        -> impl Future<Output = Result<Refreshed, Error>> + Send;
+
+    /// Sets the fleet's capacity, hands new places to the first waiters, and tells every
+    /// process. Returns it.
+    fn set_capacity(&self, capacity: usize) -> impl Future<Output = Result<usize, Error>> + Send;
+
+    /// The fleet's state now.
+    fn state(&self) -> impl Future<Output = Result<State, Error>> + Send;
+
+    /// An adaptive limit's tick: this process's counts into the fleet's window, the leader's
+    /// lease kept or taken, and the window taken if this process leads and it is due.
+    fn tick(&self, tick: &Tick<'_>) -> impl Future<Output = Result<Ticked, Error>> + Send;
+
+    /// The leader's decision on the window it took: the capacity from now on, unless this
+    /// process no longer leads or the window is no longer current (then `None`).
+    fn decide(
+        &self,
+        decision: &Decision<'_>,
+    ) -> impl Future<Output = Result<Option<usize>, Error>> + Send;
+}
+
+/// What a [`take`](Store::take) answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Taken {
+    pub(crate) answer: Answer,
+    /// The fleet's capacity.
+    pub(crate) capacity: usize,
+    /// The processes alive in the fleet, this one included.
+    pub(crate) replicas: usize,
+}
+
+/// Whether a place was taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// The id holds a lease.
+    Granted,
+    /// The id waits in the queue.
+    Queued,
+    /// The queue is at its bound: no lease, no ticket.
+    Full,
+}
+
+/// This process's ids, for a [`refresh`](Store::refresh).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Refresh<'a> {
+    /// This process's token.
+    pub(crate) process: &'a str,
+    /// Leases its permits hold.
+    pub(crate) held: &'a [String],
+    /// Places it admitted on its share, to be made leases whatever the capacity (they run).
+    pub(crate) unheard: &'a [String],
+    /// Its waiters' ids (tickets, or claims not yet taken up).
+    pub(crate) waiting: &'a [String],
+}
+
+/// What a [`refresh`](Store::refresh) answered: one status per id, in the order given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Refreshed {
+    pub(crate) capacity: usize,
+    pub(crate) replicas: usize,
+    pub(crate) held: Vec<Status>,
+    pub(crate) unheard: Vec<Status>,
+    pub(crate) waiting: Vec<Status>,
+}
+
+/// What became of one id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Status {
+    /// It holds a lease (a waiter's claim was taken up).
+    Holds,
+    /// It waits in the queue.
+    Waits,
+    /// A lease found lost, and taken back: its place was free and nobody waited.
+    TakenBack,
+    /// Gone: a lost lease whose place may be another's, or a ticket that left the queue.
+    Gone,
+}
+
+/// The fleet's state, read now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct State {
+    pub(crate) capacity: usize,
+    /// Leases and claims held, by every process.
+    pub(crate) active: usize,
+    /// Tickets waiting, from every process.
+    pub(crate) queued: usize,
+    /// Processes alive.
+    pub(crate) replicas: usize,
+    /// Whether a controller sets the capacity (an adaptive limit ticked within a lease TTL).
+    pub(crate) adaptive: bool,
+}
+
+/// An adaptive limit's tick.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Tick<'a> {
+    /// This process's id as a candidate for the leader's lease.
+    pub(crate) candidate: &'a str,
+    pub(crate) leader_ttl: Duration,
+    /// The window this process's counts were taken in.
+    pub(crate) seen: u64,
+    pub(crate) counts: Counts,
+    /// The shortest window, the longest, and the share of ends that may be failures before
+    /// the window is due at once.
+    pub(crate) shortest: Duration,
+    pub(crate) longest: Duration,
+    pub(crate) tolerance: f64,
+}
+
+/// The leader's decision on the window it took.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Decision<'a> {
+    pub(crate) leader: &'a str,
+    /// The capacity from now on.
+    pub(crate) capacity: usize,
+    /// What the fleet knows after it: the window that opened as the leader took the last, the
+    /// first window after the last decrease, what the algorithm measured.
+    pub(crate) known: Known,
+}
+
+/// What a store pushes to every process of the fleet.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Event {
+    /// Places were handed over to these waiters, to be claimed within the claim timeout.
+    Handed(Vec<String>),
+    /// The fleet's capacity is now this.
+    Capacity(usize),
+    /// The leader decided a window.
+    Decided(Known),
+    /// A window is due: the leader ticks at once.
+    Due,
+    /// The connection dropped or was made again: pushed wake-ups may have been lost.
+    Reconnected,
+}

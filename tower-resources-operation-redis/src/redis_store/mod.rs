@@ -1,0 +1,436 @@
+//! [`RedisStore`]: the fleet's [`Store`] in Redis (one server, or a Redis Cluster): each step
+//! one Lua script ([`scripts`]), on one connection per limit that also hears the limit's
+//! channel ([`transport`]).
+
+mod errors;
+mod scripts;
+mod transport;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::{FromRedisValue, Script, ScriptInvocation};
+
+use crate::error::Error;
+use crate::fleet::control::{Counts, Known, Taken as TakenWindow, Ticked};
+use crate::fleet::store::{
+    Answer, Decision, Event, Refresh, Refreshed, State, Status, Store, Taken, Tick,
+};
+use scripts::SCRIPTS;
+pub(crate) use transport::Transport;
+
+/// Where a fleet limit's Redis is: one server, or (with the `cluster` feature) a Redis Cluster.
+///
+/// A `&str` or a `String` is one server's URL: `redis://host:port/db` (`rediss://` is not
+/// built in), or `redis+unix:///path`.
+///
+/// ```
+/// use tower_resources_operation_redis::Address;
+///
+/// let one: Address = "redis://redis.internal:6379/".into();
+/// # drop(one);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Address {
+    /// One Redis server, by its URL.
+    One(String),
+    /// The nodes of a Redis Cluster (any of them: the rest are found from these), by their
+    /// URLs. Every key of a limit shares one hash slot, so one shard serves the limit, and a
+    /// failover of that shard's master is followed (see the crate docs, "Redis Cluster").
+    #[cfg(feature = "cluster")]
+    Cluster(Vec<String>),
+}
+
+impl Address {
+    /// The nodes of a Redis Cluster.
+    ///
+    /// ```
+    /// use tower_resources_operation_redis::Address;
+    ///
+    /// let cluster = Address::cluster(["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"]);
+    /// # drop(cluster);
+    /// ```
+    #[cfg(feature = "cluster")]
+    pub fn cluster<I: IntoIterator<Item = S>, S: Into<String>>(nodes: I) -> Self {
+        Address::Cluster(nodes.into_iter().map(Into::into).collect())
+    }
+}
+
+impl From<&str> for Address {
+    fn from(url: &str) -> Self {
+        Address::One(url.to_owned())
+    }
+}
+
+impl From<String> for Address {
+    fn from(url: String) -> Self {
+        Address::One(url)
+    }
+}
+
+impl From<&String> for Address {
+    fn from(url: &String) -> Self {
+        Address::One(url.clone())
+    }
+}
+
+/// The Redis names of one limit: one hash slot, `{prefix:name}:...`.
+#[derive(Debug)]
+pub(crate) struct Keys {
+    all: [String; 10],
+    pub(crate) channel: String,
+}
+
+impl Keys {
+    pub(crate) fn new(prefix: &str, name: &str) -> Self {
+        let slot = format!("{{{prefix}:{name}}}");
+        let key = |what: &str| format!("{slot}:{what}");
+        Self {
+            all: [
+                key("capacity"),
+                key("holders"),
+                key("queue"),
+                key("waiting"),
+                key("arrivals"),
+                key("claims"),
+                key("processes"),
+                key("adaptive"),
+                key("window"),
+                key("leader"),
+            ],
+            channel: key("wake"),
+        }
+    }
+}
+
+/// A limit's settings, as every script needs them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settings {
+    pub(crate) capacity: usize,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) claim_timeout: Duration,
+    pub(crate) max_queued: Option<usize>,
+}
+
+/// A fleet limit's store in Redis.
+pub(crate) struct RedisStore {
+    name: Arc<str>,
+    keys: Keys,
+    transport: Transport,
+    settings: Settings,
+}
+
+impl RedisStore {
+    pub(crate) fn new(
+        name: Arc<str>,
+        keys: Keys,
+        transport: Transport,
+        settings: Settings,
+    ) -> Self {
+        Self {
+            name,
+            keys,
+            transport,
+            settings,
+        }
+    }
+
+    /// `script` with the limit's keys and common arguments; the caller adds its own.
+    fn invocation<'a>(&self, script: &'a Script) -> ScriptInvocation<'a> {
+        let mut invocation = script.prepare_invoke();
+        for key in &self.keys.all {
+            invocation.key(key);
+        }
+        invocation
+            .arg(&self.keys.channel)
+            .arg(ms(self.settings.lease_ttl))
+            .arg(self.settings.capacity)
+            .arg(ms(self.settings.claim_timeout))
+            .arg(self.transport.publish_command());
+        invocation
+    }
+
+    async fn run<T: FromRedisValue + Send>(
+        &self,
+        invocation: &ScriptInvocation<'_>,
+    ) -> Result<T, Error> {
+        self.transport.invoke(invocation).await
+    }
+
+    fn malformed(&self, what: &str) -> Error {
+        Error::unexpected(&self.name, self.transport.address(), what)
+    }
+}
+
+impl Store for RedisStore {
+    fn address(&self) -> &str {
+        self.transport.address()
+    }
+
+    async fn connect(&self) -> Result<(), Error> {
+        self.transport.connect().await
+    }
+
+    async fn take(&self, id: &str) -> Result<Taken, Error> {
+        let mut invocation = self.invocation(&SCRIPTS.acquire);
+        let max_queued = self
+            .settings
+            .max_queued
+            .map_or(-1, |bound| i64::try_from(bound).unwrap_or(i64::MAX));
+        invocation.arg(id).arg(max_queued);
+        let (status, capacity, replicas): (i64, usize, usize) = self.run(&invocation).await?;
+        let answer = match status {
+            1 => Answer::Granted,
+            2 => Answer::Full,
+            _ => Answer::Queued,
+        };
+        Ok(Taken {
+            answer,
+            capacity,
+            replicas,
+        })
+    }
+
+    async fn release(&self, ids: &[String]) -> Result<usize, Error> {
+        let mut invocation = self.invocation(&SCRIPTS.release);
+        invocation.arg(ids);
+        self.run(&invocation).await
+    }
+
+    async fn refresh(&self, books: &Refresh<'_>) -> Result<Refreshed, Error> {
+        let mut invocation = self.invocation(&SCRIPTS.refresh);
+        invocation
+            .arg(books.process)
+            .arg(books.held.len())
+            .arg(books.unheard.len())
+            .arg(books.held)
+            .arg(books.unheard)
+            .arg(books.waiting);
+        let answer: Vec<i64> = self.run(&invocation).await?;
+        let expected = 2 + books.held.len() + books.unheard.len() + books.waiting.len();
+        if answer.len() != expected {
+            return Err(self.malformed("a refresh of another length"));
+        }
+        let count = |value: i64| usize::try_from(value).unwrap_or(0);
+        let status = |value: &i64| match value {
+            1 => Status::Holds,
+            2 => Status::Waits,
+            3 => Status::TakenBack,
+            _ => Status::Gone,
+        };
+        let (held, rest) = answer[2..].split_at(books.held.len());
+        let (unheard, waiting) = rest.split_at(books.unheard.len());
+        Ok(Refreshed {
+            capacity: count(answer[0]),
+            replicas: count(answer[1]),
+            held: held.iter().map(status).collect(),
+            unheard: unheard.iter().map(status).collect(),
+            waiting: waiting.iter().map(status).collect(),
+        })
+    }
+
+    async fn set_capacity(&self, capacity: usize) -> Result<usize, Error> {
+        let mut invocation = self.invocation(&SCRIPTS.set_capacity);
+        invocation.arg(capacity);
+        self.run(&invocation).await
+    }
+
+    async fn state(&self) -> Result<State, Error> {
+        let invocation = self.invocation(&SCRIPTS.state);
+        let (capacity, active, queued, replicas, adaptive): (usize, usize, usize, usize, i64) =
+            self.run(&invocation).await?;
+        Ok(State {
+            capacity,
+            active,
+            queued,
+            replicas,
+            adaptive: adaptive == 1,
+        })
+    }
+
+    async fn tick(&self, tick: &Tick<'_>) -> Result<Ticked, Error> {
+        let mut invocation = self.invocation(&SCRIPTS.fleet_tick);
+        let counts = &tick.counts;
+        invocation
+            .arg(tick.candidate)
+            .arg(ms(tick.leader_ttl))
+            .arg(tick.seen)
+            .arg(counts.ended)
+            .arg(counts.timed)
+            .arg(counts.sum_us)
+            .arg(counts.squares)
+            .arg(
+                counts
+                    .min_us
+                    .map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX)),
+            )
+            .arg(counts.congested)
+            .arg(counts.stale)
+            .arg(counts.rejected)
+            .arg(ms(tick.shortest))
+            .arg(ms(tick.longest))
+            .arg(tick.tolerance);
+        let fields: Vec<String> = self.run(&invocation).await?;
+        parse_ticked(&fields).ok_or_else(|| self.malformed("a malformed tick"))
+    }
+
+    async fn decide(&self, decision: &Decision<'_>) -> Result<Option<usize>, Error> {
+        let mut invocation = self.invocation(&SCRIPTS.fleet_decide);
+        let us = |us: Option<u64>| us.map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX));
+        let known = &decision.known;
+        invocation
+            .arg(decision.leader)
+            .arg(known.epoch)
+            .arg(decision.capacity)
+            .arg(us(known.rtt_us))
+            .arg(us(known.baseline_us))
+            .arg(us(known.estimate_us));
+        let capacity: i64 = self.run(&invocation).await?;
+        // A negative answer: another process leads now, or took the window.
+        Ok(usize::try_from(capacity).ok())
+    }
+}
+
+/// `duration` in whole milliseconds, as the scripts take it.
+fn ms(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// What was published on the limit's channel, as an event: `g <ids>` places handed over,
+/// `c <capacity>`, `a <epoch> <decreased> <rtt> <baseline> <estimate>` a decision, `d` a
+/// window due.
+fn parse_message(message: &str) -> Option<Event> {
+    if let Some(ids) = message.strip_prefix("g ") {
+        return Some(Event::Handed(ids.split(' ').map(str::to_owned).collect()));
+    }
+    if let Some(capacity) = message.strip_prefix("c ") {
+        return capacity.parse().ok().map(Event::Capacity);
+    }
+    if message == "d" {
+        return Some(Event::Due);
+    }
+    let decision = message.strip_prefix("a ")?;
+    let mut parts = decision.split(' ').map(|part| part.parse::<i64>().ok());
+    let mut next = || parts.next().flatten();
+    let (epoch, decreased) = (next()?, next()?);
+    let us = |value: Option<i64>| value.and_then(|v| u64::try_from(v).ok());
+    Some(Event::Decided(Known {
+        epoch: u64::try_from(epoch).ok()?,
+        decreased: u64::try_from(decreased).unwrap_or(0),
+        rtt_us: us(next()),
+        baseline_us: us(next()),
+        estimate_us: us(next()),
+    }))
+}
+
+/// The tick script's strings.
+fn parse_ticked(fields: &[String]) -> Option<Ticked> {
+    let number = |index: usize| -> Option<u64> {
+        fields
+            .get(index)
+            .and_then(|field| field.parse::<i64>().ok())
+            .and_then(|value| u64::try_from(value).ok())
+    };
+    let taken = number(0)? == 1;
+    let known = Known {
+        epoch: number(2)?,
+        decreased: number(5).unwrap_or(0),
+        rtt_us: number(6),
+        baseline_us: number(7),
+        estimate_us: number(8),
+    };
+    let taken = taken.then(|| {
+        let count = |index: usize| number(9 + index).unwrap_or(0);
+        TakenWindow {
+            counts: Counts {
+                ended: count(0),
+                timed: count(1),
+                sum_us: count(2),
+                squares: count(3),
+                min_us: number(9 + 4),
+                congested: count(5),
+                stale: count(6),
+                rejected: count(7),
+            },
+            samples: count(8),
+            active_sum: count(9),
+            peak: count(10),
+        }
+    });
+    Some(Ticked {
+        capacity: usize::try_from(number(1)?).unwrap_or(usize::MAX),
+        leads: number(3)? == 1,
+        age_ms: number(4).unwrap_or(0),
+        known,
+        taken,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(fields: &[&str]) -> Vec<String> {
+        fields.iter().map(|field| (*field).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_tick_that_took_no_window_says_what_the_fleet_knows() {
+        let ticked = parse_ticked(&strings(&["0", "7", "12", "0", "40", "", "", "", ""])).unwrap();
+        assert_eq!(
+            (ticked.capacity, ticked.leads, ticked.age_ms),
+            (7, false, 40)
+        );
+        assert_eq!((ticked.known.epoch, ticked.known.decreased), (12, 0));
+        assert_eq!(ticked.known.rtt_us, None);
+        assert!(ticked.taken.is_none());
+    }
+
+    #[test]
+    fn a_taken_window_makes_the_fleets_sample() {
+        let fields = strings(&[
+            "1", "8", "5", "1", "150", "3", "50000", "51000", "52000", // known
+            "8", "6", "300000", "14648437", "49000", "1", "2", "0", "4", "30", "9",
+        ]);
+        let ticked = parse_ticked(&fields).unwrap();
+        assert!(ticked.leads);
+        assert_eq!(ticked.known.baseline_us, Some(51_000));
+        let settings = crate::fleet::control::AdaptiveSettings::new(
+            tower_resources_operation::adaptive::Vegas::default(),
+            1..=64,
+        );
+        let sample = ticked.taken.unwrap().sample(8, &settings, ticked.age_ms);
+        assert_eq!(
+            (sample.ended, sample.congested, sample.stale_congested),
+            (8, 1, 2)
+        );
+        assert_eq!(sample.mean_run_time, Some(Duration::from_millis(50)));
+        assert_eq!(sample.min_run_time, Some(Duration::from_millis(49)));
+        assert_eq!((sample.peak_in_flight, sample.in_flight), (9, 7.5));
+        assert!(!sample.round_trip, "congested");
+        assert_eq!(sample.elapsed, Duration::from_millis(150));
+        let deviation = sample.run_time_deviation.unwrap();
+        assert!(deviation < Duration::from_millis(1), "{deviation:?}");
+    }
+
+    #[test]
+    fn what_is_published_is_heard_as_the_fleets_events() {
+        assert_eq!(
+            parse_message("g a:1 b:2"),
+            Some(Event::Handed(vec!["a:1".into(), "b:2".into()]))
+        );
+        assert_eq!(parse_message("c 12"), Some(Event::Capacity(12)));
+        assert_eq!(parse_message("d"), Some(Event::Due));
+        let Some(Event::Decided(known)) = parse_message("a 7 5 50000 -1 52000") else {
+            panic!("a decision");
+        };
+        assert_eq!((known.epoch, known.decreased), (7, 5));
+        assert_eq!(
+            (known.rtt_us, known.baseline_us, known.estimate_us),
+            (Some(50_000), None, Some(52_000))
+        );
+        assert_eq!(parse_message("x"), None);
+        assert_eq!(parse_message("c many"), None);
+    }
+}
