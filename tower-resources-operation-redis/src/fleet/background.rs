@@ -170,11 +170,12 @@ async fn refresh<S: Store>(member: Arc<Member<S>>, retries: Arc<Retries>) {
         if member.doorbell.take_probe() {
             next = now;
         }
-        if let Some(by) = member.doorbell.take_by() {
-            next = next.min(by);
+        if let Some(wanted) = member.doorbell.next_wanted() {
+            next = next.min(wanted);
         }
         if now >= next {
             tick(&member, &retries).await;
+            member.doorbell.refreshed(now);
             // A probe asked while this one ran is answered by it.
             let _ = member.doorbell.take_probe();
             next = Instant::now() + member.every(urgent(&retries));
@@ -196,6 +197,9 @@ async fn tick<S: Store>(member: &Member<S>, retries: &Retries) {
         retries.iter().map(|(id, _)| id.clone()).collect()
     };
     member.refresh().await;
+    // Back on the fleet limit once the fleet has settled (the places this process admitted on
+    // its share were in this refresh).
+    member.settle();
     let mut sent = HashSet::new();
     for batch in ids.chunks(BATCH) {
         if member.health.is_down() || member.release(batch).await.is_err() {

@@ -1,19 +1,28 @@
 //! [`Doorbell`]: how a limit's handles and listener hurry its refresh loop.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+use super::books::lock;
+
+/// Refreshes wanted within this of each other are made as one, at the later: a place handed to
+/// another process every millisecond asks for one refresh per this, not one per place.
+const GRAIN: Duration = Duration::from_millis(20);
 
 /// How the handles and the listener hurry the refresh loop.
 #[derive(Debug)]
 pub(crate) struct Doorbell {
     notify: Notify,
     probe: AtomicBool,
-    /// A refresh wanted by then (ns since `origin`, 0 for none): a place handed to another
-    /// process's waiter, to be found if its claim expires untaken.
-    by: AtomicU64,
-    origin: Instant,
+    /// Refreshes wanted, each by its time, in order: a place handed to another process's
+    /// waiter, to be found at once if its claim expires untaken. Each is kept until a refresh
+    /// that started after it: one wanted sooner does not stand for one wanted later.
+    by: Mutex<VecDeque<Instant>>,
 }
 
 impl Default for Doorbell {
@@ -21,8 +30,7 @@ impl Default for Doorbell {
         Self {
             notify: Notify::new(),
             probe: AtomicBool::new(false),
-            by: AtomicU64::new(0),
-            origin: Instant::now(),
+            by: Mutex::new(VecDeque::new()),
         }
     }
 }
@@ -45,25 +53,28 @@ impl Doorbell {
         self.probe.swap(false, Ordering::AcqRel)
     }
 
-    /// Refresh by `at` at the latest (an earlier request stands).
-    pub(crate) fn refresh_by(&self, at: Instant) {
-        let ns = u64::try_from(at.saturating_duration_since(self.origin).as_nanos())
-            .unwrap_or(u64::MAX)
-            .max(1);
-        let before = self.by.load(Ordering::Acquire);
-        if before == 0 || ns < before {
-            // A race with another request keeps one of the two: both are at most a claim
-            // timeout off, and the refresh asks again when it finds work to do.
-            self.by.store(ns, Ordering::Release);
-            self.notify.notify_one();
+    /// Refresh at `at` (or soon after): a claim handed to another process expires then.
+    pub(crate) fn refresh_at(&self, at: Instant) {
+        {
+            let mut by = lock(&self.by);
+            match by.back_mut() {
+                Some(last) if at <= *last + GRAIN => *last = (*last).max(at),
+                _ => by.push_back(at),
+            }
         }
+        self.notify.notify_one();
     }
 
-    /// The refresh wanted soonest, if any, forgotten once taken.
-    pub(crate) fn take_by(&self) -> Option<Instant> {
-        match self.by.swap(0, Ordering::AcqRel) {
-            0 => None,
-            ns => Some(self.origin + std::time::Duration::from_nanos(ns)),
+    /// The soonest refresh wanted, if any.
+    pub(crate) fn next_wanted(&self) -> Option<Instant> {
+        lock(&self.by).front().copied()
+    }
+
+    /// A refresh that started at `started` is done: every refresh wanted by then is made.
+    pub(crate) fn refreshed(&self, started: Instant) {
+        let mut by = lock(&self.by);
+        while by.front().is_some_and(|at| *at <= started) {
+            by.pop_front();
         }
     }
 

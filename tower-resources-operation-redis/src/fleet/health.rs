@@ -19,6 +19,8 @@ use crate::error::Error;
 pub(crate) struct Health {
     down: AtomicBool,
     outage: Mutex<Option<Outage>>,
+    /// The answer of the last outage, kept after it ended.
+    last: Mutex<Option<Error>>,
 }
 
 /// An outage under way.
@@ -44,6 +46,7 @@ impl Health {
         Self {
             down: AtomicBool::new(false),
             outage: Mutex::new(None),
+            last: Mutex::new(None),
         }
     }
 
@@ -60,6 +63,12 @@ impl Health {
         lock(&self.outage)
             .as_ref()
             .map(|outage| outage.answer.clone())
+    }
+
+    /// The answer the last outage was given, short-circuited: what a waiter that settles after
+    /// it is told.
+    pub(crate) fn last_answer(&self) -> Option<Error> {
+        lock(&self.last).clone()
     }
 
     /// A call ended with `result`'s error, or none: what that changed.
@@ -99,6 +108,7 @@ impl Health {
             return Change::None;
         };
         self.down.store(false, Ordering::Release);
+        *lock(&self.last) = Some(ended.answer);
         Change::Up(ended.since.elapsed())
     }
 }

@@ -92,6 +92,13 @@ pub(crate) struct Member<S> {
     pub(crate) leases_lost: AtomicU64,
     /// Serialises admissions on the share, and wakes its waiters as places end.
     share_lock: Mutex<()>,
+    /// After the store answers again, this process admits nothing new until then (ns since
+    /// `origin`; 0 for not), half a fallback poll: every other replica reaches the store by
+    /// then too (each probes every quarter of a fallback poll while it is down), and so has
+    /// told it of the places it admitted on its share, and stopped admitting on it. Only then
+    /// is the store's count of places the fleet's.
+    settling: AtomicU64,
+    origin: Instant,
     pub(crate) share_freed: Notify,
     /// The controller, for an adaptive limit.
     pub(crate) control: Option<FleetControl>,
@@ -124,6 +131,8 @@ impl<S: Store> Member<S> {
             leases_lost: AtomicU64::new(0),
             share_lock: Mutex::new(()),
             share_freed: Notify::new(),
+            settling: AtomicU64::new(0),
+            origin: Instant::now(),
             control: settings.control,
         }
     }
@@ -156,11 +165,36 @@ impl<S: Store> Member<S> {
         (replicas > 0).then(|| (self.capacity.load(Ordering::Relaxed) / replicas).max(1))
     }
 
-    /// The share it runs on now, if it does: the store is out of reach, and it knows one.
+    /// The share it runs on now, if it does: the store is out of reach (or answers again, and
+    /// the fleet is settling), and it knows one.
     pub(crate) fn running_on_share(&self) -> Option<usize> {
         match self.unreachable {
-            Unreachable::Share if self.health.is_down() => self.share(),
+            Unreachable::Share if self.health.is_down() || self.is_settling() => self.share(),
             _ => None,
+        }
+    }
+
+    /// Whether the store answers again but the fleet has not all told it of its places yet.
+    pub(crate) fn is_settling(&self) -> bool {
+        self.settling.load(Ordering::Acquire) != 0
+    }
+
+    /// When the fleet has settled, if it is settling.
+    pub(crate) fn settled_at(&self) -> Option<Instant> {
+        match self.settling.load(Ordering::Acquire) {
+            0 => None,
+            ns => Some(self.origin + Duration::from_nanos(ns)),
+        }
+    }
+
+    /// After a refresh: once the fleet has settled, back on the fleet limit, and every waiter
+    /// on the share asks the store.
+    pub(crate) fn settle(&self) {
+        if self.settled_at().is_some_and(|at| Instant::now() >= at)
+            && self.settling.swap(0, Ordering::AcqRel) != 0
+        {
+            self.poll_all();
+            self.share_freed.notify_waiters();
         }
     }
 
@@ -213,12 +247,37 @@ impl<S: Store> Member<S> {
                 }
                 self.doorbell.probe();
             }
-            Change::Up(after) => inform(&format!(
-                "tower-resources-operation-redis: the fleet limit {:?} reaches its store at {} \
-                 again, after {after:?}",
-                self.name,
-                self.store.address()
-            )),
+            Change::Up(after) => {
+                let settle = self.unreachable == Unreachable::Share && self.share().is_some();
+                inform(&format!(
+                    "tower-resources-operation-redis: the fleet limit {:?} reaches its store at \
+                     {} again, after {after:?}{}",
+                    self.name,
+                    self.store.address(),
+                    match settle {
+                        true =>
+                            "; back on the fleet's capacity once every replica has told it \
+                                 of the places it admitted on its share (within half a fallback \
+                                 poll)",
+                        false => "",
+                    }
+                ));
+                if settle {
+                    // The places admitted on the share while this call was under way: told to
+                    // the store at once, by a refresh now.
+                    if !lock(&self.books).unheard.is_empty() {
+                        self.doorbell.probe();
+                    }
+                    let at = Instant::now() + self.fallback_poll / 2;
+                    let ns = u64::try_from(at.saturating_duration_since(self.origin).as_nanos())
+                        .unwrap_or(u64::MAX)
+                        .max(1);
+                    self.settling.store(ns, Ordering::Release);
+                    self.doorbell.refresh_at(at);
+                    // Waiters on the share stay there until then.
+                    return;
+                }
+            }
         }
         self.poll_all();
         self.share_freed.notify_waiters();
@@ -254,14 +313,20 @@ impl<S: Store> Member<S> {
     }
 
     /// Asks for a place for `id`. While the store is down: the failure that started the
-    /// outage, at once.
+    /// outage, at once; while the fleet settles after it, the same (the waiter takes a place of
+    /// its share).
     pub(crate) async fn take(&self, id: &str) -> Result<Answer, Error> {
         if let Some(answer) = self.health.answer() {
             return Err(answer);
         }
+        if self.is_settling() {
+            if let Some(answer) = self.health.last_answer() {
+                return Err(answer);
+            }
+        }
         let taken = self.call(self.store.take(id)).await?;
         self.read_capacity(taken.capacity);
-        self.replicas.store(taken.replicas, Ordering::Relaxed);
+        self.read_replicas(taken.replicas);
         Ok(taken.answer)
     }
 
@@ -286,7 +351,7 @@ impl<S: Store> Member<S> {
     pub(crate) async fn state(&self) -> Result<State, Error> {
         let state = self.call(self.store.state()).await?;
         self.read_capacity(state.capacity);
-        self.replicas.store(state.replicas, Ordering::Relaxed);
+        self.read_replicas(state.replicas);
         self.check_control(state.adaptive);
         Ok(state)
     }
@@ -312,6 +377,15 @@ impl<S: Store> Member<S> {
             self.store.address(),
             self.configured,
         ));
+    }
+
+    /// The replicas alive, as a call returned them; kept as they were before an outage while the
+    /// fleet settles after it (a store that lost its data counts only the replicas that reached
+    /// it so far, and the share is worked out from the fleet as it was).
+    fn read_replicas(&self, replicas: usize) {
+        if !self.is_settling() {
+            self.replicas.store(replicas, Ordering::Relaxed);
+        }
     }
 
     /// Says, once, that this replica and the fleet disagree on who sets the capacity.
@@ -376,7 +450,7 @@ impl<S: Store> Member<S> {
             }
         };
         self.read_capacity(refreshed.capacity);
-        self.replicas.store(refreshed.replicas, Ordering::Relaxed);
+        self.read_replicas(refreshed.replicas);
         for (id, status) in held.iter().zip(&refreshed.held) {
             match status {
                 Status::Holds | Status::Waits => {}
@@ -412,9 +486,14 @@ impl<S: Store> Member<S> {
     }
 
     /// How long the background task waits between refreshes: a third of the TTL, or the
-    /// fallback poll while something waits, the store is down, or a release is to be retried.
+    /// fallback poll while something waits or a release is to be retried, or a quarter of it
+    /// while the store is down (so that every replica of a fleet on its share reaches the store
+    /// within a quarter of a fallback poll of its return, and the fleet has settled half a
+    /// fallback poll after).
     pub(crate) fn every(&self, urgent: bool) -> Duration {
-        if urgent || self.health.is_down() || self.queued.load(Ordering::Relaxed) > 0 {
+        if self.health.is_down() {
+            self.fallback_poll / 4
+        } else if urgent || self.queued.load(Ordering::Relaxed) > 0 {
             self.fallback_poll
         } else {
             self.lease_ttl / 3
@@ -442,7 +521,7 @@ impl<S: Store> Member<S> {
                 if foreign && self.queued.load(Ordering::Relaxed) > 0 {
                     let slack = self.claim_timeout / 10 + Duration::from_millis(5);
                     self.doorbell
-                        .refresh_by(Instant::now() + self.claim_timeout + slack);
+                        .refresh_at(Instant::now() + self.claim_timeout + slack);
                 }
             }
             Event::Capacity(capacity) => self.capacity.store(capacity, Ordering::Relaxed),

@@ -126,18 +126,21 @@ impl<S: Store> Waiter<S> {
     }
 
     /// While the store is out of reach (`error`), waits for a place of this process's share:
-    /// `None` once the store answers again (ask it), else the answer.
+    /// `None` once the store answers again and the fleet has settled (ask it), else the answer.
     async fn on_share(&mut self, error: Error) -> Option<Result<Place<S>, AcquireError>> {
         let member = Arc::clone(&self.handle.member);
         loop {
-            if !member.health.is_down() {
+            let down = member.health.is_down();
+            if !down && !member.is_settling() {
                 return None;
             }
             // A replica that never reached the store has no share.
             let Some(share) = member.share() else {
                 return Some(Err(AcquireError::failed(error)));
             };
-            if member.take_on_share(share) {
+            // While the fleet settles after the store's return, nothing new is admitted on
+            // the share: the store must hear of every place before it admits again.
+            if down && member.take_on_share(share) {
                 return Some(Ok(self.admitted_on_share()));
             }
             if let Some(bound) = member.max_queued {

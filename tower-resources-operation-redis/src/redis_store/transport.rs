@@ -218,7 +218,13 @@ impl Transport {
         self.timed(async {
             if let Some(connection) = self.connection.get() {
                 let mut connection = connection.clone();
-                return redis::cmd("PING").query_async::<()>(&mut connection).await;
+                let ping = redis::cmd("PING");
+                return match ping.query_async::<()>(&mut connection).await {
+                    Err(error) if is_lost_connection(&error) => {
+                        ping.query_async::<()>(&mut connection).await
+                    }
+                    answer => answer,
+                };
             }
             self.connection().await.map(drop)
         })
@@ -233,7 +239,15 @@ impl Transport {
     ) -> Result<T, Error> {
         self.timed(async {
             let mut connection = self.connection().await?;
-            invocation.invoke_async(&mut connection).await
+            match invocation.invoke_async(&mut connection).await {
+                // The connection was lost (Redis restarted, say): the connection manager has
+                // started a new one, and the call goes once more, on it, within the same call
+                // timeout. Each script is safe to run twice: it takes the ids as they are.
+                Err(error) if is_lost_connection(&error) => {
+                    invocation.invoke_async(&mut connection).await
+                }
+                answer => answer,
+            }
         })
         .await
     }
@@ -263,4 +277,10 @@ impl Transport {
             )),
         }
     }
+}
+
+/// Whether `error` says the connection was lost or could not be made again: the connection
+/// manager then starts a new one, which the next call waits for.
+fn is_lost_connection(error: &redis::RedisError) -> bool {
+    error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()
 }

@@ -7,7 +7,9 @@
 
 #[cfg(feature = "tracing")]
 pub mod captured;
+pub mod observer;
 pub mod redis_server;
+pub mod replicas;
 
 use opentelemetry::metrics::MeterProvider as _;
 use tower_resources_operation::{ACTIVE_INSTRUMENT, QUEUED_INSTRUMENT};
