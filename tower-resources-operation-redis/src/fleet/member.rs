@@ -71,8 +71,9 @@ pub(crate) struct Member<S> {
     overwritten: OnceCell<()>,
     /// Whether the first capacity read from the store was compared with `configured`.
     capacity_checked: AtomicBool,
-    /// Whether a disagreement on who sets the capacity (a fixed replica in an adaptive fleet,
-    /// or the other way round) was said.
+    /// Held while a first reading is compared and said.
+    saying: Mutex<()>,
+    /// Whether a fixed replica in an adaptive fleet was said.
     control_checked: AtomicBool,
     pub(crate) max_queued: Option<usize>,
     pub(crate) unreachable: Unreachable,
@@ -115,6 +116,7 @@ impl<S: Store> Member<S> {
             overwrite: settings.overwrite,
             overwritten: OnceCell::new(),
             capacity_checked: AtomicBool::new(false),
+            saying: Mutex::new(()),
             control_checked: AtomicBool::new(false),
             max_queued: settings.max_queued,
             unreachable: settings.unreachable,
@@ -360,10 +362,18 @@ impl<S: Store> Member<S> {
     /// configured one: a difference is said once (the fleet's is kept).
     pub(crate) fn read_capacity(&self, capacity: usize) {
         self.capacity.store(capacity, Ordering::Relaxed);
-        if self.capacity_checked.swap(true, Ordering::Relaxed)
-            || capacity == self.configured
-            || self.control.is_some()
-        {
+        if self.capacity_checked.load(Ordering::Acquire) {
+            return;
+        }
+        // Under a lock, so that a caller that finds it checked finds it said too (`ready`
+        // returns after the warning, whichever call made it).
+        let _said = lock(&self.saying);
+        if self.capacity_checked.load(Ordering::Acquire) {
+            return;
+        }
+        // Marked once said (a caller that finds it marked finds it said).
+        let _mark = Mark(&self.capacity_checked);
+        if capacity == self.configured || self.control.is_some() {
             return;
         }
         warn(&format!(
@@ -388,28 +398,24 @@ impl<S: Store> Member<S> {
         }
     }
 
-    /// Says, once, that this replica and the fleet disagree on who sets the capacity.
+    /// Says, once, that this replica has a fixed capacity in a fleet whose capacity a
+    /// controller sets. (The other way round cannot be told from a fleet that starts: its first
+    /// adaptive replicas find no controller either.)
     fn check_control(&self, fleet_adaptive: bool) {
-        let adaptive = self.control.is_some();
-        if adaptive == fleet_adaptive || self.control_checked.swap(true, Ordering::Relaxed) {
+        if self.control.is_some() || !fleet_adaptive {
             return;
         }
-        let why = match adaptive {
-            false => {
-                "this replica has a fixed capacity, but a controller sets the fleet's (an \
-                 adaptive replica ticked within a lease TTL): this replica admits whatever \
-                 capacity the controller sets, and never changes it. Build every replica of one \
-                 limit the same way: all `adaptive(..)`, or none"
-            }
-            true => {
-                "this replica is adaptive, but no controller set the fleet's capacity so far: \
-                 from now on this replica's controller sets it for every replica, fixed ones \
-                 included. Build every replica of one limit the same way: all `adaptive(..)`, or \
-                 none"
-            }
-        };
+        let _said = lock(&self.saying);
+        if self.control_checked.load(Ordering::Acquire) {
+            return;
+        }
+        let _mark = Mark(&self.control_checked);
         warn(&format!(
-            "tower-resources-operation-redis: the fleet limit {:?} on {}: {why}",
+            "tower-resources-operation-redis: the fleet limit {:?} on {}: this replica has a \
+             fixed capacity, but a controller sets the fleet's (an adaptive replica ticked \
+             within a lease TTL): this replica admits whatever capacity the controller sets, and \
+             never changes it. Build every replica of one limit the same way: all \
+             `adaptive(..)`, or none",
             self.name,
             self.store.address()
         ));
@@ -545,6 +551,15 @@ impl<S: Store> Member<S> {
         for slot in lock(&self.books).waiting.values() {
             slot.tell(ASK);
         }
+    }
+}
+
+/// Sets its flag when dropped: after what it marks is done, however that ends.
+struct Mark<'a>(&'a AtomicBool);
+
+impl Drop for Mark<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
     }
 }
 
