@@ -50,9 +50,10 @@ const HISTOGRAM_SERIES: &[&str] = SERIES.split_at(6).0;
 const LIMIT_SERIES_PREFIX: &str = "gym_resources_limit_";
 
 /// The labels a query may select or group by: the crate's attributes, `le`, and the target's.
-const LABELS: [&str; 8] = [
+const LABELS: [&str; 9] = [
     label::OPERATION,
     label::LIMIT,
+    label::LIMIT_SCOPE,
     label::EXECUTOR,
     label::OUTCOME,
     label::REJECTION,
@@ -89,6 +90,9 @@ const ALERT_GROUPING: &str =
 
 /// What every alert rule groups a named limit's sum by: per process and per limit.
 const LIMIT_GROUPING: &str = "job, instance, nemo_gym_resources_limit";
+
+/// What the fleet's rule groups a fleet limit's series by: the limit alone, over every replica.
+const FLEET_GROUPING: &str = "nemo_gym_resources_limit";
 
 /// PromQL functions and aggregations the dashboard and the alert rules may call.
 const FUNCTIONS: [&str; 14] = [
@@ -803,6 +807,7 @@ fn alert_rules_query_only_the_crates_series_per_limit() {
         rule_names,
         [
             ("ResourcesOperationLimitSaturated", Some("limit")),
+            ("ResourcesOperationLimitSaturated", Some("fleet")),
             ("ResourcesOperationLimitSaturated", Some("series")),
             ("ResourcesOperationQueueTimeAboveRunTime", None),
             ("ResourcesOperationRejectionRateHigh", None),
@@ -818,13 +823,15 @@ fn alert_rules_query_only_the_crates_series_per_limit() {
             problems.push(format!("{name}: {problem}"));
         }
         // Every aggregation keeps the target and the series, or the target and the named limit
-        // (histograms `le` too).
+        // (histograms `le` too); the fleet's rule keeps the fleet limit alone.
         let groupings = groupings(&rule.expr);
         if groupings.is_empty() {
             problems.push(format!("{name}: no sum by (...)"));
         }
         for (grouping, series) in groupings {
-            let expected = if series.starts_with(LIMIT_SERIES_PREFIX) {
+            let expected = if rule.scope.as_deref() == Some("fleet") {
+                FLEET_GROUPING.to_owned()
+            } else if series.starts_with(LIMIT_SERIES_PREFIX) {
                 LIMIT_GROUPING.to_owned()
             } else if series.ends_with("_bucket") {
                 format!("{ALERT_GROUPING}, le")
@@ -859,24 +866,54 @@ fn alert_rules_query_only_the_crates_series_per_limit() {
         "{}",
         per_limit.expr
     );
+    // Of limits whose capacity adds up over processes (a process's own, or a fleet limit on
+    // its share): a fleet limit's is the same on every replica.
+    let not_fleet = r#"{nemo_gym_resources_limit_scope!="fleet"}"#;
     assert!(
         per_limit
             .expr
-            .contains("(gym_resources_limit_active)\n>=\n")
+            .contains(&format!("(gym_resources_limit_active{not_fleet})\n>=\n"))
             && per_limit
                 .expr
-                .contains("(gym_resources_limit_queued)\n> 0\n"),
+                .contains(&format!("(gym_resources_limit_queued{not_fleet})\n> 0\n"))
+            && per_limit
+                .expr
+                .contains(&format!("(gym_resources_limit_capacity{not_fleet})\n")),
         "{}",
         per_limit.expr
     );
+    // Per fleet limit: every replica's queue added up (a fleet limit queues only while all its
+    // places are held), of a fleet limit whose capacity is read once.
+    let per_fleet = &rules[1];
+    assert_eq!(
+        metrics(per_fleet),
+        BTreeSet::from(
+            ["gym_resources_limit_queued", "gym_resources_limit_capacity"].map(String::from)
+        ),
+        "{}",
+        per_fleet.expr
+    );
+    let fleet = r#"{nemo_gym_resources_limit_scope="fleet"}"#;
+    for part in [
+        format!("sum by (nemo_gym_resources_limit) (gym_resources_limit_queued{fleet})\n> 0\n"),
+        format!("max by (nemo_gym_resources_limit) (gym_resources_limit_capacity{fleet})\n"),
+    ] {
+        assert!(
+            per_fleet.expr.contains(&part),
+            "{part} in {}",
+            per_fleet.expr
+        );
+    }
     // Per series, held back while a named limit of the same process is saturated: exactly the
-    // per-limit condition.
-    let per_series = &rules[1];
+    // per-limit condition; of the limits of its process only (a fleet limit is named).
+    let per_series = &rules[2];
     assert!(
         per_series
             .expr
             .contains("(gym_resources_operation_active)\n>=\n")
-            && per_series.expr.contains("(gym_resources_operation_limit)")
+            && per_series
+                .expr
+                .contains(&format!("(gym_resources_operation_limit{not_fleet})"))
             && !per_series.expr.contains("max_over_time"),
         "{}",
         per_series.expr
@@ -887,7 +924,7 @@ fn alert_rules_query_only_the_crates_series_per_limit() {
         "the per-series rule should end with\n{held_back}\nnot\n{}",
         per_series.expr
     );
-    let rejections = &rules[3];
+    let rejections = &rules[4];
     for series in [
         "gym_resources_operation_rejected_total",
         "gym_resources_operation_queue_duration_ms_count",
@@ -897,7 +934,7 @@ fn alert_rules_query_only_the_crates_series_per_limit() {
     }
     // The give-up alert counts abandoned waits, and tells the server's own timeouts apart from
     // callers who give up.
-    let give_up = &rules[4];
+    let give_up = &rules[5];
     assert!(
         metrics(give_up).contains("gym_resources_operation_abandoned_total"),
         "the give-up alert counts abandoned waits: {}",
@@ -910,7 +947,7 @@ fn alert_rules_query_only_the_crates_series_per_limit() {
     ] {
         assert!(give_up.description.contains(words), "{words:?}: {}", give_up.description);
     }
-    let timeouts = &rules[5];
+    let timeouts = &rules[6];
     assert!(
         timeouts
             .expr

@@ -21,6 +21,7 @@ pub mod label {
     pub const OUTCOME: &str = "nemo_gym_resources_operation_outcome";
     pub const REJECTION: &str = "nemo_gym_resources_operation_rejection";
     pub const LIMIT: &str = "nemo_gym_resources_limit";
+    pub const LIMIT_SCOPE: &str = "nemo_gym_resources_limit_scope";
 }
 
 /// The crate's metrics through the real `opentelemetry-prometheus` exporter into a registry of

@@ -190,7 +190,7 @@ impl Drop for RedisServer {
 }
 
 /// The first `program` on `PATH`, if there is one.
-fn find_on_path(program: &str) -> Option<std::path::PathBuf> {
+pub fn find_on_path(program: &str) -> Option<std::path::PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|dir| dir.join(program))
