@@ -8,6 +8,7 @@
 #[cfg(feature = "tracing")]
 pub mod captured;
 pub mod observer;
+pub mod redis_cluster;
 pub mod redis_server;
 pub mod replicas;
 
