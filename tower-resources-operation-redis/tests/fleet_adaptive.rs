@@ -46,6 +46,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::redis_server::RedisServer;
+use support::replicas::{commands, replica_settings, say, this_test, REPLICA};
 use support::Telemetry;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -57,8 +58,6 @@ use tower_resources_operation::metrics::{
 use tower_resources_operation::{Acquire, Executor, Limit, Operation, OperationMetrics};
 use tower_resources_operation_redis::RedisLimit;
 
-/// The environment variable that makes [`replica`] a replica, with its settings.
-const REPLICA: &str = "TRO_ADAPTIVE_REPLICA";
 /// How long the backend takes to answer.
 const DELAY: Duration = Duration::from_millis(50);
 /// Client loops per replica.
@@ -79,43 +78,16 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 // The replica
 // ---------------------------------------------------------------------------------------------
 
-/// The entry point of a replica: a no-op unless [`REPLICA`] is set (`<fleet|local> <name>
-/// <redis url> <backend address>`), as it is for the processes the tests start.
-#[test]
-fn replica() {
-    let Ok(settings) = std::env::var(REPLICA) else {
-        return;
+/// Runs this process as a replica, if it is one (its settings: `mode`, `name`, `redis`,
+/// `backend`): the first line of each test that starts replicas.
+async fn as_replica() -> bool {
+    let Some(settings) = replica_settings() else {
+        return false;
     };
-    let parts: Vec<&str> = settings.split(' ').collect();
-    let (mode, name, redis, backend) = (parts[0], parts[1], parts[2], parts[3]);
-    let name: &'static str = Box::leak(name.to_owned().into_boxed_str());
-    let backend: SocketAddr = backend.parse().unwrap();
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(run_replica(mode, name, redis, backend));
-}
-
-/// Prints a line for the test that started this replica.
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
-}
-
-/// What the test tells a replica on its standard input, one word a line.
-fn commands() -> tokio::sync::mpsc::UnboundedReceiver<String> {
-    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
-    std::thread::spawn(move || {
-        for line in std::io::stdin().lock().lines() {
-            let Ok(line) = line else { break };
-            if sender.send(line.trim().to_owned()).is_err() {
-                break;
-            }
-        }
-    });
-    receiver
+    let name: &'static str = Box::leak(settings["name"].clone().into_boxed_str());
+    let backend: SocketAddr = settings["backend"].parse().unwrap();
+    run_replica(&settings["mode"], name, &settings["redis"], backend).await;
+    true
 }
 
 /// The counts of a replica's clients.
@@ -403,10 +375,22 @@ struct Replica {
 }
 
 impl Replica {
+    /// A replica of the test running on this thread (the test's own, not a worker's).
     fn start(mode: &str, name: &str, redis: &RedisServer, backend: SocketAddr) -> Self {
+        let test = this_test();
+        let settings = format!(
+            "mode={mode} name={name} redis={} backend={backend}",
+            redis.url()
+        );
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["replica", "--exact", "--nocapture", "--test-threads=1"])
-            .env(REPLICA, format!("{mode} {name} {} {backend}", redis.url()))
+            .args([
+                test.as_str(),
+                "--exact",
+                "--include-ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(REPLICA, settings)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -650,11 +634,13 @@ fn print_run(label: &str, run: &Run) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn three_replicas_settle_near_the_backends_capacity_and_follow_it() {
-    let _serial = SERIAL.lock().await;
-    let Some(redis) = RedisServer::start() else {
+    if as_replica().await {
         return;
-    };
+    }
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start_required();
     let fleet = run("fleet", "adaptive-fleet", &redis).await;
     let local = run("local", "adaptive-local", &redis).await;
     println!("backend: {DELAY:?} a request, defers above K; 3 replicas x {CLIENTS} clients");
@@ -714,13 +700,15 @@ async fn three_replicas_settle_near_the_backends_capacity_and_follow_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn killing_the_leader_hands_the_decisions_to_another_replica_and_keeps_the_capacity() {
+    if as_replica().await {
+        return;
+    }
     const K: usize = 8;
     const NAME: &str = "adaptive-failover";
     let _serial = SERIAL.lock().await;
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let (backend, address) = Backend::start(K).await;
     let mut replicas: Vec<Replica> = (0..3)
         .map(|_| Replica::start("fleet", NAME, &redis, address))
@@ -825,11 +813,10 @@ fn script_calls(redis: &RedisServer) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn an_uncontended_operation_of_an_adaptive_fleet_limit_costs_two_round_trips() {
     let _serial = SERIAL.lock().await;
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let metrics = OperationMetrics::disabled();
     let operation = |limit: RedisLimit| {
         let metrics = metrics.clone();

@@ -13,19 +13,15 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::redis_server::RedisServer;
+use support::replicas::{replica_or, say, this_test, within_thread, Replica};
 use support::{live, Telemetry};
 use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
 use tower_resources_operation::{Acquire, Executor, Operation, Rejection, DURATION_INSTRUMENT};
 use tower_resources_operation_redis::{RedisLimit, Unreachable};
-
-/// The environment variable that makes [`replica`] a replica, with its settings.
-const REPLICA: &str = "TRO_FLEET_REPLICA";
 
 /// The limit every replica names.
 const NAME: &str = "fleet-test";
@@ -75,7 +71,7 @@ impl Settings {
 
     fn decode(encoded: &str) -> Self {
         let pairs: BTreeMap<&str, &str> = encoded
-            .split(' ')
+            .split(',')
             .filter_map(|pair| pair.split_once('='))
             .collect();
         let number = |key: &str| pairs[key].parse::<u64>().expect(key);
@@ -95,14 +91,9 @@ impl Settings {
     }
 }
 
-/// The entry point of a replica: a no-op unless [`REPLICA`] is set, as it is for the processes
-/// the tests below start.
-#[test]
-fn replica() {
-    let Ok(settings) = std::env::var(REPLICA) else {
-        return;
-    };
-    let settings = Settings::decode(&settings);
+/// A replica of the test running: its settings are this file's `Settings`, as one setting.
+fn replica(settings: support::replicas::Settings) {
+    let settings = Settings::decode(&settings["fleet"]);
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -111,12 +102,13 @@ fn replica() {
         .block_on(run_replica(settings));
 }
 
-/// Prints a line for the test that started this replica.
-fn say(line: &str) {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
+/// The test's own runtime (a replica makes its own: one runtime per process).
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 async fn run_replica(settings: Settings) {
@@ -235,73 +227,12 @@ async fn leave(observer: &mut ::redis::aio::MultiplexedConnection) {
 // The tests
 // ---------------------------------------------------------------------------------------------
 
-/// A replica process, its output read line by line.
-struct Replica {
-    child: Child,
-    lines: std::io::Lines<BufReader<ChildStdout>>,
-}
-
-impl Replica {
-    fn start(settings: &Settings) -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["replica", "--exact", "--nocapture", "--test-threads=1"])
-            .env(REPLICA, settings.encode())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start a replica");
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        Self { child, lines }
-    }
-
-    /// Reads until a line with `prefix` (libtest may print its own words before it on the same
-    /// line); returns the line from `prefix` on. Fails if the replica ends first (the deadline
-    /// is the test's: each read blocks a thread of its own).
-    fn until(&mut self, prefix: &str) -> String {
-        for line in self.lines.by_ref() {
-            let line = line.expect("a replica's output");
-            if let Some(at) = line.find(prefix) {
-                return line[at..].to_owned();
-            }
-        }
-        panic!("the replica ended before it said {prefix:?}");
-    }
-
-    /// The replica's result, once it is done: its `key=value` counts.
-    fn result(mut self) -> BTreeMap<String, String> {
-        let line = self.until("RESULT");
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "the replica failed: {status}");
-        line.split(' ')
-            .skip(1)
-            .filter_map(|pair| pair.split_once('='))
-            .map(|(key, value)| (key.to_owned(), value.to_owned()))
-            .collect()
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Runs `work` on a thread of its own, failing the test if it takes longer than `deadline`
-/// (a hung caller in a replica hangs its process).
-fn within<T: Send + 'static>(
-    what: &str,
-    deadline: Duration,
-    work: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (sender, receiver) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = sender.send(work());
-    });
-    receiver
-        .recv_timeout(deadline)
-        .unwrap_or_else(|_| panic!("{what} hung"))
+/// A replica process with `settings`, of the test running on this thread.
+fn start(settings: &Settings) -> Replica {
+    let mut encoded = support::replicas::Settings::new();
+    encoded.insert("test".to_owned(), this_test());
+    encoded.insert("fleet".to_owned(), settings.encode().replace(' ', ","));
+    Replica::start(&encoded)
 }
 
 /// A count in a replica's result.
@@ -359,18 +290,23 @@ fn burst(redis: &RedisServer, observer: &RedisServer, capacity: usize) -> Settin
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_replicas_never_run_more_than_the_fleets_capacity_at_once() {
+#[test]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
+fn three_replicas_never_run_more_than_the_fleets_capacity_at_once() {
+    replica_or(replica, || {
+        runtime().block_on(three_replicas_never_run_more_than_the_fleets_capacity_at_once_body())
+    });
+}
+
+async fn three_replicas_never_run_more_than_the_fleets_capacity_at_once_body() {
     const CAPACITY: usize = 4;
-    let (Some(redis), Some(observer)) = (RedisServer::start(), RedisServer::start()) else {
-        return;
-    };
+    let (redis, observer) = (RedisServer::start_required(), RedisServer::start_required());
     let mut settings = burst(&redis, &observer, CAPACITY);
     // This test is about the bound, not about outages: calls may take a second (a replica
     // stalled on a loaded machine), so none fails.
     (settings.call_ms, settings.ttl_ms) = (1_000, 3_000);
-    let replicas: Vec<Replica> = (0..3).map(|_| Replica::start(&settings)).collect();
-    let results = within("the fleet", Duration::from_secs(120), move || {
+    let replicas: Vec<Replica> = (0..3).map(|_| start(&settings)).collect();
+    let results = within_thread("the fleet", Duration::from_secs(120), move || {
         replicas
             .into_iter()
             .map(Replica::result)
@@ -394,18 +330,25 @@ async fn three_replicas_never_run_more_than_the_fleets_capacity_at_once() {
     assert_eq!(settled(&handle).await, (CAPACITY, 0, 0));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease_ttl() {
+#[test]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
+fn a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease_ttl() {
+    replica_or(replica, || {
+        runtime().block_on(
+            a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease_ttl_body(),
+        )
+    });
+}
+
+async fn a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease_ttl_body() {
     const CAPACITY: usize = 3;
     const TTL: Duration = Duration::from_millis(1_500);
-    let (Some(redis), Some(observer)) = (RedisServer::start(), RedisServer::start()) else {
-        return;
-    };
+    let (redis, observer) = (RedisServer::start_required(), RedisServer::start_required());
     let mut settings = burst(&redis, &observer, CAPACITY);
     settings.mode = "hold".to_owned();
     settings.ttl_ms = TTL.as_millis() as u64;
-    let mut holder = Replica::start(&settings);
-    let mut holder = within("the holder", Duration::from_secs(60), move || {
+    let mut holder = start(&settings);
+    let holder = within_thread("the holder", Duration::from_secs(60), move || {
         holder.until("HOLDING");
         holder
     });
@@ -418,9 +361,8 @@ async fn a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease
         let handle = handle.clone();
         tokio::spawn(async move { handle.acquire().await.map(drop) })
     };
-    holder.child.kill().expect("kill -9"); // SIGKILL
+    holder.kill(); // SIGKILL
     let killed = Instant::now();
-    holder.child.wait().unwrap();
 
     support::within("the waiter", waiter)
         .await
@@ -446,12 +388,20 @@ async fn a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_redis_restarted_mid_load_no_caller_hangs_and_each_gets_its_configured_answer() {
+#[test]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
+fn with_redis_restarted_mid_load_no_caller_hangs_and_each_gets_its_configured_answer() {
+    replica_or(replica, || {
+        runtime().block_on(
+            with_redis_restarted_mid_load_no_caller_hangs_and_each_gets_its_configured_answer_body(
+            ),
+        )
+    });
+}
+
+async fn with_redis_restarted_mid_load_no_caller_hangs_and_each_gets_its_configured_answer_body() {
     const CAPACITY: usize = 4;
-    let (Some(mut redis), Some(observer)) = (RedisServer::start(), RedisServer::start()) else {
-        return;
-    };
+    let (mut redis, observer) = (RedisServer::start_required(), RedisServer::start_required());
     // One replica fails closed, one fails open, one runs on its share; operations arrive over
     // 3 s, Redis is away for one of them.
     let mut settings = burst(&redis, &observer, CAPACITY);
@@ -463,12 +413,8 @@ async fn with_redis_restarted_mid_load_no_caller_hangs_and_each_gets_its_configu
     open.unreachable = "open".to_owned();
     let mut share = settings.clone();
     share.unreachable = "share".to_owned();
-    let mut replicas = vec![
-        Replica::start(&settings),
-        Replica::start(&open),
-        Replica::start(&share),
-    ];
-    replicas = within("the replicas start", Duration::from_secs(60), move || {
+    let mut replicas = vec![start(&settings), start(&open), start(&share)];
+    replicas = within_thread("the replicas start", Duration::from_secs(60), move || {
         for replica in &mut replicas {
             replica.until("READY");
         }
@@ -479,7 +425,7 @@ async fn with_redis_restarted_mid_load_no_caller_hangs_and_each_gets_its_configu
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     redis.restart();
 
-    let results = within("the fleet", Duration::from_secs(120), move || {
+    let results = within_thread("the fleet", Duration::from_secs(120), move || {
         replicas
             .into_iter()
             .map(Replica::result)

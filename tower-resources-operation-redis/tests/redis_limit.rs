@@ -110,10 +110,9 @@ fn named(t: &Telemetry, name: &str, limit: &str) -> i64 {
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn every_handle_built_with_one_name_shares_one_capacity_and_other_names_do_not() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let replica_a = patient("judges", 2).build(redis.url()).unwrap();
     let replica_b = patient("judges", 2).build(redis.url()).unwrap();
     let verifiers = patient("verifiers", 1).build(redis.url()).unwrap();
@@ -145,10 +144,9 @@ async fn every_handle_built_with_one_name_shares_one_capacity_and_other_names_do
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn waiters_from_every_replica_are_served_first_come_first_served() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let replicas: Vec<RedisLimit> = (0..3)
         .map(|_| patient("sandboxes", 1).build(redis.url()).unwrap())
         .collect();
@@ -176,10 +174,9 @@ async fn waiters_from_every_replica_are_served_first_come_first_served() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn a_release_wakes_a_waiter_of_another_replica_without_a_poll() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let replica_a = patient("judges", 1).build(redis.url()).unwrap();
     let replica_b = patient("judges", 1).build(redis.url()).unwrap();
     replica_b.ready().await.unwrap();
@@ -199,10 +196,9 @@ async fn a_release_wakes_a_waiter_of_another_replica_without_a_poll() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn an_uncontended_operation_costs_two_round_trips() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let limit = patient("judges", 4).build(redis.url()).unwrap();
     // The first operation loads the scripts (a NOSCRIPT, then SCRIPT LOAD, once per script).
     drop(take(&limit).await);
@@ -242,10 +238,9 @@ async fn an_uncontended_operation_costs_two_round_trips() {
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn a_waiter_that_goes_away_leaves_no_ticket_and_a_dropped_permit_no_lease() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let replica_a = patient("judges", 1).build(redis.url()).unwrap();
     let replica_b = patient("judges", 1).build(redis.url()).unwrap();
     let holding = take(&replica_a).await;
@@ -277,10 +272,9 @@ async fn a_waiter_that_goes_away_leaves_no_ticket_and_a_dropped_permit_no_lease(
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn raising_the_capacity_admits_the_fleets_waiters_at_once_and_lowering_it_revokes_nobody() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let replica_a = patient("judges", 1).build(redis.url()).unwrap();
     let replica_b = patient("judges", 1).build(redis.url()).unwrap();
     let operator = patient("judges", 1).build(redis.url()).unwrap();
@@ -326,10 +320,9 @@ async fn raising_the_capacity_admits_the_fleets_waiters_at_once_and_lowering_it_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn the_first_replica_stores_the_capacity_and_later_ones_read_it() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let first = patient("judges", 3).build(redis.url()).unwrap();
     first.ready().await.unwrap();
     assert_eq!(fleet(&first).await.0, 3);
@@ -344,10 +337,9 @@ async fn the_first_replica_stores_the_capacity_and_later_ones_read_it() {
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn the_queue_bound_and_the_queue_timeout_are_answered_as_the_local_limits_are() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let t = Telemetry::new();
     let replica_a = patient("judges", 1)
         .max_queued(1)
@@ -411,10 +403,9 @@ async fn the_queue_bound_and_the_queue_timeout_are_answered_as_the_local_limits_
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn failing_closed_a_stopped_redis_turns_operations_away_as_unavailable() {
-    let Some(mut redis) = RedisServer::start() else {
-        return;
-    };
+    let mut redis = RedisServer::start_required();
     let t = Telemetry::new();
     let limit = quick("judges", 2).fail_closed().build(redis.url()).unwrap();
     limit.ready().await.unwrap();
@@ -455,10 +446,9 @@ async fn failing_closed_a_stopped_redis_turns_operations_away_as_unavailable() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn failing_open_a_stopped_redis_admits_operations_without_the_fleet_limit_and_counts_them() {
-    let Some(mut redis) = RedisServer::start() else {
-        return;
-    };
+    let mut redis = RedisServer::start_required();
     let t = Telemetry::new();
     let limit = quick("judges", 1)
         .fail_open()
@@ -493,10 +483,9 @@ async fn failing_open_a_stopped_redis_admits_operations_without_the_fleet_limit_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn a_waiter_gets_the_configured_answer_when_redis_stops_under_it() {
-    let Some(mut redis) = RedisServer::start() else {
-        return;
-    };
+    let mut redis = RedisServer::start_required();
     let closed = quick("judges", 1).fail_closed().build(redis.url()).unwrap();
     let open = quick("judges", 1).fail_open().build(redis.url()).unwrap();
     let share = quick("judges", 1).build(redis.url()).unwrap();
@@ -536,10 +525,9 @@ async fn a_waiter_gets_the_configured_answer_when_redis_stops_under_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn a_frozen_redis_is_answered_within_the_call_timeout_not_waited_for() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let limit = quick("judges", 2).fail_closed().build(redis.url()).unwrap();
     limit.ready().await.unwrap();
     redis.pause();
@@ -554,10 +542,9 @@ async fn a_frozen_redis_is_answered_within_the_call_timeout_not_waited_for() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn a_lost_lease_is_counted_and_taken_back_while_its_place_is_free() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let t = Telemetry::new();
     let limit = quick("judges", 1)
         .meter(&t.meter())
@@ -590,10 +577,9 @@ async fn a_lost_lease_is_counted_and_taken_back_while_its_place_is_free() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn a_lost_lease_whose_place_was_given_to_another_is_counted_and_never_taken_back() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let limit = quick("judges", 1).build(redis.url()).unwrap();
     let other = quick("judges", 1).build(redis.url()).unwrap();
     let running = take(&limit).await;
@@ -618,10 +604,9 @@ async fn a_lost_lease_whose_place_was_given_to_another_is_counted_and_never_take
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn after_a_restart_the_fleet_recovers_by_itself() {
-    let Some(mut redis) = RedisServer::start() else {
-        return;
-    };
+    let mut redis = RedisServer::start_required();
     let t = Telemetry::new();
     let limit = quick("judges", 2).fail_closed().build(redis.url()).unwrap();
     let service = ResourcesOperationLayer::new_for_http(limit.clone())
@@ -668,10 +653,9 @@ async fn after_a_restart_the_fleet_recovers_by_itself() {
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn the_limit_gauge_is_the_fleets_capacity_and_active_is_this_replicas_own() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = RedisServer::start_required();
     let t = Telemetry::new();
     let here = patient("judges", 4).build(redis.url()).unwrap();
     here.register_metrics(&t.meter());

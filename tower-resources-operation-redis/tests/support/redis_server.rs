@@ -9,9 +9,6 @@ use std::time::{Duration, Instant};
 /// The server, on `PATH` (Debian's package puts it in /usr/bin).
 const SERVER: &str = "redis-server";
 
-/// Set to `1` (as CI does) to make a missing `redis-server` a failure, not a skip.
-pub const REQUIRE_VAR: &str = "REQUIRE_REDIS";
-
 /// One `redis-server` of the test's own.
 pub struct RedisServer {
     child: Option<Child>,
@@ -19,26 +16,18 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// Starts one on a free port of 127.0.0.1 and waits until it answers `PING`; `None`, after
-    /// a loud message, if `redis-server` is not installed (a failure when `REQUIRE_REDIS=1`, as
-    /// CI sets it).
-    pub fn start() -> Option<Self> {
-        if find_on_path(SERVER).is_none() {
-            let message = format!(
-                "`{SERVER}` is not on PATH, so the fleet limit's tests cannot run. Install it \
-                 (Debian/Ubuntu: `apt-get install redis-server`)."
-            );
-            if std::env::var(REQUIRE_VAR).is_ok_and(|v| v.trim() == "1") {
-                panic!("{REQUIRE_VAR}=1 and {message}");
-            }
-            eprintln!("\n********** SKIPPED: {message} **********\n");
-            return None;
-        }
-        Some(Self::start_required())
-    }
-
-    /// [`start`](Self::start), failing if `redis-server` is not installed.
+    /// Starts one on a free port of 127.0.0.1 and waits until it answers `PING`; a failure
+    /// that says how to install `redis-server` if it is not on `PATH`. Every test that calls
+    /// this is `#[ignore]`d with that reason, and `cargo test -- --include-ignored` (the
+    /// README's command) runs it: a test that cannot run shows as ignored in the summary, never
+    /// as passed.
     pub fn start_required() -> Self {
+        assert!(
+            find_on_path(SERVER).is_some(),
+            "`{SERVER}` is not on PATH, so this test cannot run. Install it (Debian/Ubuntu: \
+             `apt-get install redis-server`), or run the tests without --include-ignored to \
+             leave it out (it then shows as ignored)."
+        );
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|listener| listener.local_addr())
             .expect("a free port")

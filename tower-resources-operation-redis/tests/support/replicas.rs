@@ -26,6 +26,12 @@ pub fn replica_or(replica: impl FnOnce(Settings), test: impl FnOnce()) {
     }
 }
 
+/// This process's settings as a replica, if it is one: for an `async` test, whose first line
+/// runs the replica on the test's own runtime and returns.
+pub fn replica_settings() -> Option<Settings> {
+    std::env::var(REPLICA).ok().map(|encoded| decode(&encoded))
+}
+
 /// `settings` as one line.
 pub fn encode(settings: &Settings) -> String {
     settings
@@ -77,7 +83,7 @@ pub fn commands() -> tokio::sync::mpsc::UnboundedReceiver<String> {
     std::thread::spawn(move || {
         for line in std::io::stdin().lock().lines() {
             let Ok(line) = line else { break };
-            if sender.send(line).is_err() {
+            if sender.send(line.trim().to_owned()).is_err() {
                 break;
             }
         }
