@@ -210,6 +210,14 @@
 //!   whichever series use it: read saturation there. A name is written in code, so the attribute
 //!   stays bounded; limits that share a name add up (their run times: the largest). NeMo Gym's
 //!   series stay as they are.
+//! - **Whose capacity it is.** The named limit's instruments, and `limit`, carry
+//!   [`LIMIT_SCOPE_ATTRIBUTE`](metrics::LIMIT_SCOPE_ATTRIBUTE)
+//!   (`nemo.gym.resources.limit.scope`, a [`limit::Scope`]): `process` for a limit of the
+//!   process, whose capacity adds up over the processes that report it; `fleet` for one limit
+//!   shared by a whole fleet (the companion crate's `RedisLimit`), whose capacity every
+//!   replica reports alike, to read once; `share` for a fleet limit running on its replica's
+//!   share while its store is away, to add up. The shipped dashboard and alerts read each by
+//!   its scope.
 //! - **An [adaptive] limit** sets its own capacity: `limit` and
 //!   `gym.resources.limit.capacity` follow it, and, named, it reports what its controller
 //!   measured (`gym.resources.limit.adaptive.{baseline,estimate}_ms`), next to the queue time and

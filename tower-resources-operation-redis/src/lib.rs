@@ -72,26 +72,46 @@
 //!   limit in one call, every third of the lease TTL. A process killed with `kill -9` stops
 //!   extending them: its places come back within the TTL.
 //! - **A fair queue across the fleet.** An operation that finds no free place takes a ticket:
-//!   an id in a second sorted set, scored by order of arrival (with its own expiry in a third,
-//!   so a dead process's tickets leave the queue within the TTL). A place that frees up goes to
-//!   the first ticket, whichever process holds it: first come, first served over the fleet.
-//! - **Wake-ups without polling.** The script that frees a place hands it to the first waiter
-//!   there and then, and publishes the waiter's id on the limit's channel. Each process
-//!   subscribes once (on the connection it sends its commands on, in RESP3), and wakes the
-//!   waiter, which holds its lease without another round trip. A wake-up lost (the connection
-//!   dropped, a message missed) is covered by the refresh, which also tells each waiter
-//!   what became of its ticket, at least every [`fallback_poll`](RedisLimitBuilder::fallback_poll)
-//!   while anything waits.
+//!   an id in a second sorted set, scored by order of arrival (with its own expiry in a third).
+//!   A place that frees up goes to the first ticket, whichever process holds it: first come,
+//!   first served over the fleet.
+//! - **Places handed over are claimed.** The script that frees a place hands it to the first
+//!   waiter there and then, as a *claim* that lasts the [claim timeout](RedisLimitBuilder::claim_timeout)
+//!   (250 ms), and publishes the waiter's id on the limit's channel. Each process subscribes
+//!   once (on the connection it sends its commands on, in RESP3); the waiter hears, asks again
+//!   with its id, and the claim becomes its lease: one round trip. A wake-up lost (the
+//!   connection dropped, a message missed) is covered by the refresh, which takes up a claim as
+//!   well, and tells each waiter what became of its ticket, at least every
+//!   [`fallback_poll`](RedisLimitBuilder::fallback_poll) while anything waits.
+//! - **Live replicas.** Each refresh (and each first call) counts its process alive until a
+//!   lease TTL later: the fleet knows how many replicas it has, and each replica its share of
+//!   the capacity ([while Redis is away](#while-redis-is-away)).
 //! - **Cancellation.** A caller that goes away (its request dropped, its queue timeout passed)
-//!   gives its ticket back, or its lease if the place was handed to it meanwhile, at once
-//!   (releases are batched). If that call cannot be made, it is retried with the refresh, and
-//!   the ticket or lease expires within the TTL anyway.
+//!   gives its ticket back, or the place handed to it meanwhile, at once (releases are
+//!   batched). If that call cannot be made, it is retried with the refresh, and the ticket or
+//!   lease expires within the TTL anyway.
 //! - **Atomic steps, server time.** Every step that must be atomic is one Lua script, loaded
 //!   once and called by its SHA; every expiry is computed from `redis.call('TIME')`, never from
 //!   a replica's clock. An uncontended operation costs two round trips: one to take its lease,
-//!   one to give it back; the refresh is one call per process every third of the TTL, whatever
-//!   the number of leases (and, for an [adaptive](#an-adaptive-fleet-limit) limit, one per
-//!   tick).
+//!   one to give it back (a queued one, a third: its claim); the refresh is one call per
+//!   process every third of the TTL, whatever the number of leases (and, for an
+//!   [adaptive](#an-adaptive-fleet-limit) limit, one per tick).
+//!
+//! # Members that die
+//!
+//! A replica killed while it has tickets in the fleet's queue stalls nobody: the first place
+//! handed to one of its tickets is a claim that nobody takes up, and when it expires (the claim
+//! timeout, far below the lease TTL) the place goes back to the fleet, and every ticket of
+//! that process leaves the queue with it (ids name their process). The replicas that wait
+//! refresh a claim timeout after a place went to another process's waiter, so the place is
+//! found then, not at the next fallback poll. `tests/fleet_changes.rs` kills a replica with six
+//! tickets queued, with and without places held, under two replicas that stream: their
+//! longest time without a success is about 390 ms, with a TTL of 3 s or of 10 s (before the
+//! claims, the whole TTL).
+//!
+//! A replica killed while it holds places gives them back when their leases expire: within the
+//! TTL. A replica's pause cannot be told from its death any sooner, and a lease taken from a
+//! replica that only paused would be a place given twice.
 //!
 //! # Choosing the lease TTL
 //!
@@ -110,31 +130,63 @@
 //! in `tower-resources-operation`). Every call to Redis has a timeout
 //! ([`call_timeout`](RedisLimitBuilder::call_timeout), default 500 ms). After the first call
 //! that fails, the limit answers every caller at once, without asking Redis, until the
-//! background task reaches it again (it asks at once, then every
-//! [fallback poll](RedisLimitBuilder::fallback_poll)); each outage is logged once, with the
-//! address and the cause, and its end once ([`RedisLimit::is_reachable`] says which it is).
+//! background task reaches it again (it asks at once, then every quarter of a
+//! [fallback poll](RedisLimitBuilder::fallback_poll)); each outage is said once, with the
+//! address, the cause and the answer the limit gives meanwhile, and its end once
+//! ([`RedisLimit::is_reachable`] says which it is).
 //!
 //! | what happens | what the caller gets |
 //! |---|---|
-//! | Redis unreachable or slow (taking a place, or while waiting for one) | failing closed (the default): turned away as [`Rejection::Unavailable`]: HTTP `503`, gRPC `UNAVAILABLE`, `Err(Rejected)`, counted in `gym.resources.operation.rejected{rejection="unavailable"}`. Failing open ([`fail_open`](RedisLimitBuilder::fail_open)): admitted without the fleet limit, counted in `gym.resources.limit.failed_open`. A caller whose call is under way when Redis goes waits at most that call's timeout; the callers after the first failure are answered at once; a waiter hears within the fallback poll and two call timeouts, whatever other callers do |
+//! | Redis unreachable or slow (taking a place, or while waiting for one) | as [`when_unreachable`](RedisLimitBuilder::when_unreachable) says: on this replica's share ([`Unreachable::Share`], the default, [below](#while-redis-is-away)); turned away ([`Unreachable::Closed`]: [`Rejection::Unavailable`], HTTP `503`, gRPC `UNAVAILABLE`, counted in `gym.resources.operation.rejected{rejection="unavailable"}`); or admitted without the fleet limit ([`Unreachable::Open`], counted in `gym.resources.limit.failed_open`). A caller whose call is under way when Redis goes waits at most that call's timeout; the callers after the first failure are answered at once; a waiter hears within the fallback poll and two call timeouts, whatever other callers do |
 //! | the fleet queue is full ([`max_queued`](RedisLimitBuilder::max_queued)) | turned away at once as [`Rejection::QueueFull`], as a `Limit`'s full queue |
 //! | waited longer than a queue timeout ([`Acquire::queue_timeout`], a layer's `queue_timeout`) | turned away as [`Rejection::QueueTimeout`]; its ticket goes back |
 //! | a lease lost while its operation runs (Redis restarted, a long pause) | the operation runs on; the loss is counted in `gym.resources.limit.leases_lost`; the lease is taken back if its place is still free and nobody waits, and never otherwise, so no place is knowingly given twice |
-//! | Redis restarted in the middle of a load | callers get the configured answer while it is down; the connection comes back by itself, the capacity is stored again from the builder's, and each process's books (`queued`, `active`) stay balanced. Without persistence, operations admitted before the restart and after it may together exceed the capacity until the earlier ones end |
+//! | Redis restarted in the middle of a load | callers get the configured answer while it is down; the connection comes back by itself (found at the first probe), the capacity is stored again from the builder's, places run on the shares become leases, and each process's books (`queued`, `active`) stay balanced. Without persistence, leases taken before the restart and not refreshed since are lost: operations admitted before it and after may together exceed the capacity until the earlier ones end |
 //! | a release that cannot reach Redis | retried with the refresh for up to a TTL; the lease expires within the TTL anyway |
-//! | a process killed (`kill -9`) | its leases and tickets expire within the TTL, and their places go to the next waiters |
+//! | a process killed (`kill -9`) | its tickets leave the queue within a claim timeout of its first unclaimed place, its leases expire within the TTL ([above](#members-that-die)) |
 //!
-//! Failing closed by default is a choice: Envoy's global rate limit fails open unless told
-//! otherwise, but a limit that protects a shared resource (a quota, a GPU pool) should not be
-//! lifted without a word when its store goes away. A failing-closed limit says it
-//! [may reject](Acquire::may_reject), so a layer that cannot answer a rejection (the `Plain`
-//! protocol) refuses it when it makes its service; failing open without a queue bound it never
-//! rejects, and such a layer takes it.
+//! A limit whose answer may be a turning away says it [may reject](Acquire::may_reject), so a
+//! layer that cannot answer a rejection (the `Plain` protocol) refuses it when it makes its
+//! service; only failing open without a queue bound it never rejects, and such a layer takes
+//! it.
 //!
 //! The limit's own calls ([`ready`](RedisLimit::ready), [`set_capacity`](RedisLimit::set_capacity),
 //! [`fleet`](RedisLimit::fleet)) return this crate's [`Error`]: its [`kind`](Error::kind), the
 //! limit, the address (without its password) and the cause. No `redis` type is in this crate's
-//! API; the `redis` crate's error is only an error's [`source`](std::error::Error::source).
+//! API; the `redis` crate's error is only an error's [`source`](std::error::Error::source). An
+//! operation turned away because Redis could not be reached carries the same [`Error`] as the
+//! source of the core crate's `AcquireError`.
+//!
+//! # While Redis is away
+//!
+//! Failing closed stops the fleet for as long as Redis is out (every caller turned away);
+//! failing open lifts the limit, unbounded. Google's Doorman hands each client a safe capacity
+//! to fall back on; a fleet limit works its own out. With [`Unreachable::Share`], the default:
+//!
+//! - **The share.** Each replica admits up to its share of the fleet's last capacity: that
+//!   capacity divided by the replicas alive when it last reached Redis (rounded down, and at
+//!   least 1), and queues the rest locally, as a `Limit` would (a queue bound, if any, shared
+//!   alike). A replica that never reached Redis has no share, and turns operations away. The
+//!   places it runs, the places it held before the outage included, count against its share.
+//! - **What the fleet runs.** At most the last capacity at once, once the operations admitted
+//!   before the outage have ended: until then, a replica that held more than its share runs
+//!   them on (it admits nothing new until it is below its share), while the others fill theirs.
+//!   With more replicas than places, each still has 1: the fleet may then run as many as it
+//!   has replicas. A replica that alone cannot reach Redis (a partition, its own timeouts)
+//!   runs its share beside a fleet that runs the whole capacity.
+//! - **In the metrics.** The capacity it reports is its share, with
+//!   `nemo.gym.resources.limit.scope` = `share` (`fleet` otherwise): the dashboards add the
+//!   shares up. [`RedisLimit::is_on_share`] and [`RedisLimit::share`] say the same in code.
+//! - **The return.** Each replica asks Redis every quarter of a fallback poll while it is
+//!   away. Once it answers, the replica tells it of the places it runs on its share (they
+//!   become leases, whatever the capacity: they run), admits nothing new for half a fallback
+//!   poll, by when every other replica has reached Redis too and told it of its own, and is
+//!   back on the fleet limit: within a fallback poll of Redis's return.
+//!
+//! `tests/fleet_changes.rs` kills Redis for 2 s under three replicas that stream, and starts it
+//! again empty: at most the capacity ran at once on the shares and after the return, about 120
+//! operations ran meanwhile (6 with failing closed), nobody was turned away, and every replica
+//! was back on the fleet limit about 440 ms after Redis (its fallback poll: 800 ms).
 //!
 //! # An adaptive fleet limit
 //!
@@ -237,15 +289,22 @@
 //!
 //! Each replica reports its own operations: `queue_duration_ms` (its operations' wait for the
 //! fleet's places, including the round trip to Redis), `duration_ms`, `queued` and `active`
-//! (its waiters and its lease holders), `rejected` and `abandoned`. The `limit` gauge, and
+//! (its waiters and its places), `rejected` and `abandoned`. The `limit` gauge, and
 //! `gym.resources.limit.capacity`, are the *fleet's* capacity, as last read from Redis (each
 //! call returns it; a change is published to every replica), and so, for an adaptive limit,
 //! are `gym.resources.limit.adaptive.baseline_ms` and `.estimate_ms` (the fleet's controller's,
-//! as last heard). These come through `tower-resources-operation`'s metrics, as for any limit.
-//! So:
+//! as last heard). These come through `tower-resources-operation`'s metrics, as for any limit,
+//! with `nemo.gym.resources.limit.scope` = `fleet`: a capacity to read once, not to add up over
+//! the replicas (`share` while a replica runs on its share: to add up). So:
 //!
-//! - `sum(gym_resources_operation_active) without (instance)` against
-//!   `max(gym_resources_operation_limit) without (instance)` is the fleet's saturation;
+//! - the shipped dashboard (`dashboards/grafana`) reads each capacity by its scope: a fleet
+//!   limit's utilisation is every replica's `active` added up, over the fleet's capacity
+//!   (`tests/fleet_dashboard.rs`: a saturated fleet limit of 4 on three replicas reads 0.96 to
+//!   1.06, where adding up the capacities read a third);
+//! - the shipped alerts (`dashboards/prometheus/alerts.yml`) have a rule of their own for a
+//!   fleet limit: `ResourcesOperationLimitSaturated` with `scope: fleet`, on operations queued
+//!   for it across the fleet (a fleet limit queues only while every place is held), grouped by
+//!   the limit's name alone;
 //! - the fleet's queue time is the histogram summed over instances;
 //! - this crate's own instruments, [`gym.resources.limit.failed_open`](metrics::FAILED_OPEN_INSTRUMENT)
 //!   and [`gym.resources.limit.leases_lost`](metrics::LEASES_LOST_INSTRUMENT), per replica and
@@ -253,20 +312,72 @@
 //!   are registered only when asked: [`RedisLimitBuilder::meter`],
 //!   [`RedisLimit::register_metrics`] (see [`metrics`]).
 //!
+//! # Redis Cluster
+//!
+//! Every key of a limit, and its channel, share one hash slot (`{prefix:name}`), so one shard
+//! of a Redis Cluster serves each limit, and every script stays on it. With the `cluster`
+//! feature, [`Address::cluster`] reaches it through the `redis` crate's cluster client, with
+//! sharded pub/sub (`SSUBSCRIBE`, `SPUBLISH`), followed across a failover:
+//!
+//! ```no_run
+//! # #[cfg(feature = "cluster")]
+//! # async fn run() -> Result<(), tower_resources_operation_redis::Error> {
+//! use tower_resources_operation_redis::{Address, RedisLimit};
+//!
+//! let judges = RedisLimit::builder("judges", 8)
+//!     .build(Address::cluster(["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"]))?;
+//! # drop(judges);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! **What a failover costs.** While the shard's master is gone and its replica not yet
+//! promoted (Redis Cluster's node timeout, 15 s by default, plus an election), the limit
+//! cannot reach its store, and answers as it does for any outage (on its share, by default).
+//! And Redis replicates asynchronously: leases and tickets written to the old master in its
+//! last moments may be missing on the new one. A missing lease is found by the next refresh
+//! (counted in `gym.resources.limit.leases_lost`, taken back if its place is free), a missing
+//! ticket makes its waiter join the queue again, at its end: for a moment the fleet may run
+//! more than its capacity, and a waiter may lose its turn. A fencing token would not help: what
+//! the limit protects does not check one. `tests/redis_cluster.rs` kills the master of a
+//! limit's slot under a stream of callers on a cluster of three masters and three replicas
+//! (node timeout 1 s): the replica is promoted within 2 to 3 s, the limit is back within
+//! 0.8 s of that, and at most the capacity runs at once after.
+//!
+//! # One seam for the store
+//!
+//! Everything of a fleet limit but Redis (each process's books, its waiters and places, its
+//! health and share, its background work, its controller) is written once against a small
+//! trait of what a fleet limit asks of its store: take a place or queue, give places back,
+//! refresh a process's leases and tickets (and say it is alive), set the capacity, read the
+//! fleet's state, the controller's tick and decision, and a stream of what the store pushes.
+//! Redis implements it, and is the only code of this crate that knows Redis. On paper, etcd
+//! implements it with a lease per process (its leases and tickets attached, so that its death
+//! drops them at once), one transaction a step, and a watch on the limit's prefix for the
+//! wake-ups; PostgreSQL with rows of leases, tickets and processes, a transaction a step on the
+//! server's `now()`, and `LISTEN`/`NOTIFY`. The trait stays private in this release: one store
+//! is built against it, and a seam is proved by its second user. When one comes, the fleet half
+//! of this crate moves to a crate of its own with the trait public there, as
+//! opentelemetry-otlp writes its exporter once against a client trait of its own.
+//!
 //! # Why the `redis` crate
 //!
 //! `redis` 0.32 (redis-rs) builds on the MSRV, 1.85 (its 1.x needs 1.88, `fred` 10 needs about
 //! the same), brings only what a limit needs with its `tokio-comp`, `connection-manager` and
-//! `script` features, and its `ConnectionManager` reconnects by itself and, over RESP3, carries
-//! the subscription on the same connection as the commands and re-subscribes after a reconnect.
-//! `fred` has its own pool and reconnect policies, more than one connection per limit needs, at
-//! a larger build. It is a private dependency: it can change without a major release here.
+//! `script` features (and `cluster-async` with this crate's `cluster` feature), and its
+//! `ConnectionManager` reconnects by itself and, over RESP3, carries the subscription on the
+//! same connection as the commands and re-subscribes after a reconnect. `fred` has its own pool
+//! and reconnect policies, more than one connection per limit needs, at a larger build. It is a
+//! private dependency: it can change without a major release here.
 //!
 //! # Features
 //!
-//! - `tracing` (default): the outage, recovery and capacity warnings through `tracing` (target
-//!   `tower_resources_operation_redis`, with the limit's name as the field `limit`); without
-//!   it, the warnings on standard error.
+//! - `tracing` (default): the outage, recovery and capacity warnings through `tracing` when a
+//!   subscriber is installed (`tower-resources-operation`'s
+//!   [`limit::warn`](tower_resources_operation::limit::warn): its target, each message naming
+//!   the limit); with no subscriber, or without the feature, on standard error. Each is said
+//!   once (an outage once, however many callers meet it).
+//! - `cluster`: [`Address::cluster`], a Redis Cluster.
 #![forbid(unsafe_code)]
 #![warn(
     missing_docs,
