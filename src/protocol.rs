@@ -111,9 +111,9 @@ pub trait Protocol<Req, Res, Err>: CanAnswer {
         None
     }
 
-    /// Whether `request` matched no route of the server's router (axum's fallback, which
-    /// answers 404): a layer of one operation that sees one wraps the whole Router, and says
-    /// so once. Defaults to `false` (not known).
+    /// Whether `request` went through the server's router and matched no route (axum's
+    /// fallback, which answers 404): a layer of one operation that sees one wraps the whole
+    /// Router, and says so once. Defaults to `false` (not known).
     fn unrouted(&self, request: &Req) -> bool {
         let _ = request;
         false
@@ -275,13 +275,15 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
         self.deadline.read(request)
     }
 
-    /// With the `axum` feature: axum gives every request it routes its `MatchedPath`.
+    /// With the `axum` feature: an axum `Router` gives every request it routes its
+    /// `OriginalUri`, and those it matched to a route their `MatchedPath`. A request with
+    /// neither (a plain `service_fn` under hyper, a test, a request sent to the layer
+    /// directly) never went through a Router.
     #[cfg(feature = "axum")]
     fn unrouted(&self, request: &Request<B>) -> bool {
-        request
-            .extensions()
-            .get::<axum::extract::MatchedPath>()
-            .is_none()
+        let extensions = request.extensions();
+        extensions.get::<axum::extract::MatchedPath>().is_none()
+            && extensions.get::<axum::extract::OriginalUri>().is_some()
     }
 
     fn server_deadline(&self) -> Option<Duration> {
