@@ -15,66 +15,13 @@
 //! that [may reject](crate::Acquire::may_reject), and a limit that fails anyway (a semaphore
 //! closed under it) ends the caller with a panic naming the limit, as tower's limit does.
 
-use std::error::Error;
-use std::fmt;
 use std::time::Duration;
 
 use http::header::{HeaderName, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Request, Response, StatusCode};
 
 use crate::attributes::Rejection;
-
-/// An operation turned away without a permit: the error of
-/// [`resources_operation`](crate::resources_operation), and the error that [`RejectAsError`]
-/// answers with (converted into the service's error type).
-///
-/// Like tower's `Overloaded`, it converts into a `BoxError` and can be found again with
-/// `downcast_ref`:
-///
-/// ```
-/// use tower_resources_operation::{Rejected, Rejection};
-///
-/// let error: tower::BoxError = Rejected::new(Rejection::QueueFull).into();
-/// let rejected = error.downcast_ref::<Rejected>().unwrap();
-/// assert_eq!(rejected.rejection(), Rejection::QueueFull);
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Rejected {
-    rejection: Rejection,
-}
-
-impl Rejected {
-    /// An operation turned away for `rejection`.
-    pub const fn new(rejection: Rejection) -> Self {
-        Self { rejection }
-    }
-
-    /// Why it was turned away.
-    pub const fn rejection(&self) -> Rejection {
-        self.rejection
-    }
-
-    const fn message(&self) -> &'static str {
-        match self.rejection {
-            Rejection::QueueFull => "rejected: the limit's queue is full",
-            Rejection::QueueTimeout => {
-                "rejected: waited for the limit as long as the queue timeout lets"
-            }
-            Rejection::Unavailable => {
-                "rejected: the limit cannot admit operations now (closed, or its store is out of reach)"
-            }
-            Rejection::Deadline => "rejected: the server's deadline passed while it waited for the limit",
-        }
-    }
-}
-
-impl fmt::Display for Rejected {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.message())
-    }
-}
-
-impl Error for Rejected {}
+pub use crate::limit::Rejected;
 
 /// How a layer answers a rejection, and reads a caller's deadline, for a service that takes
 /// `Req` and answers `Res` or fails with `Err`.

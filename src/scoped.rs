@@ -190,9 +190,9 @@ impl OperationMetrics {
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);
         let records = series.is_some() || limit.hears_ends();
-        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, || None, cx))
-            .await
-            .map_err(|refused| Rejected::new(refused.rejection()))?;
+        // Turned away, the caller gets the limit's error as it was made (a failed limit's
+        // cause is its `source()`).
+        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, || None, cx)).await?;
         Ok(asked.lend_permit())
     }
 }

@@ -14,7 +14,7 @@ use super::Config;
 use crate::classify::{ClassifyOutcome, DefaultClassifier};
 use crate::diagnostics::{self, Mistake};
 use crate::guard::guarded;
-use crate::limit::{limit_failed, Acquire, AcquireError, IntoLimit, Limit, Waiting};
+use crate::limit::{limit_failed, Acquire, IntoLimit, Limit, Waiting};
 use crate::operation::{Ending, Lifecycle};
 use crate::protocol::{unanswerable, Plain, Protocol, Rejected};
 
@@ -109,7 +109,7 @@ where
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         if !self.operation.is_admitted() {
-            if self.waiting.rejection().is_some() {
+            if self.waiting.is_rejected() {
                 // `call` answers it.
                 return Poll::Ready(Ok(()));
             }
@@ -129,7 +129,7 @@ where
                 ))
             };
             if let Err(refused) = admitted {
-                return self.rejected(&refused);
+                return self.rejected(refused);
             }
         }
         // Admitted: the inner service's readiness, as the operation.
@@ -175,14 +175,14 @@ where
     /// The limit turned the operation away, or could not admit it: `call` answers it, if this
     /// layer can; a layer that cannot ends the caller, naming the limit.
     #[cold]
-    fn rejected<Error>(&mut self, refused: &AcquireError) -> Poll<Result<(), Error>> {
+    fn rejected<Error>(&mut self, refused: Rejected) -> Poll<Result<(), Error>> {
         if !self.config.answers {
             if refused.is_failure() {
-                limit_failed::<L>(refused);
+                limit_failed::<L>(&refused);
             }
-            unanswerable::<L>(Rejected::new(refused.rejection()));
+            unanswerable::<L>(refused);
         }
-        self.waiting.reject(refused.rejection());
+        self.waiting.reject(refused);
         Poll::Ready(Ok(()))
     }
 
@@ -195,7 +195,7 @@ where
         P: Protocol<Request, Res, Err>,
     {
         match self.waiting.take_rejection() {
-            Some(rejection) => self.config.protocol.answer(Rejected::new(rejection)),
+            Some(rejected) => self.config.protocol.answer(rejected),
             None => panic!(
                 "ResourcesOperation::call without a permit: poll_ready must return \
                  Ready(Ok(())) before each call (use tower::ServiceExt::ready or oneshot)"
@@ -228,7 +228,7 @@ impl<S: fmt::Debug, C, L: Acquire, P, E> fmt::Debug for ResourcesOperation<S, C,
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = if self.operation.is_admitted() {
             "admitted"
-        } else if self.waiting.rejection().is_some() {
+        } else if self.waiting.is_rejected() {
             "rejected"
         } else if self.waiting.is_waiting() {
             "waiting"
