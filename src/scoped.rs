@@ -12,7 +12,8 @@ use crate::attributes::{Executor, Operation};
 use crate::classify::OperationOutput;
 use crate::limit::{self, Acquire};
 use crate::metrics::OperationMetrics;
-use crate::operation::{Ending, Lifecycle};
+use crate::diagnostics::{self, Mistake};
+use crate::operation::{scope, Ending, Lifecycle};
 use crate::protocol::Rejected;
 
 /// Runs `work` inside `limit` and reports it through [`OperationMetrics::global`]; returns the
@@ -139,6 +140,10 @@ impl OperationMetrics {
         F: Future,
         F::Output: OperationOutput,
     {
+        if holds(&limit) {
+            // On the place that an operation around it holds, which records it.
+            return Ok(work.await);
+        }
         let (permit, running) = self.admit(&limit, operation, executor).await?;
         // The permit is held here, and the operation, declared after it, records its end and
         // tells the limit before the permit goes back, however the work ends.
@@ -195,6 +200,23 @@ impl OperationMetrics {
         poll_fn(|cx| asked.poll_admit(&mut asking, series, records, || None, cx)).await?;
         Ok(asked.lend_permit())
     }
+}
+
+/// Whether the work around this call holds a place of `limit` (a handler that calls
+/// `resources_operation` on the limit its own layer holds): the call then runs on that place,
+/// and says so once.
+fn holds<A: Acquire>(limit: &A) -> bool {
+    let held = limit.id().is_some_and(scope::holds);
+    if held {
+        diagnostics::report(Mistake::NestedLimit, || {
+            let name = limit.capacity().and_then(|c| c.name().map(str::to_owned));
+            match name {
+                Some(name) => format!(": the limit {name:?}"),
+                None => format!(": the limit {}", std::any::type_name::<A>()),
+            }
+        });
+    }
+    held
 }
 
 /// Runs `work` as the admitted operation `running`, and ends it with the work's outcome.

@@ -18,7 +18,7 @@ pub use service::ResourcesOperation;
 
 use crate::attributes::{Executor, Operation};
 use crate::classify::{DefaultClassifier, GrpcClassifier, HttpClassifier};
-use crate::limit::{Acquire, Capacity, IntoLimit, Limit};
+use crate::limit::{Acquire, Capacity, IntoLimit, Limit, LimitId};
 use crate::metrics::{MetricsSource, OperationMetrics, Series};
 use crate::protocol::{CanAnswer, Grpc, Http, Plain};
 
@@ -120,6 +120,7 @@ impl<C, L: Acquire, P> Config<C, L, P> {
             Recording {
                 records: series.is_some() || self.hears,
                 series,
+                limit_id: self.limit.id(),
             }
         })
     }
@@ -136,6 +137,19 @@ impl<C, L: Acquire, P> Config<C, L, P> {
                 std::any::type_name::<L>(),
                 self.described_limit()
             );
+        }
+    }
+
+    /// The limit, as a warning names it: `"workers"` (2 at once), or its type.
+    pub(crate) fn named_limit(&self) -> String {
+        let DescribedLimit { name, capacity } = self.described_limit();
+        let name = match name {
+            Some(name) => format!("{name:?}"),
+            None => std::any::type_name::<L>().to_owned(),
+        };
+        match capacity {
+            Some(capacity) => format!(": the limit {name} ({capacity} at once)"),
+            None => format!(": the limit {name}"),
         }
     }
 
@@ -156,6 +170,8 @@ pub(crate) struct Recording {
     pub(crate) series: Option<Series>,
     /// Whether an operation records anything: with a series, or for a limit that hears ends.
     pub(crate) records: bool,
+    /// Which limit it is, if the limit says ([`Acquire::id`]).
+    pub(crate) limit_id: Option<LimitId>,
 }
 
 /// A layer's limit in its `Debug` output.

@@ -11,7 +11,7 @@ use super::feedback::{Control, Ended, MakeControl, Resize};
 use super::front::{Front, Joined};
 use super::report::{check_name, Capacity, InvalidName, Reading};
 use super::resize::Resizable;
-use super::{Acquire, AcquireError};
+use super::{Acquire, AcquireError, LimitId};
 use crate::attributes::Rejection;
 
 /// A limit of operations at once, shared by every clone, that knows its capacity, can bound its
@@ -444,6 +444,15 @@ impl Acquire for Limit {
 
     fn hears_ends(&self) -> bool {
         self.state.control.is_some()
+    }
+
+    fn id(&self) -> Option<LimitId> {
+        Some(LimitId::of(&*self.state))
+    }
+
+    #[inline]
+    fn id_of(permit: &LimitPermit) -> Option<LimitId> {
+        Some(LimitId::of(&*permit.state))
     }
 
     #[inline]

@@ -23,7 +23,7 @@ mod report;
 mod resize;
 
 pub use crate::diagnostics::{inform, warn};
-pub use acquire::{Acquire, IntoLimit};
+pub use acquire::{Acquire, IntoLimit, LimitId};
 pub(crate) use error::limit_failed;
 pub use error::{AcquireError, Rejected};
 pub use feedback::{Control, Ended, MakeControl, Resize};

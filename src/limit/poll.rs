@@ -42,6 +42,9 @@ enum Standing {
     Waiting,
     /// Turned away, for `call` to answer.
     Rejected(Rejected),
+    /// Its request already holds a place of the limit (an operation around it on the request's
+    /// path holds one): `call` runs it on that place.
+    Nested,
 }
 
 impl<P> Waiting<P> {
@@ -60,6 +63,29 @@ impl<P> Waiting<P> {
     /// Whether the limit turned the operation away, for `call` to answer.
     pub(crate) fn is_rejected(&self) -> bool {
         matches!(self.standing, Standing::Rejected(_))
+    }
+
+    /// Whether the request already holds a place of the limit, for `call` to run on.
+    pub(crate) fn is_nested(&self) -> bool {
+        matches!(self.standing, Standing::Nested)
+    }
+
+    /// The request already holds a place of the limit: `call` runs it on that place; `false`
+    /// undoes it (the inner service will not be called).
+    pub(crate) fn nest(&mut self, nested: bool) {
+        self.standing = match nested {
+            true => Standing::Nested,
+            false => Standing::Idle,
+        };
+    }
+
+    /// Whether the next call runs on a place its request holds: taken once, by `call`.
+    pub(crate) fn take_nested(&mut self) -> bool {
+        let nested = self.is_nested();
+        if nested {
+            self.standing = Standing::Idle;
+        }
+        nested
     }
 
     /// The limit turned the operation away: `call` answers it.

@@ -46,7 +46,7 @@ impl Metrics {
     fn count(&self) {
         self.counted.store(true, Ordering::Relaxed);
         if LIVE.fetch_add(1, Ordering::Relaxed) > 0 {
-            diagnostics::report(Mistake::SeveralMetrics, "");
+            diagnostics::report(Mistake::SeveralMetrics, String::new);
         }
     }
 }
@@ -150,7 +150,7 @@ impl OperationMetrics {
                 metrics
             }
             _ => {
-                diagnostics::report(Mistake::NoGlobalProvider, "");
+                diagnostics::report(Mistake::NoGlobalProvider, String::new);
                 Self::disabled()
             }
         };

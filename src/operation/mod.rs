@@ -17,8 +17,12 @@
 //! [`guarded`](crate::guard::guarded) for everything else). With metrics off, and a limit that
 //! does not hear ends, an operation takes the same path with nothing to record: it only holds
 //! its permit.
+//!
+//! While its work runs, an admitted operation is the thread's [scope]: [`set_outcome`] sets its
+//! outcome, and a request that reaches its limit again is admitted on the place it holds
+//! ([`scope::holds`]).
 
-mod outcome_slot;
+pub(crate) mod scope;
 
 use std::fmt;
 use std::task::{Context, Poll};
@@ -26,9 +30,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub use outcome_slot::set_outcome;
+pub use scope::set_outcome;
 
-use self::outcome_slot::{enter, leave, Slot};
+use self::scope::Scope;
 use crate::attributes::{Outcome, Rejection};
 use crate::guard::guarded;
 use crate::limit::{Acquire, AcquireError, Asking, Ended};
@@ -63,50 +67,77 @@ pub struct Lifecycle<A: Acquire, K = ()> {
 struct Record {
     /// `None` with metrics off: the operation is timed for its limit alone.
     series: Option<Series>,
-    stage: Stage,
-    /// The outcome [`set_outcome`] chose, if it did (see [`Chosen`]).
-    chosen: Chosen,
-    /// Waiting: how long it may wait before a drop is past the server's deadline, in
-    /// milliseconds. Admitted: how long it waited, in microseconds. Called: how long it may run
-    /// before a drop is past its caller's deadline, in milliseconds ([`NO_DEADLINE`] for none,
-    /// waiting or called). One field for all three keeps a record, and so every service and
-    /// response future, a word smaller.
-    timing: u32,
     /// When it started to wait (while waiting), or was admitted (once admitted); `None` if the
     /// clock could not be read (a duration from it is then 0).
     at: Option<Instant>,
-    /// Whether its limit hears its end ([`Acquire::hears_end`]), asked as it was admitted.
-    heard: bool,
+    stage: Stage,
 }
 
-/// Where a recorded operation stands. An enum, so that "nothing to record" takes no word of
-/// its own.
+/// Where a recorded operation stands, with what it needs at that stage. An enum, so that
+/// "nothing to record" takes no word of its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
-    Waiting,
-    Admitted,
-    Called,
+    /// Waiting for its permit.
+    Waiting {
+        /// How long after it started to wait a drop is past the server's deadline.
+        deadline: Budget,
+    },
+    /// Holding its permit, not called yet.
+    Admitted {
+        /// How long it waited, in microseconds (saturated).
+        queued_us: u32,
+        /// The outcome [`set_outcome`] chose, if it did.
+        chosen: Option<Outcome>,
+        /// Whether its limit hears its end ([`Acquire::hears_end`]), asked as it was admitted.
+        heard: bool,
+    },
+    /// Called: its work runs.
+    Called {
+        /// How long after its admission a drop is past its caller's deadline.
+        deadline: Budget,
+        /// The outcome [`set_outcome`] chose, if it did.
+        chosen: Option<Outcome>,
+        /// Whether its limit hears its end.
+        heard: bool,
+    },
+    /// Recorded.
     Ended,
 }
 
-/// A called operation's `timing` when its caller set no deadline.
-const NO_DEADLINE: u32 = u32::MAX;
+/// How long an operation may take before a drop is past a deadline, in whole milliseconds; or
+/// no deadline. In 32 bits, so that a stage, and so every service and response future, is a
+/// word smaller than with an `Option<Duration>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Budget(u32);
 
-/// An outcome that [`set_outcome`] may have chosen, kept in a plain byte.
-#[derive(Clone, Copy)]
-struct Chosen(u8);
+impl Budget {
+    const NONE: Self = Self(u32::MAX);
 
-impl Chosen {
-    const NONE: Self = Self(u8::MAX);
-
-    #[inline]
-    fn get(self) -> Option<Outcome> {
-        Outcome::ALL.get(usize::from(self.0)).copied()
+    /// `deadline` less a slack (the caller started its clock a little before the operation
+    /// asked), rounded up to a millisecond: at most the longest a budget holds.
+    fn new(deadline: Option<Duration>) -> Self {
+        let Some(deadline) = deadline else {
+            return Self::NONE;
+        };
+        let slack = DEADLINE_SLACK.min(deadline / 10);
+        let ms = deadline.saturating_sub(slack).as_nanos().div_ceil(1_000_000);
+        Self(u32::try_from(ms).unwrap_or(u32::MAX - 1).min(u32::MAX - 1))
     }
 
-    #[inline]
-    fn new(outcome: Option<Outcome>) -> Self {
-        outcome.map_or(Self::NONE, |outcome| Self(outcome as u8))
+    /// The budget left after `spent`.
+    fn less(self, spent: Duration) -> Self {
+        match self {
+            Self::NONE => Self::NONE,
+            Self(ms) => {
+                let spent = u32::try_from(spent.as_nanos().div_ceil(1_000_000)).unwrap_or(u32::MAX);
+                Self(ms.saturating_sub(spent))
+            }
+        }
+    }
+
+    /// Whether `elapsed` is past it.
+    fn is_past(self, elapsed: Duration) -> bool {
+        self != Self::NONE && elapsed >= Duration::from_millis(u64::from(self.0))
     }
 }
 
@@ -219,10 +250,10 @@ impl<A: Acquire, K> Lifecycle<A, K> {
             return;
         };
         let decides = &self.decides;
-        let Some(ended) = record.end(end, || classify(decides)) else {
+        let Some((ended, heard)) = record.end(end, || classify(decides)) else {
             return;
         };
-        if !record.heard {
+        if !heard {
             return;
         }
         if let Some(permit) = self.permit.as_ref().or(lent) {
@@ -240,14 +271,10 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         }
     }
 
-    /// Polls `work` (the operation's response future or body) as this operation, for an owner
-    /// that a panic in it drops: recording, it is [`run`](Self::run); with nothing to record,
-    /// the work is polled as is, and the drop that follows a panic gives the permit back.
+    /// Polls `work` (the operation's response future or body) as this operation: as
+    /// [`run`](Self::run) does.
     #[inline]
     pub(crate) fn poll<R>(&mut self, work: impl FnOnce() -> R) -> R {
-        if self.record.is_none() {
-            return work();
-        }
         self.run_lent(None, work)
     }
 
@@ -264,32 +291,23 @@ impl<A: Acquire, K> Lifecycle<A, K> {
     /// [`lend_permit`](Self::lend_permit)): a panic is told to the limit through it.
     #[inline]
     pub(crate) fn run_lent<R>(&mut self, lent: Option<&A::Permit>, work: impl FnOnce() -> R) -> R {
-        let previous = match &self.record {
-            Some(record) => enter(record.chosen.get()),
-            None => None,
+        // The limit whose place it holds, so that the work does not wait for a second one.
+        let held = self.permit.as_ref().or(lent).and_then(A::id_of);
+        let recorded = self.record.as_ref().map(Record::chosen);
+        let previous = match (held, recorded) {
+            (None, None) => None,
+            _ => scope::enter(recorded, held),
         };
-        let unwinding = Unwinding {
+        let mut running = Running {
             operation: self,
             previous,
+            recorded: recorded.is_some(),
             lent,
+            returned: false,
         };
         let output = work();
-        // The work returned: leave the scope here, in line, and disarm the guard.
-        if let Some(previous) = unwinding.previous {
-            unwinding.operation.leave(previous);
-        }
-        std::mem::forget(unwinding);
+        running.returned = true;
         output
-    }
-
-    /// Gives the thread's slot back to the operation around this one, keeping the outcome that
-    /// the work chose, if it chose one.
-    #[inline]
-    fn leave(&mut self, previous: Slot) {
-        let chosen = leave(previous);
-        if let Some(record) = &mut self.record {
-            record.chosen = Chosen::new(chosen);
-        }
     }
 
     /// Dropped before it ended: a wait given up is abandoned, an admitted operation ends as
@@ -301,10 +319,9 @@ impl<A: Acquire, K> Lifecycle<A, K> {
             return;
         };
         match record.stage {
-            Stage::Waiting => {
+            Stage::Waiting { deadline } => {
                 record.stage = Stage::Ended;
-                let past_deadline = record.timing != NO_DEADLINE
-                    && elapsed(record.at, now()) >= Duration::from_millis(u64::from(record.timing));
+                let past_deadline = deadline.is_past(elapsed(record.at, now()));
                 if let Some(series) = &record.series {
                     match past_deadline {
                         // The server gave up on it while the limit kept it waiting.
@@ -314,7 +331,9 @@ impl<A: Acquire, K> Lifecycle<A, K> {
                 }
                 self.record = None;
             }
-            Stage::Admitted | Stage::Called => self.record_end(Ending::Dropped, |_| None, None),
+            Stage::Admitted { .. } | Stage::Called { .. } => {
+                self.record_end(Ending::Dropped, |_| None, None)
+            }
             Stage::Ended => self.record = None,
         }
     }
@@ -401,28 +420,29 @@ impl<A: Acquire> Lifecycle<A> {
     #[cold]
     fn start_waiting(&mut self, series: &Series, deadline: Option<Duration>) {
         series.start_waiting();
-        let mut record = Record::new(Some(series.clone()), now());
-        record.timing = deadline.map_or(NO_DEADLINE, |deadline| {
-            let slack = DEADLINE_SLACK.min(deadline / 10);
-            millis_within_record(deadline.saturating_sub(slack))
+        self.record = Some(Record {
+            series: Some(series.clone()),
+            at: now(),
+            stage: Stage::Waiting {
+                deadline: Budget::new(deadline),
+            },
         });
-        self.record = Some(record);
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
     #[inline(never)]
     fn record_admission(&mut self, series: Option<&Series>, heard: bool) {
         match &mut self.record {
-            Some(waited) => {
-                waited.admit(true);
-                waited.heard = heard;
-            }
+            Some(waited) => waited.admit(true, heard),
             None => {
                 // It never waited (or waited unrecorded, for a limit that hears ends with
                 // metrics off): its queue sample is 0, and needs no clock.
-                let mut record = Record::new(series.cloned(), None);
-                record.admit(false);
-                record.heard = heard;
+                let mut record = Record {
+                    series: series.cloned(),
+                    at: None,
+                    stage: Stage::Ended,
+                };
+                record.admit(false, heard);
                 self.record = Some(record);
             }
         }
@@ -500,22 +520,27 @@ impl<A: Acquire, K> fmt::Debug for Lifecycle<A, K> {
 }
 
 impl Record {
-    /// A record of an operation that started to wait `at`.
-    fn new(series: Option<Series>, at: Option<Instant>) -> Self {
-        Record {
-            series,
-            stage: Stage::Waiting,
-            chosen: Chosen::NONE,
-            timing: 0,
-            at,
-            heard: false,
+    /// The outcome [`set_outcome`] chose so far, if it did.
+    #[inline]
+    fn chosen(&self) -> Option<Outcome> {
+        match self.stage {
+            Stage::Admitted { chosen, .. } | Stage::Called { chosen, .. } => chosen,
+            Stage::Waiting { .. } | Stage::Ended => None,
+        }
+    }
+
+    /// Keeps the outcome the work chose, if it chose one.
+    #[inline]
+    fn choose(&mut self, outcome: Option<Outcome>) {
+        if let Stage::Admitted { chosen, .. } | Stage::Called { chosen, .. } = &mut self.stage {
+            *chosen = outcome;
         }
     }
 
     /// Admitted, after waiting since `self.at` if it `waited`: records the queue sample (0 if it
-    /// did not wait) and counts it as active.
+    /// did not wait) and counts it as active. `heard`: whether its limit hears its end.
     #[inline]
-    fn admit(&mut self, waited: bool) {
+    fn admit(&mut self, waited: bool, heard: bool) {
         let now = now();
         let queued = if waited {
             elapsed(self.at, now)
@@ -525,33 +550,46 @@ impl Record {
         if let Some(series) = &self.series {
             series.admit(waited, queued);
         }
-        self.stage = Stage::Admitted;
         self.at = now;
-        self.timing = u32::try_from(queued.as_micros()).unwrap_or(u32::MAX);
+        self.stage = Stage::Admitted {
+            queued_us: u32::try_from(queued.as_micros()).unwrap_or(u32::MAX),
+            chosen: None,
+            heard,
+        };
     }
 
     /// Called, with its caller's `deadline` counted from when it asked: keeps how long it may
     /// run before a drop is past that deadline (less a slack: the caller started its clock a
     /// little before the operation asked).
     fn called(&mut self, deadline: Option<Duration>) {
-        if self.stage != Stage::Admitted {
+        let Stage::Admitted {
+            queued_us,
+            chosen,
+            heard,
+        } = self.stage
+        else {
             return;
-        }
-        let queued = Duration::from_micros(u64::from(self.timing));
-        self.timing = deadline.map_or(NO_DEADLINE, |deadline| {
-            let slack = DEADLINE_SLACK.min(deadline / 10);
-            millis_within_record(deadline.saturating_sub(queued + slack))
-        });
-        self.stage = Stage::Called;
+        };
+        let queued = Duration::from_micros(u64::from(queued_us));
+        self.stage = Stage::Called {
+            deadline: Budget::new(deadline).less(queued),
+            chosen,
+            heard,
+        };
     }
 
     /// Records the end of the admitted operation, once; `classify` says what a returned work's
     /// outcome is, if it can (`None` when nothing was made to decide it). Returns how it ended,
-    /// for its limit to hear.
-    fn end(&mut self, end: Ending, classify: impl FnOnce() -> Option<Outcome>) -> Option<Ended> {
-        if self.stage != Stage::Admitted && self.stage != Stage::Called {
-            return None;
-        }
+    /// for its limit to hear, and whether its limit hears it.
+    fn end(
+        &mut self,
+        end: Ending,
+        classify: impl FnOnce() -> Option<Outcome>,
+    ) -> Option<(Ended, bool)> {
+        let heard = match self.stage {
+            Stage::Admitted { heard, .. } | Stage::Called { heard, .. } => heard,
+            Stage::Waiting { .. } | Stage::Ended => return None,
+        };
         let now = now();
         let outcome = decide(self, end, classify, now);
         self.stage = Stage::Ended;
@@ -559,7 +597,7 @@ impl Record {
         if let Some(series) = &self.series {
             series.end(outcome, ran);
         }
-        Some(Ended::new(outcome, ran, now))
+        Some((Ended::new(outcome, ran, now), heard))
     }
 }
 
@@ -573,7 +611,7 @@ fn decide(
     classify: impl FnOnce() -> Option<Outcome>,
     now: Option<Instant>,
 ) -> Outcome {
-    if let Some(chosen) = record.chosen.get() {
+    if let Some(chosen) = record.chosen() {
         return chosen;
     }
     match end {
@@ -587,23 +625,14 @@ fn decide(
 
 /// Whether the caller's deadline has passed at `now`, counted from when the operation asked.
 fn past_deadline(record: &Record, now: Option<Instant>) -> bool {
-    // Only a called operation has its caller's deadline (admitted, `timing` is its queue time).
-    if record.stage != Stage::Called || record.timing == NO_DEADLINE {
+    // Only a called operation has its caller's deadline.
+    let Stage::Called { deadline, .. } = record.stage else {
         return false;
-    }
+    };
     if record.at.is_none() || now.is_none() {
         return false;
     }
-    elapsed(record.at, now) >= Duration::from_millis(u64::from(record.timing))
-}
-
-/// `duration` in whole milliseconds (rounded up), as a record's `timing` keeps it: at most the
-/// longest it holds short of [`NO_DEADLINE`].
-fn millis_within_record(duration: Duration) -> u32 {
-    let ms = duration.as_nanos().div_ceil(1_000_000);
-    u32::try_from(ms)
-        .unwrap_or(NO_DEADLINE - 1)
-        .min(NO_DEADLINE - 1)
+    deadline.is_past(elapsed(record.at, now))
 }
 
 /// The time from `from` to `to`: 0 if the clock could not read either, or `to` is earlier.
@@ -615,18 +644,38 @@ fn elapsed(from: Option<Instant>, to: Option<Instant>) -> Duration {
     }
 }
 
-/// Dropped only while the work unwinds: leaves the scope and ends the operation as crashed.
-struct Unwinding<'a, 'p, A: Acquire, K> {
+/// An operation's work while it runs: the scope it entered is left when the work returns or
+/// unwinds, and if it unwinds (`returned` still false), the operation ends as crashed.
+struct Running<'a, 'p, A: Acquire, K> {
     operation: &'a mut Lifecycle<A, K>,
-    previous: Option<Slot>,
+    /// The scope to give back, if one was entered.
+    previous: Option<Scope>,
+    /// Whether the operation records (its work's chosen outcome is kept).
+    recorded: bool,
     lent: Option<&'p A::Permit>,
+    returned: bool,
 }
 
-impl<A: Acquire, K> Drop for Unwinding<'_, '_, A, K> {
+impl<A: Acquire, K> Drop for Running<'_, '_, A, K> {
+    #[inline]
     fn drop(&mut self) {
         if let Some(previous) = self.previous {
-            self.operation.leave(previous);
+            let chosen = scope::leave(previous, self.recorded);
+            if let (true, Some(record)) = (self.recorded, &mut self.operation.record) {
+                record.choose(chosen);
+            }
         }
+        if !self.returned {
+            self.crashed();
+        }
+    }
+}
+
+impl<A: Acquire, K> Running<'_, '_, A, K> {
+    /// The work panicked: the operation ends as crashed, its permit going back.
+    #[cold]
+    #[inline(never)]
+    fn crashed(&mut self) {
         match self.lent {
             Some(permit) => self.operation.end_lent(permit, Ending::Crashed, |_| None),
             None => self.operation.end(Ending::Crashed, |_| None),
@@ -640,10 +689,15 @@ mod tests {
 
     /// A record admitted at `at` after waiting `queued`, with nothing to record it to.
     fn admitted(at: Instant, queued: Duration) -> Record {
-        let mut record = Record::new(None, Some(at));
-        record.stage = Stage::Admitted;
-        record.timing = u32::try_from(queued.as_micros()).unwrap();
-        record
+        Record {
+            series: None,
+            at: Some(at),
+            stage: Stage::Admitted {
+                queued_us: u32::try_from(queued.as_micros()).unwrap(),
+                chosen: None,
+                heard: false,
+            },
+        }
     }
 
     fn ms(ms: u64) -> Duration {
@@ -695,7 +749,10 @@ mod tests {
         let at = Instant::now();
         let mut record = admitted(at, ms(0));
         record.called(Some(Duration::from_secs(60 * 60 * 24 * 365)));
-        assert_eq!(record.timing, NO_DEADLINE - 1);
+        let Stage::Called { deadline, .. } = record.stage else {
+            panic!("called")
+        };
+        assert_eq!(deadline, Budget(u32::MAX - 1));
         assert!(!past_deadline(&record, Some(at + ms(1_000))));
         record.stage = Stage::Ended;
     }
