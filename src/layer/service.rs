@@ -167,7 +167,7 @@ where
         };
         let inner = &mut self.inner;
         // The work is called as the service's operation, in place; the future then takes it.
-        let future = self.operation.run(|| inner.call(request));
+        let future = self.operation.call(|| inner.call(request));
         let operation = self
             .operation
             .called(|| (guarded(|| config.classifier.clone()), deadline));

@@ -212,14 +212,16 @@ pub trait Acquire {
 /// assert_eq!(LimitId::of(&*shared), LimitId::of(&*shared.clone()));
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct LimitId(usize);
+pub struct LimitId(std::num::NonZeroUsize);
 
 impl LimitId {
     /// The identity of the limit whose clones all share `shared` (the contents of their `Arc`,
     /// say): its address. Give it a value with a size (the address of a zero-sized value is
     /// no one's own).
     pub fn of<T: ?Sized>(shared: &T) -> Self {
-        Self((shared as *const T).cast::<()>() as usize)
+        // A reference is never null.
+        let address = (shared as *const T).cast::<()>() as usize;
+        Self(std::num::NonZeroUsize::new(address).unwrap_or(std::num::NonZeroUsize::MIN))
     }
 }
 

@@ -411,7 +411,8 @@ impl Acquire for Limit {
             Joined::Closed => return Err(AcquireError::closed()),
         };
         let placed = queued.state().places.places().queue().acquire().await;
-        match placed.map(std::mem::forget) {
+        // The place leaves tokio's count: the `LimitPermit` gives it back when it drops.
+        match placed.map(tokio::sync::SemaphorePermit::forget) {
             Ok(()) => Ok(queued.admitted()),
             Err(_) => Err(AcquireError::closed()),
         }

@@ -32,7 +32,7 @@ use tokio::time::Instant;
 
 pub use scope::set_outcome;
 
-use self::scope::Scope;
+use self::scope::{Holding, Slot};
 use crate::attributes::{Outcome, Rejection};
 use crate::guard::guarded;
 use crate::limit::{Acquire, AcquireError, Asking, Ended};
@@ -271,10 +271,16 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         }
     }
 
-    /// Polls `work` (the operation's response future or body) as this operation: as
-    /// [`run`](Self::run) does.
+    /// Polls `work` (the operation's response future or body) as this operation, for an owner
+    /// that a panic in it drops: recording, it is [`run`](Self::run); with nothing to record,
+    /// the work is polled with only its limit's place published ([`scope::holds`]), and the
+    /// drop that follows a panic gives the permit back.
     #[inline]
     pub(crate) fn poll<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        if self.record.is_none() {
+            let _holding = Holding::enter(self.permit.as_ref().and_then(A::id_of));
+            return work();
+        }
         self.run_lent(None, work)
     }
 
@@ -287,21 +293,43 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         self.run_lent(None, work)
     }
 
+    /// Calls the inner service with `work`, as [`run`](Self::run) does, but without publishing
+    /// its limit's place: layers inside it that share the limit asked for their place in
+    /// `poll_ready`, where it was published, and the future the call returns is polled as this
+    /// operation's.
+    #[inline]
+    pub(crate) fn call<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        self.run_as(None, false, work)
+    }
+
     /// [`run`](Self::run), for an operation whose permit is `lent` to its work (see
     /// [`lend_permit`](Self::lend_permit)): a panic is told to the limit through it.
     #[inline]
     pub(crate) fn run_lent<R>(&mut self, lent: Option<&A::Permit>, work: impl FnOnce() -> R) -> R {
+        self.run_as(lent, true, work)
+    }
+
+    /// Runs `work` as this operation, publishing its limit's place if `holding`.
+    #[inline(always)]
+    fn run_as<R>(
+        &mut self,
+        lent: Option<&A::Permit>,
+        holding: bool,
+        work: impl FnOnce() -> R,
+    ) -> R {
         // The limit whose place it holds, so that the work does not wait for a second one.
-        let held = self.permit.as_ref().or(lent).and_then(A::id_of);
-        let recorded = self.record.as_ref().map(Record::chosen);
-        let previous = match (held, recorded) {
-            (None, None) => None,
-            _ => scope::enter(recorded, held),
+        let held = match holding {
+            true => self.permit.as_ref().or(lent).and_then(A::id_of),
+            false => None,
+        };
+        let _holding = Holding::enter(held);
+        let previous = match &self.record {
+            Some(record) => scope::enter(record.chosen()),
+            None => None,
         };
         let mut running = Running {
             operation: self,
             previous,
-            recorded: recorded.is_some(),
             lent,
             returned: false,
         };
@@ -648,10 +676,8 @@ fn elapsed(from: Option<Instant>, to: Option<Instant>) -> Duration {
 /// unwinds, and if it unwinds (`returned` still false), the operation ends as crashed.
 struct Running<'a, 'p, A: Acquire, K> {
     operation: &'a mut Lifecycle<A, K>,
-    /// The scope to give back, if one was entered.
-    previous: Option<Scope>,
-    /// Whether the operation records (its work's chosen outcome is kept).
-    recorded: bool,
+    /// The outcome slot to give back, if the operation records.
+    previous: Option<Slot>,
     lent: Option<&'p A::Permit>,
     returned: bool,
 }
@@ -660,8 +686,8 @@ impl<A: Acquire, K> Drop for Running<'_, '_, A, K> {
     #[inline]
     fn drop(&mut self) {
         if let Some(previous) = self.previous {
-            let chosen = scope::leave(previous, self.recorded);
-            if let (true, Some(record)) = (self.recorded, &mut self.operation.record) {
+            let chosen = scope::leave(previous);
+            if let Some(record) = &mut self.operation.record {
                 record.choose(chosen);
             }
         }
