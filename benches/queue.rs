@@ -126,51 +126,54 @@ fn rss() -> isize {
 /// same by the resident set size, and the drain time per operation.
 fn child(case: &str, inner_kind: Inner, waiters: usize) -> (f64, f64, Duration) {
     let shared = Arc::new(0_u64);
-    let places = Arc::new(tokio::sync::Semaphore::new(1 << 20));
-    macro_rules! with_inner {
-        ($run:ident) => {
-            match inner_kind {
-                Inner::Ready => {
-                    let shared = Arc::clone(&shared);
-                    $run(service_fn(move |()| {
-                        let _ = &shared;
-                        std::future::ready(Ok::<_, Infallible>(()))
-                    }))
-                }
-                Inner::Semaphore => {
+    match inner_kind {
+        Inner::Ready => run_case(
+            case,
+            service_fn(move |()| {
+                let _ = &shared;
+                std::future::ready(Ok::<_, Infallible>(()))
+            }),
+            waiters,
+        ),
+        Inner::Semaphore => {
+            let places = Arc::new(tokio::sync::Semaphore::new(1 << 20));
+            run_case(
+                case,
+                service_fn(move |()| {
+                    let _ = &shared;
                     let places = Arc::clone(&places);
-                    $run(service_fn(move |()| {
-                        let places = Arc::clone(&places);
-                        async move {
-                            let _place = places.acquire().await;
-                            Ok::<_, Infallible>(())
-                        }
-                    }))
-                }
-            }
-        };
+                    async move {
+                        let _place = places.acquire().await;
+                        Ok::<_, Infallible>(())
+                    }
+                }),
+                waiters,
+            )
+        }
     }
+}
+
+/// `case` over `inner`: tower's limit, the layer with metrics off or on, or the floor.
+fn run_case<S>(case: &str, inner: S, waiters: usize) -> (f64, f64, Duration)
+where
+    S: Service<(), Response = (), Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
     let (_provider, meter) = common::sdk_meter();
-    let metrics = OperationMetrics::new(&meter);
-    let shared_records = common::floor::Shared::new(&meter);
-    let tower = |inner| measure(tower::limit::ConcurrencyLimit::new(inner, 1), waiters);
-    let disabled = |inner| {
-        let layer = ResourcesOperationLayer::new(1).metrics(OperationMetrics::disabled());
-        measure(layer.layer(inner), waiters)
-    };
-    let enabled = |inner| {
-        let layer = ResourcesOperationLayer::new(1).metrics(metrics.clone());
-        measure(layer.layer(inner), waiters)
-    };
-    let floor = |inner| {
-        let floor = common::floor::Floor::new(Boxed(inner), 1, Arc::clone(&shared_records));
-        measure(floor, waiters)
-    };
     match case {
-        "tower_limit" => with_inner!(tower),
-        "layer_disabled" => with_inner!(disabled),
-        "layer_metrics" => with_inner!(enabled),
-        "floor" => with_inner!(floor),
+        "tower_limit" => measure(tower::limit::ConcurrencyLimit::new(inner, 1), waiters),
+        "layer_disabled" => {
+            let layer = ResourcesOperationLayer::new(1).metrics(OperationMetrics::disabled());
+            measure(layer.layer(inner), waiters)
+        }
+        "layer_metrics" => {
+            let layer = ResourcesOperationLayer::new(1).metrics(OperationMetrics::new(&meter));
+            measure(layer.layer(inner), waiters)
+        }
+        "floor" => {
+            let records = common::floor::Shared::new(&meter);
+            measure(common::floor::Floor::new(Boxed(inner), 1, records), waiters)
+        }
         other => panic!("no case {other}"),
     }
 }
