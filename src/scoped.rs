@@ -33,7 +33,9 @@ use crate::protocol::Rejected;
 ///
 /// `limit` is any [`Acquire`]: `&Semaphore`, `&Arc<Semaphore>`, `&Limit`, or a limit of your
 /// own; [`Acquire::queue_timeout`] bounds how long it waits. Its permit is held for exactly the
-/// work. A limit that cannot admit the operation (a closed semaphore, a store out of reach)
+/// work. Called from work that already holds a place of `limit` (a handler behind a layer on the
+/// same limit), it runs on that place rather than wait for a second one, and records nothing
+/// of its own (see [one limit twice](crate#one-limit-twice-on-a-requests-path)). A limit that cannot admit the operation (a closed semaphore, a store out of reach)
 /// turns it away: `Err(Rejected)` with [`Rejection::Unavailable`](Rejection::Unavailable),
 /// never a panic or a hang.
 ///
