@@ -306,7 +306,9 @@
 //! axum route, name the error type of each `.layer::<_, Infallible>(..)`, which axum cannot
 //! infer between two layers), the server's timeout inside, or outside with `.server_timeout(t)`
 //! given the same figure, and replace tower's limit with this layer rather than stacking the
-//! two.
+//! two. A caller's own deadline, sent in a header, is read with
+//! [`Http::deadline_header`](protocol::Http::deadline_header) (gRPC's `grpc-timeout` is read by
+//! default).
 //!
 //! ## One limit twice on a request's path
 //!
@@ -351,9 +353,7 @@
 //! // A process's `Output` says how its operation ended: `ok` by its exit status.
 //! assert!(verifier.oneshot("42".to_owned()).await.unwrap().status.success());
 //! # }
-//! ``` A caller's own deadline,
-//! sent in a header, is read with [`Http::deadline_header`](protocol::Http::deadline_header)
-//! (gRPC's `grpc-timeout` is read by default).
+//! ```
 //!
 //! # A limit for the whole fleet
 //!

@@ -25,6 +25,7 @@
 pub(crate) mod scope;
 
 use std::fmt;
+use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -45,38 +46,76 @@ const DEADLINE_SLACK: Duration = Duration::from_millis(10);
 
 /// One operation on a limit `A`: the permit it holds, and what it records.
 ///
-/// `K` is what it carries to decide its outcome when its work returns: nothing while a service
-/// prepares it, the classifier in a response future, the end-of-stream rule in a body.
+/// `K` is what a called operation carries to decide its outcome when its work returns: the
+/// classifier in a response future, the end-of-stream rule in a body (made only for an
+/// operation that records, and kept in its record).
 ///
 /// It is admitted while it holds its permit. With nothing to record it is only its permit and a
-/// null word, so that a response future is built, moved and dropped about as cheaply as tower's.
-/// Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
+/// null word, so that a response future is built, moved and dropped about as cheaply as tower's;
+/// recording, three words more, so that a queued request's task stays within tower's size
+/// class. Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
 /// operation), and only then does the permit go back.
 pub struct Lifecycle<A: Acquire, K = ()> {
     /// `None`: nothing to record (metrics off and a limit that does not hear ends, or nothing
     /// asked yet).
-    record: Option<Record>,
-    /// What decides the outcome when the work returns: `()` while a service prepares the
-    /// operation, then the classifier (made only for an operation that records).
-    decides: K,
+    record: Option<Record<K>>,
     /// Held from admission to the end.
     permit: Option<A::Permit>,
 }
 
 /// What an operation records, and when it started to.
-struct Record {
+struct Record<K> {
     /// `None` with metrics off: the operation is timed for its limit alone.
     series: Option<Series>,
-    /// When it started to wait (while waiting), or was admitted (once admitted); `None` if the
-    /// clock could not be read (a duration from it is then 0).
-    at: Option<Instant>,
-    stage: Stage,
+    /// When it started to wait (while waiting), or was admitted (once admitted).
+    at: Stamp,
+    stage: Stage<K>,
+}
+
+/// When something happened, on tokio's clock (so that a paused clock is followed), in one word:
+/// nanoseconds from the first instant the crate read in the process (earlier ones, of a clock
+/// paused before it, are negative); or not known, if the clock could not be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp(i64);
+
+impl Stamp {
+    const UNKNOWN: Self = Self(i64::MIN);
+
+    /// Now; [`UNKNOWN`](Self::UNKNOWN) if the clock cannot be read (tokio's paused clock panics
+    /// once its runtime's thread-locals are gone).
+    #[inline]
+    fn now() -> (Self, Option<Instant>) {
+        match guarded(Instant::now) {
+            Some(now) => (Self::of(now), Some(now)),
+            None => (Self::UNKNOWN, None),
+        }
+    }
+
+    fn of(instant: Instant) -> Self {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        let origin = *ORIGIN.get_or_init(|| instant);
+        let nanos = |duration: Duration| i64::try_from(duration.as_nanos()).unwrap_or(i64::MAX);
+        match instant.checked_duration_since(origin) {
+            Some(after) => Self(nanos(after)),
+            None => Self(-nanos(origin.saturating_duration_since(instant))),
+        }
+    }
+
+    /// The time from `self` to `to`: 0 if either is not known, or `to` is earlier.
+    #[inline]
+    fn until(self, to: Stamp) -> Duration {
+        if self == Self::UNKNOWN || to == Self::UNKNOWN {
+            return Duration::ZERO;
+        }
+        let nanos = to.0.saturating_sub(self.0);
+        Duration::from_nanos(u64::try_from(nanos).unwrap_or(0))
+    }
 }
 
 /// Where a recorded operation stands, with what it needs at that stage. An enum, so that
 /// "nothing to record" takes no word of its own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Stage {
+#[derive(Debug, PartialEq, Eq)]
+enum Stage<K> {
     /// Waiting for its permit.
     Waiting {
         /// How long after it started to wait a drop is past the server's deadline.
@@ -99,6 +138,8 @@ enum Stage {
         chosen: Option<Outcome>,
         /// Whether its limit hears its end.
         heard: bool,
+        /// What decides its outcome when its work returns.
+        decides: K,
     },
     /// Recorded.
     Ended,
@@ -155,33 +196,20 @@ pub(crate) enum Ending {
     Dropped,
 }
 
-/// Now, on tokio's clock (so that a paused clock is followed); `None` if it cannot be read
-/// (tokio's paused clock panics once its runtime's thread-locals are gone).
-#[inline]
-fn now() -> Option<Instant> {
-    guarded(Instant::now)
-}
-
-impl<A: Acquire, K: Default> Lifecycle<A, K> {
+impl<A: Acquire, K> Lifecycle<A, K> {
     /// An operation that has not asked yet.
     pub(crate) fn new() -> Self {
         Self {
             record: None,
-            decides: K::default(),
             permit: None,
         }
     }
 
     /// Carries on with `decides` in place of what it carried (a response future handing its
-    /// operation to the body).
+    /// operation to the body); `J::default()` if `decides` panics.
     pub(crate) fn carry<J: Default>(&mut self, decides: impl FnOnce(&K) -> J) -> Lifecycle<A, J> {
-        let carried = match &self.record {
-            Some(_) => guarded(|| decides(&self.decides)).unwrap_or_default(),
-            None => J::default(),
-        };
         Lifecycle {
-            record: self.record.take(),
-            decides: carried,
+            record: self.record.take().map(|record| record.carry(decides)),
             permit: self.permit.take(),
         }
     }
@@ -195,14 +223,11 @@ impl<A: Acquire, K: Default> Lifecycle<A, K> {
             .expect("only an admitted operation lends its permit");
         let lent = Lifecycle {
             record: self.record.take(),
-            decides: std::mem::take(&mut self.decides),
             permit: None,
         };
         (permit, lent)
     }
-}
 
-impl<A: Acquire, K> Lifecycle<A, K> {
     /// Whether it holds its permit.
     #[inline]
     pub(crate) fn is_admitted(&self) -> bool {
@@ -249,8 +274,7 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         let Some(mut record) = self.record.take() else {
             return;
         };
-        let decides = &self.decides;
-        let Some((ended, heard)) = record.end(end, || classify(decides)) else {
+        let Some((ended, heard)) = record.end(end, classify) else {
             return;
         };
         if !heard {
@@ -349,7 +373,7 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         match record.stage {
             Stage::Waiting { deadline } => {
                 record.stage = Stage::Ended;
-                let past_deadline = deadline.is_past(elapsed(record.at, now()));
+                let past_deadline = deadline.is_past(record.at.until(Stamp::now().0));
                 if let Some(series) = &record.series {
                     match past_deadline {
                         // The server gave up on it while the limit kept it waiting.
@@ -450,7 +474,7 @@ impl<A: Acquire> Lifecycle<A> {
         series.start_waiting();
         self.record = Some(Record {
             series: Some(series.clone()),
-            at: now(),
+            at: Stamp::now().0,
             stage: Stage::Waiting {
                 deadline: Budget::new(deadline),
             },
@@ -467,7 +491,7 @@ impl<A: Acquire> Lifecycle<A> {
                 // metrics off): its queue sample is 0, and needs no clock.
                 let mut record = Record {
                     series: series.cloned(),
-                    at: None,
+                    at: Stamp::UNKNOWN,
                     stage: Stage::Ended,
                 };
                 record.admit(false, heard);
@@ -504,27 +528,21 @@ impl<A: Acquire> Lifecycle<A> {
     /// that could not be made: the outcome is then `error`). The lifecycle it leaves behind has
     /// not asked yet.
     #[inline]
-    pub(crate) fn called<K: Default>(
+    pub(crate) fn called<K>(
         &mut self,
         carried: impl FnOnce() -> (K, Option<Duration>),
     ) -> Lifecycle<A, K> {
         let permit = self.permit.take();
-        if self.record.is_none() {
+        let Some(record) = self.record.take() else {
             // Nothing to record: the lifecycle is its permit, and only that is moved.
             return Lifecycle {
                 record: None,
-                decides: K::default(),
                 permit,
             };
-        }
+        };
         let (decides, deadline) = carried();
-        let mut record = self.record.take();
-        if let Some(record) = &mut record {
-            record.called(deadline);
-        }
         Lifecycle {
-            record,
-            decides,
+            record: record.called(decides, deadline),
             permit,
         }
     }
@@ -547,7 +565,7 @@ impl<A: Acquire, K> fmt::Debug for Lifecycle<A, K> {
     }
 }
 
-impl Record {
+impl<K> Record<K> {
     /// The outcome [`set_outcome`] chose so far, if it did.
     #[inline]
     fn chosen(&self) -> Option<Outcome> {
@@ -569,9 +587,9 @@ impl Record {
     /// did not wait) and counts it as active. `heard`: whether its limit hears its end.
     #[inline]
     fn admit(&mut self, waited: bool, heard: bool) {
-        let now = now();
+        let now = Stamp::now().0;
         let queued = if waited {
-            elapsed(self.at, now)
+            self.at.until(now)
         } else {
             Duration::ZERO
         };
@@ -586,64 +604,109 @@ impl Record {
         };
     }
 
-    /// Called, with its caller's `deadline` counted from when it asked: keeps how long it may
-    /// run before a drop is past that deadline (less a slack: the caller started its clock a
-    /// little before the operation asked).
-    fn called(&mut self, deadline: Option<Duration>) {
+    /// Called, with what `decides` its outcome and its caller's `deadline` counted from when
+    /// it asked: keeps how long it may run before a drop is past that deadline (less a slack:
+    /// the caller started its clock a little before the operation asked). `None` for an
+    /// operation that was not admitted.
+    fn called<J>(self, decides: J, deadline: Option<Duration>) -> Option<Record<J>> {
         let Stage::Admitted {
             queued_us,
             chosen,
             heard,
         } = self.stage
         else {
-            return;
+            return None;
         };
         let queued = Duration::from_micros(u64::from(queued_us));
-        self.stage = Stage::Called {
-            deadline: Budget::new(deadline).less(queued),
-            chosen,
-            heard,
+        Some(Record {
+            series: self.series,
+            at: self.at,
+            stage: Stage::Called {
+                deadline: Budget::new(deadline).less(queued),
+                chosen,
+                heard,
+                decides,
+            },
+        })
+    }
+
+    /// The same record, carrying what `decides` makes of what it carried (`J::default()` if
+    /// that panics).
+    fn carry<J: Default>(self, decides: impl FnOnce(&K) -> J) -> Record<J> {
+        let stage = match self.stage {
+            Stage::Waiting { deadline } => Stage::Waiting { deadline },
+            Stage::Admitted {
+                queued_us,
+                chosen,
+                heard,
+            } => Stage::Admitted {
+                queued_us,
+                chosen,
+                heard,
+            },
+            Stage::Called {
+                deadline,
+                chosen,
+                heard,
+                decides: carried,
+            } => Stage::Called {
+                deadline,
+                chosen,
+                heard,
+                decides: guarded(|| decides(&carried)).unwrap_or_default(),
+            },
+            Stage::Ended => Stage::Ended,
         };
+        Record {
+            series: self.series,
+            at: self.at,
+            stage,
+        }
     }
 
     /// Records the end of the admitted operation, once; `classify` says what a returned work's
-    /// outcome is, if it can (`None` when nothing was made to decide it). Returns how it ended,
-    /// for its limit to hear, and whether its limit hears it.
+    /// outcome is from what decides it, if it can. Returns how it ended, for its limit to hear,
+    /// and whether its limit hears it.
     fn end(
         &mut self,
         end: Ending,
-        classify: impl FnOnce() -> Option<Outcome>,
+        classify: impl FnOnce(&K) -> Option<Outcome>,
     ) -> Option<(Ended, bool)> {
         let heard = match self.stage {
             Stage::Admitted { heard, .. } | Stage::Called { heard, .. } => heard,
             Stage::Waiting { .. } | Stage::Ended => return None,
         };
-        let now = now();
+        let (now, instant) = Stamp::now();
         let outcome = decide(self, end, classify, now);
         self.stage = Stage::Ended;
-        let ran = elapsed(self.at, now);
+        let ran = self.at.until(now);
         if let Some(series) = &self.series {
             series.end(outcome, ran);
         }
-        Some((Ended::new(outcome, ran, now), heard))
+        Some((Ended::new(outcome, ran, instant), heard))
     }
 }
 
 /// Where an operation's outcome is decided, for every way it can end: [`set_outcome`] wins;
-/// then a returned work is what its classifier says (`error` if the classifier panics), a
-/// failure is `error`, a panic `crashed`, and a drop `cancelled`, or `timeout` once the
-/// caller's deadline has passed.
-fn decide(
-    record: &Record,
+/// then a returned work is what its classifier says (`error` if the classifier panics, or was
+/// not made), a failure is `error`, a panic `crashed`, and a drop `cancelled`, or `timeout` once
+/// the caller's deadline has passed.
+fn decide<K>(
+    record: &Record<K>,
     end: Ending,
-    classify: impl FnOnce() -> Option<Outcome>,
-    now: Option<Instant>,
+    classify: impl FnOnce(&K) -> Option<Outcome>,
+    now: Stamp,
 ) -> Outcome {
     if let Some(chosen) = record.chosen() {
         return chosen;
     }
     match end {
-        Ending::Returned => guarded(classify).flatten().unwrap_or(Outcome::Error),
+        Ending::Returned => match &record.stage {
+            Stage::Called { decides, .. } => guarded(|| classify(decides))
+                .flatten()
+                .unwrap_or(Outcome::Error),
+            _ => Outcome::Error,
+        },
         Ending::Failed => Outcome::Error,
         Ending::Crashed => Outcome::Crashed,
         Ending::Dropped if past_deadline(record, now) => Outcome::Timeout,
@@ -652,24 +715,15 @@ fn decide(
 }
 
 /// Whether the caller's deadline has passed at `now`, counted from when the operation asked.
-fn past_deadline(record: &Record, now: Option<Instant>) -> bool {
+fn past_deadline<K>(record: &Record<K>, now: Stamp) -> bool {
     // Only a called operation has its caller's deadline.
     let Stage::Called { deadline, .. } = record.stage else {
         return false;
     };
-    if record.at.is_none() || now.is_none() {
+    if record.at == Stamp::UNKNOWN || now == Stamp::UNKNOWN {
         return false;
     }
-    deadline.is_past(elapsed(record.at, now))
-}
-
-/// The time from `from` to `to`: 0 if the clock could not read either, or `to` is earlier.
-#[inline]
-fn elapsed(from: Option<Instant>, to: Option<Instant>) -> Duration {
-    match (from, to) {
-        (Some(from), Some(to)) => to.saturating_duration_since(from),
-        _ => Duration::ZERO,
-    }
+    deadline.is_past(record.at.until(now))
 }
 
 /// An operation's work while it runs: the scope it entered is left when the work returns or
@@ -714,16 +768,21 @@ mod tests {
     use super::*;
 
     /// A record admitted at `at` after waiting `queued`, with nothing to record it to.
-    fn admitted(at: Instant, queued: Duration) -> Record {
+    fn admitted(at: Instant, queued: Duration) -> Record<()> {
         Record {
             series: None,
-            at: Some(at),
+            at: Stamp::of(at),
             stage: Stage::Admitted {
                 queued_us: u32::try_from(queued.as_micros()).unwrap(),
                 chosen: None,
                 heard: false,
             },
         }
+    }
+
+    /// `at` called with the caller's `deadline`.
+    fn called(at: Instant, queued: Duration, deadline: Option<Duration>) -> Record<()> {
+        admitted(at, queued).called((), deadline).unwrap()
     }
 
     fn ms(ms: u64) -> Duration {
@@ -734,52 +793,53 @@ mod tests {
     fn the_queue_time_counts_toward_the_callers_deadline() {
         let at = Instant::now();
         // 100 ms from when it asked, 80 of them spent waiting, less a slack of 10 ms.
-        let mut record = admitted(at, ms(80));
-        record.called(Some(ms(100)));
-        assert!(!past_deadline(&record, Some(at + ms(9))));
-        assert!(past_deadline(&record, Some(at + ms(10))));
-        record.stage = Stage::Ended;
+        let record = called(at, ms(80), Some(ms(100)));
+        assert!(!past_deadline(&record, Stamp::of(at + ms(9))));
+        assert!(past_deadline(&record, Stamp::of(at + ms(10))));
     }
 
     #[test]
     fn a_wait_longer_than_the_deadline_makes_any_drop_past_it() {
         let at = Instant::now();
-        let mut record = admitted(at, ms(150));
-        record.called(Some(ms(100)));
-        assert!(past_deadline(&record, Some(at)));
-        record.stage = Stage::Ended;
+        let record = called(at, ms(150), Some(ms(100)));
+        assert!(past_deadline(&record, Stamp::of(at)));
     }
 
     #[test]
     fn without_a_deadline_or_a_call_no_drop_is_past_one() {
         let at = Instant::now();
-        let mut no_deadline = admitted(at, ms(0));
-        no_deadline.called(None);
-        assert!(!past_deadline(&no_deadline, Some(at + ms(3_600_000))));
-        no_deadline.stage = Stage::Ended;
+        let no_deadline = called(at, ms(0), None);
+        assert!(!past_deadline(&no_deadline, Stamp::of(at + ms(3_600_000))));
 
         // Admitted, never called: its queue time (5 ms, kept as 5000 us) is not a deadline.
-        let mut never_called = admitted(at, ms(5));
+        let never_called = admitted(at, ms(5));
         let outcome = decide(
             &never_called,
             Ending::Dropped,
-            || None,
-            Some(at + ms(6_000)),
+            |()| None,
+            Stamp::of(at + ms(6_000)),
         );
         assert_eq!(outcome, Outcome::Cancelled);
-        never_called.stage = Stage::Ended;
     }
 
     #[test]
     fn a_deadline_beyond_what_the_record_holds_is_kept_as_the_longest_it_can() {
         let at = Instant::now();
-        let mut record = admitted(at, ms(0));
-        record.called(Some(Duration::from_secs(60 * 60 * 24 * 365)));
+        let record = called(at, ms(0), Some(Duration::from_secs(60 * 60 * 24 * 365)));
         let Stage::Called { deadline, .. } = record.stage else {
             panic!("called")
         };
         assert_eq!(deadline, Budget(u32::MAX - 1));
-        assert!(!past_deadline(&record, Some(at + ms(1_000))));
-        record.stage = Stage::Ended;
+        assert!(!past_deadline(&record, Stamp::of(at + ms(1_000))));
+    }
+
+    #[test]
+    fn a_stamp_measures_from_earlier_instants_too() {
+        let at = Instant::now();
+        let later = Stamp::of(at + ms(5));
+        let earlier = Stamp::of(at - ms(5));
+        assert_eq!(earlier.until(later), ms(10));
+        assert_eq!(later.until(earlier), Duration::ZERO);
+        assert_eq!(Stamp::UNKNOWN.until(later), Duration::ZERO);
     }
 }
