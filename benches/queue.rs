@@ -189,7 +189,8 @@ where
 {
     type Response = ();
     type Error = Infallible;
-    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Infallible>> + Send>>;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Infallible>> + Send>>;
 
     fn poll_ready(
         &mut self,
@@ -232,7 +233,14 @@ fn main() {
             );
             println!(
                 "  {:<16} {:>9} {:>7} {:>9} {:>7} {:>12} {:>7} {:>8}",
-                "case", "counted", "/tower", "resident", "/tower", "drain ns/op", "/tower", "/floor"
+                "case",
+                "counted",
+                "/tower",
+                "resident",
+                "/tower",
+                "drain ns/op",
+                "/tower",
+                "/floor"
             );
             let mut results = Vec::new();
             for case in CASES {
@@ -240,7 +248,11 @@ fn main() {
                     .env("QUEUE_CASE", case)
                     .env(
                         "QUEUE_INNER",
-                        if inner == Inner::Semaphore { "semaphore" } else { "ready" },
+                        if inner == Inner::Semaphore {
+                            "semaphore"
+                        } else {
+                            "ready"
+                        },
                     )
                     .env("QUEUE_WAITERS", waiters.to_string())
                     .output()

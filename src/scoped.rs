@@ -10,9 +10,9 @@ use pin_project_lite::pin_project;
 use crate::attributes::Rejection;
 use crate::attributes::{Executor, Operation};
 use crate::classify::OperationOutput;
+use crate::diagnostics::{self, Mistake};
 use crate::limit::{self, Acquire};
 use crate::metrics::OperationMetrics;
-use crate::diagnostics::{self, Mistake};
 use crate::operation::{scope, Ending, Lifecycle};
 use crate::protocol::Rejected;
 

@@ -699,7 +699,12 @@ async fn a_failing_limit_is_answered_unavailable_and_counted_rejected(after: Dur
     let metrics = t.metrics.clone();
     let scoped = tokio::spawn(async move {
         metrics
-            .resources_operation(limit.clone(), Operation::Judge, Executor::Inline, never_run())
+            .resources_operation(
+                limit.clone(),
+                Operation::Judge,
+                Executor::Inline,
+                never_run(),
+            )
             .await
     });
     let scoped = scoped.await.unwrap().map(|_| ()).unwrap_err();

@@ -914,7 +914,10 @@ fn a_layers_debug_shows_its_limits_name_and_capacity_not_a_type_name() {
 async fn one_limit_in_two_layers_of_a_stack_admits_each_request_once() {
     use tower::ServiceBuilder;
 
-    for metrics in [OperationMetrics::disabled(), Telemetry::new().metrics.clone()] {
+    for metrics in [
+        OperationMetrics::disabled(),
+        Telemetry::new().metrics.clone(),
+    ] {
         let limit = Limit::new(2);
         let load = Arc::new(support::Load::default());
         let twice = {

@@ -363,7 +363,10 @@ fn try_build_returns_a_bad_name_as_an_error_never_a_panic() {
 
     let built = std::panic::catch_unwind(|| Limit::builder(0).name("my workers").try_build());
     let refused = built.expect("try_build does not panic");
-    assert!(matches!(refused, Err(InvalidLimit::Capacity(_))), "{refused:?}");
+    assert!(
+        matches!(refused, Err(InvalidLimit::Capacity(_))),
+        "{refused:?}"
+    );
 
     let from_config = String::from("my workers");
     let built = std::panic::catch_unwind(|| Limit::builder(2).name(from_config).try_build());

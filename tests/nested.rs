@@ -62,9 +62,8 @@ async fn one_limit_on_a_route_and_on_the_router_admits_each_request_once_and_say
         let (status, body) = Client::open(addr).await.get("/verify").await;
         assert_eq!((status, body.as_str()), (200, "verified"));
     }
-    let clients = (0..6).map(|_| {
-        tokio::spawn(async move { Client::open(addr).await.get("/verify").await })
-    });
+    let clients =
+        (0..6).map(|_| tokio::spawn(async move { Client::open(addr).await.get("/verify").await }));
     let answered = tokio::time::timeout(PATIENCE, futures_util::future::join_all(clients))
         .await
         .expect("six concurrent requests through one limit applied twice are all answered");
@@ -82,6 +81,12 @@ async fn one_limit_on_a_route_and_on_the_router_admits_each_request_once_and_say
     assert!(said[0].contains("\"workers\""), "{}", said[0]);
 
     // The outer layer's operation is the one recorded: 8, as `other`; none as the route's.
-    assert_eq!(t.count(DURATION_INSTRUMENT, &[(OPERATION_ATTRIBUTE, "other")]), 8);
-    assert_eq!(t.count(DURATION_INSTRUMENT, &[(OPERATION_ATTRIBUTE, "verify")]), 0);
+    assert_eq!(
+        t.count(DURATION_INSTRUMENT, &[(OPERATION_ATTRIBUTE, "other")]),
+        8
+    );
+    assert_eq!(
+        t.count(DURATION_INSTRUMENT, &[(OPERATION_ATTRIBUTE, "verify")]),
+        0
+    );
 }

@@ -536,7 +536,10 @@ async fn an_exponential_histogram_view_loses_the_instrument_through_the_promethe
                 max_scale: 20,
                 record_min_max: true,
             };
-            Stream::builder().with_aggregation(aggregation).build().unwrap()
+            Stream::builder()
+                .with_aggregation(aggregation)
+                .build()
+                .unwrap()
         })
     };
     let provider = SdkMeterProvider::builder()

@@ -26,7 +26,10 @@ fn running(pid: u32) -> bool {
         return false;
     };
     // The state follows the command, which is in parentheses.
-    let state = stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next());
+    let state = stat
+        .rsplit(')')
+        .next()
+        .and_then(|rest| rest.split_whitespace().next());
     !matches!(state, Some("Z" | "X"))
 }
 
@@ -86,7 +89,11 @@ async fn a_verifier_spawned_with_kill_on_drop_ends_with_its_operation_when_the_c
     }
     // Its place is back, and the operation ended as its caller did.
     while live(&t) != (0, 0) {
-        assert!(hung_up.elapsed() < Duration::from_secs(10), "{:?}", live(&t));
+        assert!(
+            hung_up.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            live(&t)
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(limit.available(), 2);
@@ -106,11 +113,17 @@ async fn without_kill_on_drop_a_verifier_outlives_its_operation() {
     let pid = hang_up_on_a_running_verifier(&t, &limit, false).await;
     let hung_up = Instant::now();
     while live(&t) != (0, 0) {
-        assert!(hung_up.elapsed() < Duration::from_secs(10), "{:?}", live(&t));
+        assert!(
+            hung_up.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            live(&t)
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(running(pid), "tokio does not kill a dropped child");
     assert_eq!(limit.available(), 2, "the limit no longer sees it");
-    let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
+    let _ = std::process::Command::new("kill")
+        .arg(pid.to_string())
+        .status();
 }

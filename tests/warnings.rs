@@ -26,7 +26,10 @@ async fn each_silent_mistake_is_reported_once() {
 
     // No provider installed: the global metrics record nothing, and say so, once.
     assert!(!OperationMetrics::global().is_enabled());
-    assert_eq!(captured.warnings("no OpenTelemetry meter provider").len(), 1);
+    assert_eq!(
+        captured.warnings("no OpenTelemetry meter provider").len(),
+        1
+    );
     for _ in 0..3 {
         let answer =
             resources_operation(&Limit::new(1), Operation::Verify, Executor::Inline, async {
@@ -37,7 +40,10 @@ async fn each_silent_mistake_is_reported_once() {
             .unwrap();
         assert_eq!(answer, 42, "the operation still runs");
     }
-    assert_eq!(captured.warnings("no OpenTelemetry meter provider").len(), 1);
+    assert_eq!(
+        captured.warnings("no OpenTelemetry meter provider").len(),
+        1
+    );
 
     // One OperationMetrics alive: fine. A second one while the first lives: a warning, once.
     let provider = SdkMeterProvider::builder().build();

@@ -161,7 +161,10 @@ impl Budget {
             return Self::NONE;
         };
         let slack = DEADLINE_SLACK.min(deadline / 10);
-        let ms = deadline.saturating_sub(slack).as_nanos().div_ceil(1_000_000);
+        let ms = deadline
+            .saturating_sub(slack)
+            .as_nanos()
+            .div_ceil(1_000_000);
         Self(u32::try_from(ms).unwrap_or(u32::MAX - 1).min(u32::MAX - 1))
     }
 

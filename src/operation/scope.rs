@@ -65,10 +65,7 @@ impl Holding {
     #[inline(always)]
     pub(super) fn enter(held: Option<LimitId>) -> Self {
         match held {
-            Some(id) => Self(
-                HELD.try_with(|current| current.replace(Some(id)))
-                    .ok(),
-            ),
+            Some(id) => Self(HELD.try_with(|current| current.replace(Some(id))).ok()),
             None => Self(None),
         }
     }
@@ -88,7 +85,7 @@ impl Drop for Holding {
 #[inline(always)]
 pub(crate) fn holds(id: LimitId) -> bool {
     HELD.try_with(|current| current.get() == Some(id))
-    .unwrap_or(false)
+        .unwrap_or(false)
 }
 
 /// Sets the outcome of the operation whose work is running on this thread, overriding what the
