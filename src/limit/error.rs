@@ -67,6 +67,8 @@ impl Rejected {
     /// A limit turns the operation away, for `rejection`: the layer answers it as a rejection
     /// and counts it in `gym.resources.operation.rejected`. The same as [`new`](Self::new), as
     /// a limit says it.
+    // `AcquireError::rejected(..)` on the limit's side, where the name reads as the event.
+    #[allow(clippy::self_named_constructors)]
     pub const fn rejected(rejection: Rejection) -> Self {
         Self::new(rejection)
     }
