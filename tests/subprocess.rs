@@ -33,6 +33,15 @@ fn running(pid: u32) -> bool {
     !matches!(state, Some("Z" | "X"))
 }
 
+/// Waits until nothing waits or runs (the hung-up operation has ended), for at most 10 s after
+/// `hung_up`.
+async fn until_idle(t: &Telemetry, hung_up: Instant) {
+    while live(t) != (0, 0) {
+        assert!(hung_up.elapsed() < Duration::from_secs(10), "{:?}", live(t));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A `/verify` route whose handler runs `sleep 3` under a layer on a limit of 2, reporting each
 /// child's id on `pids`; the request is sent, and its caller hangs up once the child runs.
 /// Returns the child's id.
@@ -88,14 +97,7 @@ async fn a_verifier_spawned_with_kill_on_drop_ends_with_its_operation_when_the_c
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // Its place is back, and the operation ended as its caller did.
-    while live(&t) != (0, 0) {
-        assert!(
-            hung_up.elapsed() < Duration::from_secs(10),
-            "{:?}",
-            live(&t)
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_idle(&t, hung_up).await;
     assert_eq!(limit.available(), 2);
     assert_eq!(
         t.outcomes(&[(OPERATION_ATTRIBUTE, "verify")]),
@@ -112,14 +114,7 @@ async fn without_kill_on_drop_a_verifier_outlives_its_operation() {
     let limit = Limit::new(2);
     let pid = hang_up_on_a_running_verifier(&t, &limit, false).await;
     let hung_up = Instant::now();
-    while live(&t) != (0, 0) {
-        assert!(
-            hung_up.elapsed() < Duration::from_secs(10),
-            "{:?}",
-            live(&t)
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_idle(&t, hung_up).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(running(pid), "tokio does not kill a dropped child");
     assert_eq!(limit.available(), 2, "the limit no longer sees it");
