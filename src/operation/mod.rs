@@ -70,6 +70,10 @@ struct Record<K> {
     /// When it started to wait (while waiting), or was admitted (once admitted).
     at: Stamp,
     stage: Stage<K>,
+    /// The outcome [`set_outcome`] chose, if it did.
+    chosen: Option<Outcome>,
+    /// Whether its limit hears its end ([`Acquire::hears_end`]), asked as it was admitted.
+    heard: bool,
 }
 
 /// When something happened, on tokio's clock (so that a paused clock is followed), in one word:
@@ -125,19 +129,11 @@ enum Stage<K> {
     Admitted {
         /// How long it waited, in microseconds (saturated).
         queued_us: u32,
-        /// The outcome [`set_outcome`] chose, if it did.
-        chosen: Option<Outcome>,
-        /// Whether its limit hears its end ([`Acquire::hears_end`]), asked as it was admitted.
-        heard: bool,
     },
     /// Called: its work runs.
     Called {
         /// How long after its admission a drop is past its caller's deadline.
         deadline: Budget,
-        /// The outcome [`set_outcome`] chose, if it did.
-        chosen: Option<Outcome>,
-        /// Whether its limit hears its end.
-        heard: bool,
         /// What decides its outcome when its work returns.
         decides: K,
     },
@@ -481,6 +477,8 @@ impl<A: Acquire> Lifecycle<A> {
             stage: Stage::Waiting {
                 deadline: Budget::new(deadline),
             },
+            chosen: None,
+            heard: false,
         });
     }
 
@@ -496,6 +494,8 @@ impl<A: Acquire> Lifecycle<A> {
                     series: series.cloned(),
                     at: Stamp::UNKNOWN,
                     stage: Stage::Ended,
+                    chosen: None,
+                    heard: false,
                 };
                 record.admit(false, heard);
                 self.record = Some(record);
@@ -572,18 +572,13 @@ impl<K> Record<K> {
     /// The outcome [`set_outcome`] chose so far, if it did.
     #[inline]
     fn chosen(&self) -> Option<Outcome> {
-        match self.stage {
-            Stage::Admitted { chosen, .. } | Stage::Called { chosen, .. } => chosen,
-            Stage::Waiting { .. } | Stage::Ended => None,
-        }
+        self.chosen
     }
 
     /// Keeps the outcome the work chose, if it chose one.
     #[inline]
     fn choose(&mut self, outcome: Option<Outcome>) {
-        if let Stage::Admitted { chosen, .. } | Stage::Called { chosen, .. } = &mut self.stage {
-            *chosen = outcome;
-        }
+        self.chosen = outcome;
     }
 
     /// Admitted, after waiting since `self.at` if it `waited`: records the queue sample (0 if it
@@ -600,10 +595,9 @@ impl<K> Record<K> {
             series.admit(waited, queued);
         }
         self.at = now;
+        self.heard = heard;
         self.stage = Stage::Admitted {
             queued_us: u32::try_from(queued.as_micros()).unwrap_or(u32::MAX),
-            chosen: None,
-            heard,
         };
     }
 
@@ -612,12 +606,7 @@ impl<K> Record<K> {
     /// the caller started its clock a little before the operation asked). `None` for an
     /// operation that was not admitted.
     fn called<J>(self, decides: J, deadline: Option<Duration>) -> Option<Record<J>> {
-        let Stage::Admitted {
-            queued_us,
-            chosen,
-            heard,
-        } = self.stage
-        else {
+        let Stage::Admitted { queued_us } = self.stage else {
             return None;
         };
         let queued = Duration::from_micros(u64::from(queued_us));
@@ -626,10 +615,10 @@ impl<K> Record<K> {
             at: self.at,
             stage: Stage::Called {
                 deadline: Budget::new(deadline).less(queued),
-                chosen,
-                heard,
                 decides,
             },
+            chosen: self.chosen,
+            heard: self.heard,
         })
     }
 
@@ -638,24 +627,12 @@ impl<K> Record<K> {
     fn carry<J: Default>(self, decides: impl FnOnce(&K) -> J) -> Record<J> {
         let stage = match self.stage {
             Stage::Waiting { deadline } => Stage::Waiting { deadline },
-            Stage::Admitted {
-                queued_us,
-                chosen,
-                heard,
-            } => Stage::Admitted {
-                queued_us,
-                chosen,
-                heard,
-            },
+            Stage::Admitted { queued_us } => Stage::Admitted { queued_us },
             Stage::Called {
                 deadline,
-                chosen,
-                heard,
                 decides: carried,
             } => Stage::Called {
                 deadline,
-                chosen,
-                heard,
                 decides: guarded(|| decides(&carried)).unwrap_or_default(),
             },
             Stage::Ended => Stage::Ended,
@@ -664,6 +641,8 @@ impl<K> Record<K> {
             series: self.series,
             at: self.at,
             stage,
+            chosen: self.chosen,
+            heard: self.heard,
         }
     }
 
@@ -675,10 +654,10 @@ impl<K> Record<K> {
         end: Ending,
         classify: impl FnOnce(&K) -> Option<Outcome>,
     ) -> Option<(Ended, bool)> {
-        let heard = match self.stage {
-            Stage::Admitted { heard, .. } | Stage::Called { heard, .. } => heard,
-            Stage::Waiting { .. } | Stage::Ended => return None,
-        };
+        if !matches!(self.stage, Stage::Admitted { .. } | Stage::Called { .. }) {
+            return None;
+        }
+        let heard = self.heard;
         let (now, instant) = Stamp::now();
         let outcome = decide(self, end, classify, now);
         self.stage = Stage::Ended;
@@ -777,9 +756,9 @@ mod tests {
             at: Stamp::of(at),
             stage: Stage::Admitted {
                 queued_us: u32::try_from(queued.as_micros()).unwrap(),
-                chosen: None,
-                heard: false,
             },
+            chosen: None,
+            heard: false,
         }
     }
 
