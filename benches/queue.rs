@@ -1,5 +1,6 @@
 //! What a queued operation costs: heap bytes per waiter, and the time to drain the queue, with
-//! tower's `ConcurrencyLimit` beside this layer (metrics off and on).
+//! tower's `ConcurrencyLimit` beside this layer (metrics off and on) and the floor (tower's
+//! limit plus the SDK records any metrics layer makes).
 //!
 //! ```text
 //! cargo bench --bench queue
@@ -7,10 +8,13 @@
 //!
 //! Each case holds the only permit of a limit of 1 with one clone of the service (its
 //! `poll_ready` took it), then spawns N tasks on a current-thread runtime, each
-//! `tokio::spawn(service.clone().oneshot(()))` on a `service_fn` that captures one `Arc`: what
-//! hyper and axum do per request, with nothing else allocated per task. The heap in use once
-//! all of them wait, less the heap before, divided by N, is the memory per queued operation;
-//! the time for the queue to drain once the holder lets go, divided by N, is the drain time.
+//! `tokio::spawn(service.clone().oneshot(()))`: what hyper and axum do per request. The inner
+//! service captures one `Arc`; its future either awaits a tokio `Semaphore` (as a handler that
+//! takes a resource does, the method of issue 34) or is ready at once. The memory per queued
+//! operation is measured two ways, each case in a fresh child process: the heap in use once
+//! all of them wait, less the heap before (a counting global allocator), and the growth of the
+//! resident set size over the same span, each divided by N. The time for the queue to drain
+//! once the holder lets go, divided by N, is the drain time.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::convert::Infallible;
@@ -58,7 +62,7 @@ static ALLOCATOR: Counting = Counting;
 /// is the memory per queued operation (its task, its future, the service's clone, the limit's
 /// wait). Then the holder lets go and the queue drains, one operation at a time: that time,
 /// divided by `waiters`, is the drain time per operation.
-fn measure<S>(service: S, waiters: usize) -> (f64, Duration)
+fn measure<S>(service: S, waiters: usize) -> (f64, f64, Duration)
 where
     S: Service<(), Response = ()> + Clone + Send + 'static,
     S::Future: Send,
@@ -73,6 +77,7 @@ where
         // Room for every handle first, so the vector's growth is not counted.
         let mut tasks = Vec::with_capacity(waiters);
         let before = IN_USE.load(Ordering::Relaxed);
+        let resident_before = rss();
         for _ in 0..waiters {
             tasks.push(tokio::spawn(service.clone().oneshot(())));
         }
@@ -81,96 +86,196 @@ where
             tokio::task::yield_now().await;
         }
         let queued = IN_USE.load(Ordering::Relaxed) - before;
+        let resident = rss() - resident_before;
         let started = Instant::now();
         drop(holder);
         for task in tasks {
             task.await.unwrap().unwrap();
         }
         let drained = started.elapsed();
-        (queued as f64 / waiters as f64, drained / waiters as u32)
+        (
+            queued as f64 / waiters as f64,
+            resident as f64 / waiters as f64,
+            drained / waiters as u32,
+        )
     })
 }
 
-/// Bytes per queued operation when the waiting futures are held directly (boxed, each polled
-/// once until it waits), without a task around each: the future and the limit's wait alone.
-fn measure_futures<S>(service: S, waiters: usize) -> f64
-where
-    S: Service<(), Response = ()> + Clone,
-    S::Error: std::fmt::Debug,
-{
-    use std::future::Future;
-    use std::task::{Context, Poll, Waker};
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let _entered = rt.enter();
-    let mut cx = Context::from_waker(Waker::noop());
-    let mut holder = service.clone();
-    assert!(matches!(holder.poll_ready(&mut cx), Poll::Ready(Ok(()))));
-    let mut futures = Vec::with_capacity(waiters);
-    let reserved = IN_USE.load(Ordering::Relaxed);
-    for _ in 0..waiters {
-        let mut future = Box::pin(service.clone().oneshot(()));
-        assert!(matches!(future.as_mut().poll(&mut cx), Poll::Pending));
-        futures.push(future);
-    }
-    let queued = IN_USE.load(Ordering::Relaxed) - reserved;
-    drop(futures);
-    drop(holder);
-    queued as f64 / waiters as f64
+/// The inner services a queued operation waits in front of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Inner {
+    /// Answers at once: `std::future::ready`.
+    Ready,
+    /// Its future awaits a tokio `Semaphore` (with places to spare), as a handler that takes a
+    /// resource does: the future that a real operation's task is sized for.
+    Semaphore,
 }
 
+/// The resident set size of this process now, in bytes (Linux: `/proc/self/statm`).
+fn rss() -> isize {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: isize = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|field| field.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+/// One case of one child process: bytes per queued operation counted by the allocator, the
+/// same by the resident set size, and the drain time per operation.
+fn child(case: &str, inner_kind: Inner, waiters: usize) -> (f64, f64, Duration) {
+    let shared = Arc::new(0_u64);
+    match inner_kind {
+        Inner::Ready => run_case(
+            case,
+            service_fn(move |()| {
+                let _ = &shared;
+                std::future::ready(Ok::<_, Infallible>(()))
+            }),
+            waiters,
+        ),
+        Inner::Semaphore => {
+            let places = Arc::new(tokio::sync::Semaphore::new(1 << 20));
+            run_case(
+                case,
+                service_fn(move |()| {
+                    let _ = &shared;
+                    let places = Arc::clone(&places);
+                    async move {
+                        let _place = places.acquire().await;
+                        Ok::<_, Infallible>(())
+                    }
+                }),
+                waiters,
+            )
+        }
+    }
+}
+
+/// `case` over `inner`: tower's limit, the layer with metrics off or on, or the floor.
+fn run_case<S>(case: &str, inner: S, waiters: usize) -> (f64, f64, Duration)
+where
+    S: Service<(), Response = (), Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let (_provider, meter) = common::sdk_meter();
+    match case {
+        "tower_limit" => measure(tower::limit::ConcurrencyLimit::new(inner, 1), waiters),
+        "layer_disabled" => {
+            let layer = ResourcesOperationLayer::new(1).metrics(OperationMetrics::disabled());
+            measure(layer.layer(inner), waiters)
+        }
+        "layer_metrics" => {
+            let layer = ResourcesOperationLayer::new(1).metrics(OperationMetrics::new(&meter));
+            measure(layer.layer(inner), waiters)
+        }
+        "floor" => {
+            let records = common::floor::Shared::new(&meter);
+            measure(common::floor::Floor::new(Boxed(inner), 1, records), waiters)
+        }
+        other => panic!("no case {other}"),
+    }
+}
+
+/// An inner service whose future is boxed (so that it is `Unpin`, as the floor needs).
+#[derive(Clone)]
+struct Boxed<S>(S);
+
+impl<S> Service<()> for Boxed<S>
+where
+    S: Service<(), Response = (), Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = ();
+    type Error = Infallible;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Infallible>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: ()) -> Self::Future {
+        Box::pin(self.0.call(request))
+    }
+}
+
+const CASES: [&str; 4] = ["tower_limit", "layer_disabled", "layer_metrics", "floor"];
+
 fn main() {
+    // A child: one case, measured in a fresh process, so the resident set grows from nothing.
+    if let Ok(case) = std::env::var("QUEUE_CASE") {
+        let inner = match std::env::var("QUEUE_INNER").as_deref() {
+            Ok("semaphore") => Inner::Semaphore,
+            _ => Inner::Ready,
+        };
+        let waiters = std::env::var("QUEUE_WAITERS").unwrap().parse().unwrap();
+        let (counted, resident, drain) = child(&case, inner, waiters);
+        println!("{counted} {resident} {}", drain.as_nanos());
+        return;
+    }
     if !std::env::args().any(|arg| arg == "--bench") {
         return;
     }
-    // A service that captures one `Arc`, and answers at once.
-    let shared = Arc::new(0_u64);
-    let inner = || {
-        let shared = Arc::clone(&shared);
-        service_fn(move |()| {
-            let _ = &shared;
-            std::future::ready(Ok::<_, Infallible>(()))
-        })
-    };
-    let (_provider, meter) = common::sdk_meter();
-    let metrics = OperationMetrics::new(&meter);
-    // The layer on a limit of 1 over `inner`, recording nothing or through the SDK.
-    let layer_disabled = || {
-        ResourcesOperationLayer::new(1)
-            .metrics(OperationMetrics::disabled())
-            .layer(inner())
-    };
-    let layer_metrics = || {
-        ResourcesOperationLayer::new(1)
-            .metrics(metrics.clone())
-            .layer(inner())
-    };
-    for waiters in [10_000, 100_000] {
-        println!("\n{waiters} operations queued behind a limit of 1");
-        let tower = measure(tower::limit::ConcurrencyLimit::new(inner(), 1), waiters);
-        let cases = [
-            ("tower_limit", tower),
-            ("layer_disabled", measure(layer_disabled(), waiters)),
-            ("layer_metrics", measure(layer_metrics(), waiters)),
-        ];
-        for (name, (bytes, drain)) in cases {
+    let exe = std::env::current_exe().unwrap();
+    for inner in [Inner::Semaphore, Inner::Ready] {
+        for waiters in [10_000_usize, 100_000] {
             println!(
-                "  {name:<16} {bytes:>6.0} bytes/op ({:.2}x)   drain {:>7.1} ns/op ({:.2}x)",
-                bytes / tower.0,
-                drain.as_nanos() as f64,
-                drain.as_nanos() as f64 / tower.1.as_nanos() as f64,
+                "\n{waiters} operations queued behind a limit of 1, inner future: {}",
+                match inner {
+                    Inner::Semaphore => "awaits a semaphore",
+                    Inner::Ready => "ready at once",
+                }
             );
-        }
-        let tower = measure_futures(tower::limit::ConcurrencyLimit::new(inner(), 1), waiters);
-        let futures = [
-            ("tower_limit", tower),
-            ("layer_disabled", measure_futures(layer_disabled(), waiters)),
-            ("layer_metrics", measure_futures(layer_metrics(), waiters)),
-        ];
-        println!("  the waiting futures alone, boxed, no task each:");
-        for (name, bytes) in futures {
-            println!("  {name:<16} {bytes:>6.0} bytes/op ({:.2}x)", bytes / tower);
+            println!(
+                "  {:<16} {:>9} {:>7} {:>9} {:>7} {:>12} {:>7} {:>8}",
+                "case",
+                "counted",
+                "/tower",
+                "resident",
+                "/tower",
+                "drain ns/op",
+                "/tower",
+                "/floor"
+            );
+            let mut results = Vec::new();
+            for case in CASES {
+                let output = std::process::Command::new(&exe)
+                    .env("QUEUE_CASE", case)
+                    .env(
+                        "QUEUE_INNER",
+                        if inner == Inner::Semaphore {
+                            "semaphore"
+                        } else {
+                            "ready"
+                        },
+                    )
+                    .env("QUEUE_WAITERS", waiters.to_string())
+                    .output()
+                    .unwrap();
+                assert!(output.status.success(), "{case}: {output:?}");
+                let text = String::from_utf8(output.stdout).unwrap();
+                let fields: Vec<f64> = text
+                    .split_whitespace()
+                    .map(|field| field.parse().unwrap())
+                    .collect();
+                results.push((case, fields[0], fields[1], fields[2]));
+            }
+            let (_, tower_counted, tower_resident, tower_drain) = results[0];
+            let floor_drain = results[3].3;
+            for (case, counted, resident, drain) in results {
+                println!(
+                    "  {case:<16} {counted:>7.0} B {:>6.2}x {resident:>7.0} B {:>6.2}x {drain:>12.1} {:>6.2}x {:>7.2}x",
+                    counted / tower_counted,
+                    resident / tower_resident,
+                    drain / tower_drain,
+                    drain / floor_drain,
+                );
+            }
         }
     }
 }

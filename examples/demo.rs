@@ -605,6 +605,22 @@ impl Report {
             }
         }
 
+        let timed_out: u64 = s
+            .histograms
+            .iter()
+            .filter(|((n, (o, _, outcome)), _)| {
+                n == DURATION_INSTRUMENT && o == "verify" && outcome == Outcome::Timeout.as_str()
+            })
+            .map(|(_, run)| run.count)
+            .sum();
+        if timed_out > 0 {
+            println!(
+                "   why a 200 can be timeout: {timed_out} verifiers ran past the handler's {} ms \
+                 deadline; the handler answered 200 \"unverified\" and said so with \
+                 set_outcome(Outcome::Timeout), which wins over the status",
+                VERIFY_DEADLINE.as_millis()
+            );
+        }
         let abandoned = s.counter(ABANDONED_INSTRUMENT, None);
         if cancelled + abandoned > 0 {
             println!(

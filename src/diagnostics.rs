@@ -19,10 +19,13 @@ pub(crate) enum Mistake {
     /// A layer of one operation counted a request that axum matched to no route: it wraps
     /// the whole Router, fallback (404) included.
     RouterWide,
+    /// A request reached a limit whose place it already holds: one limit applied twice on its
+    /// path.
+    NestedLimit,
 }
 
 impl Mistake {
-    const ALL: usize = 4;
+    const ALL: usize = 5;
 
     fn message(self) -> &'static str {
         match self {
@@ -45,6 +48,15 @@ impl Mistake {
                  operation, ok. Put the layer on the routes it limits (.route(..).layer(..)), \
                  or make it per_request(ByMatchedPath::new()..) to choose by route"
             }
+            Mistake::NestedLimit => {
+                "a request reached a limit whose place it already holds: the same limit is \
+                 applied twice on its path (on a route and on the Router, in two layers of one \
+                 stack, or by a handler that calls resources_operation on its own layer's \
+                 limit). Waiting for a second place would halve the limit, and deadlock once \
+                 every place is held by a request that waits for another, so it runs on the \
+                 place it holds, and only the outer layer records it (its operation, queue \
+                 time, run time and outcome). Remove one of the two"
+            }
             Mistake::UnknownLimit => {
                 "a per-request choice named a limit that its layer was not given (see \
                  PerRequest limits): such requests take the layer's own limit"
@@ -53,8 +65,9 @@ impl Mistake {
     }
 }
 
-/// Reports `mistake`, the first time only; `detail` is added to the message.
-pub(crate) fn report(mistake: Mistake, detail: &str) {
+/// Reports `mistake`, the first time only; what `detail` makes (only then) is added to the
+/// message.
+pub(crate) fn report(mistake: Mistake, detail: impl FnOnce() -> String) {
     static REPORTED: [AtomicBool; Mistake::ALL] = [const { AtomicBool::new(false) }; Mistake::ALL];
     if REPORTED[mistake as usize].swap(true, Ordering::Relaxed) {
         return;
@@ -62,7 +75,7 @@ pub(crate) fn report(mistake: Mistake, detail: &str) {
     warn(&format!(
         "tower-resources-operation: {}{}",
         mistake.message(),
-        detail
+        detail()
     ));
 }
 

@@ -239,17 +239,22 @@
 //!   with metrics off too.
 //!
 //! The histograms' buckets are NeMo Gym's ([`OPERATION_BOUNDARIES_MS`]), given to
-//! OpenTelemetry as advice. Where they are too coarse for
-//! your work (a 205 ms verifier falls in (100, 500] and reads as a p50 of 300 ms), replace
-//! them with an OpenTelemetry View on your meter provider; the crate does not change:
+//! OpenTelemetry as advice. A quantile is interpolated between two boundaries, and they are far
+//! apart: a 205 ms verifier falls in (100, 500] and reads as a p50 of 300 ms, and waits of 1.1 s
+//! fall in (1000, 5000] and read as a p95 of 4.7 s. The means (`_sum` / `_count`) are exact.
+//! Where the buckets are too coarse for your work, replace them, for the queue time and the run
+//! time, with an OpenTelemetry View on your meter provider; the crate does not change. (A
+//! base-2 exponential histogram does not reach Prometheus through `opentelemetry-prometheus`
+//! 0.33, which drops it: use explicit buckets there.)
 //!
 //! ```
 //! use opentelemetry_sdk::metrics::{Aggregation, Instrument, SdkMeterProvider, Stream};
-//! use tower_resources_operation::DURATION_INSTRUMENT;
+//! use tower_resources_operation::{DURATION_INSTRUMENT, QUEUE_DURATION_INSTRUMENT};
 //!
 //! let finer_run_times = |instrument: &Instrument| {
-//!     (instrument.name() == DURATION_INSTRUMENT).then(|| {
-//!         let boundaries = vec![50.0, 100.0, 150.0, 200.0, 225.0, 250.0, 300.0, 500.0, 1000.0];
+//!     let name = instrument.name();
+//!     (name == DURATION_INSTRUMENT || name == QUEUE_DURATION_INSTRUMENT).then(|| {
+//!         let boundaries = vec![50.0, 100.0, 200.0, 300.0, 500.0, 1000.0, 1500.0, 2000.0, 5000.0];
 //!         Stream::builder()
 //!             .with_aggregation(Aggregation::ExplicitBucketHistogram { boundaries, record_min_max: true })
 //!             .build()
@@ -305,11 +310,58 @@
 //! | tower's `GlobalConcurrencyLimitLayer` | its wait counts as run time, and `active` counts operations that wait for it | its wait is invisible: queue time 0, the queue in front of it unseen |
 //! | tower's `ConcurrencyLimitLayer`, under axum | as above, but per connection: axum makes a service (and tower a semaphore) per connection | |
 //!
-//! So: put `CatchPanicLayer` outside (a panic is then `crashed`, as NeMo Gym counts it), the
-//! server's timeout inside, or outside with `.server_timeout(t)` given the same figure, and
-//! replace tower's limit with this layer rather than stacking the two. A caller's own deadline,
-//! sent in a header, is read with [`Http::deadline_header`](protocol::Http::deadline_header)
-//! (gRPC's `grpc-timeout` is read by default).
+//! So: put `CatchPanicLayer` outside (a panic is then `crashed`, as NeMo Gym counts it; on an
+//! axum route, name the error type of each `.layer::<_, Infallible>(..)`, which axum cannot
+//! infer between two layers), the server's timeout inside, or outside with `.server_timeout(t)`
+//! given the same figure, and replace tower's limit with this layer rather than stacking the
+//! two. A caller's own deadline, sent in a header, is read with
+//! [`Http::deadline_header`](protocol::Http::deadline_header) (gRPC's `grpc-timeout` is read by
+//! default).
+//!
+//! ## One limit twice on a request's path
+//!
+//! A request that reaches a limit whose place it already holds (the same [`Limit`] on a route
+//! and on the Router, in two layers of one stack, a per-request choice and a route's layer, or
+//! a handler that calls [`resources_operation`] on its own layer's limit) is admitted on the
+//! place it holds, and the crate says so once, naming the limit. Waiting for a second place
+//! would halve the limit, and deadlock once every place is held by a request that waits for
+//! another: what tower's limits do. The inner layer records nothing of its own: the operation
+//! is the outer layer's, with its tags, its queue time, its run time (the inner work included)
+//! and its outcome ([`set_outcome`] inside sets it), and it holds one place in `active`. The
+//! limit is known by [`Acquire::id`] ([`Limit`], `Arc<Semaphore>`; a limit of your own says
+//! which it is with [`limit::LimitId`]), and the place held is seen on the thread that polls
+//! the request, as `set_outcome` is: work spawned on a task of its own is another request. A
+//! request that passes another limit between the two layers of one is checked against the
+//! innermost only.
+//!
+//! ## A verifier subprocess
+//!
+//! Spawn it with `kill_on_drop(true)`. `active` counts places: when a caller goes away, its
+//! operation ends and its place goes back at once. tokio does not kill a child when its
+//! handle is dropped, so a verifier spawned without it runs on after its request is gone: work
+//! the limit no longer sees, while the limit admits another in its place.
+//!
+//! ```
+//! use tower::{service_fn, Layer, ServiceExt};
+//! use tower_resources_operation::{Executor, Operation, OperationMetrics, ResourcesOperationLayer};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let verifier = ResourcesOperationLayer::new(2)
+//!     .operation(Operation::Verify)
+//!     .executor(Executor::Subprocess)
+//!     .metrics(OperationMetrics::disabled())
+//!     .layer(service_fn(|answer: String| async move {
+//!         tokio::process::Command::new("test")
+//!             .args([answer.as_str(), "=", "42"])
+//!             .kill_on_drop(true) // the verifier ends with its operation
+//!             .output()
+//!             .await
+//!     }));
+//! // A process's `Output` says how its operation ended: `ok` by its exit status.
+//! assert!(verifier.oneshot("42".to_owned()).await.unwrap().status.success());
+//! # }
+//! ```
 //!
 //! # A limit for the whole fleet
 //!
@@ -334,7 +386,8 @@
 //! - **A limit that cannot admit any more** (a closed semaphore, a store out of reach) is
 //!   answered, not a panic: the operation is turned away as `unavailable` (HTTP `503`, gRPC
 //!   `UNAVAILABLE`, [`RejectAsError`](protocol::RejectAsError)'s error, `Err(Rejected)` from
-//!   [`resources_operation`]), and waiters are woken to that answer. Only a generic layer whose
+//!   [`resources_operation`], with the limit's own error as the [`Rejected`]'s `source()`), and
+//!   waiters are woken to that answer. Only a generic layer whose
 //!   protocol cannot answer ([`Plain`](protocol::Plain), the default of
 //!   [`new`](ResourcesOperationLayer::new)) still panics at `poll_ready`, in every build, with a
 //!   message naming the limit and the cause. tower panics there only in debug builds, and at

@@ -15,66 +15,13 @@
 //! that [may reject](crate::Acquire::may_reject), and a limit that fails anyway (a semaphore
 //! closed under it) ends the caller with a panic naming the limit, as tower's limit does.
 
-use std::error::Error;
-use std::fmt;
 use std::time::Duration;
 
 use http::header::{HeaderName, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Request, Response, StatusCode};
 
 use crate::attributes::Rejection;
-
-/// An operation turned away without a permit: the error of
-/// [`resources_operation`](crate::resources_operation), and the error that [`RejectAsError`]
-/// answers with (converted into the service's error type).
-///
-/// Like tower's `Overloaded`, it converts into a `BoxError` and can be found again with
-/// `downcast_ref`:
-///
-/// ```
-/// use tower_resources_operation::{Rejected, Rejection};
-///
-/// let error: tower::BoxError = Rejected::new(Rejection::QueueFull).into();
-/// let rejected = error.downcast_ref::<Rejected>().unwrap();
-/// assert_eq!(rejected.rejection(), Rejection::QueueFull);
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Rejected {
-    rejection: Rejection,
-}
-
-impl Rejected {
-    /// An operation turned away for `rejection`.
-    pub const fn new(rejection: Rejection) -> Self {
-        Self { rejection }
-    }
-
-    /// Why it was turned away.
-    pub const fn rejection(&self) -> Rejection {
-        self.rejection
-    }
-
-    const fn message(&self) -> &'static str {
-        match self.rejection {
-            Rejection::QueueFull => "rejected: the limit's queue is full",
-            Rejection::QueueTimeout => {
-                "rejected: waited for the limit as long as the queue timeout lets"
-            }
-            Rejection::Unavailable => {
-                "rejected: the limit cannot admit operations now (closed, or its store is out of reach)"
-            }
-            Rejection::Deadline => "rejected: the server's deadline passed while it waited for the limit",
-        }
-    }
-}
-
-impl fmt::Display for Rejected {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.message())
-    }
-}
-
-impl Error for Rejected {}
+pub use crate::limit::Rejected;
 
 /// How a layer answers a rejection, and reads a caller's deadline, for a service that takes
 /// `Req` and answers `Res` or fails with `Err`.
@@ -111,9 +58,9 @@ pub trait Protocol<Req, Res, Err>: CanAnswer {
         None
     }
 
-    /// Whether `request` matched no route of the server's router (axum's fallback, which
-    /// answers 404): a layer of one operation that sees one wraps the whole Router, and says
-    /// so once. Defaults to `false` (not known).
+    /// Whether `request` went through the server's router and matched no route (axum's
+    /// fallback, which answers 404): a layer of one operation that sees one wraps the whole
+    /// Router, and says so once. Defaults to `false` (not known).
     fn unrouted(&self, request: &Req) -> bool {
         let _ = request;
         false
@@ -275,13 +222,15 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
         self.deadline.read(request)
     }
 
-    /// With the `axum` feature: axum gives every request it routes its `MatchedPath`.
+    /// With the `axum` feature: an axum `Router` gives every request it routes its
+    /// `OriginalUri`, and those it matched to a route their `MatchedPath`. A request with
+    /// neither (a plain `service_fn` under hyper, a test, a request sent to the layer
+    /// directly) never went through a Router.
     #[cfg(feature = "axum")]
     fn unrouted(&self, request: &Request<B>) -> bool {
-        request
-            .extensions()
-            .get::<axum::extract::MatchedPath>()
-            .is_none()
+        let extensions = request.extensions();
+        extensions.get::<axum::extract::MatchedPath>().is_none()
+            && extensions.get::<axum::extract::OriginalUri>().is_some()
     }
 
     fn server_deadline(&self) -> Option<Duration> {

@@ -10,9 +10,10 @@ use pin_project_lite::pin_project;
 use crate::attributes::Rejection;
 use crate::attributes::{Executor, Operation};
 use crate::classify::OperationOutput;
+use crate::diagnostics::{self, Mistake};
 use crate::limit::{self, Acquire};
 use crate::metrics::OperationMetrics;
-use crate::operation::{Ending, Lifecycle};
+use crate::operation::{scope, Ending, Lifecycle};
 use crate::protocol::Rejected;
 
 /// Runs `work` inside `limit` and reports it through [`OperationMetrics::global`]; returns the
@@ -32,7 +33,9 @@ use crate::protocol::Rejected;
 ///
 /// `limit` is any [`Acquire`]: `&Semaphore`, `&Arc<Semaphore>`, `&Limit`, or a limit of your
 /// own; [`Acquire::queue_timeout`] bounds how long it waits. Its permit is held for exactly the
-/// work. A limit that cannot admit the operation (a closed semaphore, a store out of reach)
+/// work. Called from work that already holds a place of `limit` (a handler behind a layer on the
+/// same limit), it runs on that place rather than wait for a second one, and records nothing
+/// of its own (see [one limit twice](crate#one-limit-twice-on-a-requests-path)). A limit that cannot admit the operation (a closed semaphore, a store out of reach)
 /// turns it away: `Err(Rejected)` with [`Rejection::Unavailable`](Rejection::Unavailable),
 /// never a panic or a hang.
 ///
@@ -139,6 +142,10 @@ impl OperationMetrics {
         F: Future,
         F::Output: OperationOutput,
     {
+        if holds(&limit) {
+            // On the place that an operation around it holds, which records it.
+            return Ok(work.await);
+        }
         let (permit, running) = self.admit(&limit, operation, executor).await?;
         // The permit is held here, and the operation, declared after it, records its end and
         // tells the limit before the permit goes back, however the work ends.
@@ -190,11 +197,29 @@ impl OperationMetrics {
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);
         let records = series.is_some() || limit.hears_ends();
-        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, || None, cx))
-            .await
-            .map_err(|refused| Rejected::new(refused.rejection()))?;
-        Ok(asked.lend_permit())
+        // Turned away, the caller gets the limit's error as it was made (a failed limit's
+        // cause is its `source()`).
+        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, || None, cx)).await?;
+        // Its work is called at once, with no deadline of the caller's.
+        Ok(asked.called(|| ((), None)).lend_permit())
     }
+}
+
+/// Whether the work around this call holds a place of `limit` (a handler that calls
+/// `resources_operation` on the limit its own layer holds): the call then runs on that place,
+/// and says so once.
+fn holds<A: Acquire>(limit: &A) -> bool {
+    let held = limit.id().is_some_and(scope::holds);
+    if held {
+        diagnostics::report(Mistake::NestedLimit, || {
+            let name = limit.capacity().and_then(|c| c.name().map(str::to_owned));
+            match name {
+                Some(name) => format!(": the limit {name:?}"),
+                None => format!(": the limit {}", std::any::type_name::<A>()),
+            }
+        });
+    }
+    held
 }
 
 /// Runs `work` as the admitted operation `running`, and ends it with the work's outcome.

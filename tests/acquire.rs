@@ -128,10 +128,43 @@ impl Acquire for Never {
     }
 }
 
-/// A limit kept in a store it cannot reach: it fails, after `after`.
+/// A limit kept in a store it cannot reach: it fails, after `after`, with a detailed error (as
+/// the fleet limit does: the store's address and the cause).
 #[derive(Clone)]
 struct Unreachable {
     after: Duration,
+}
+
+/// The detailed error of [`Unreachable`].
+#[derive(Debug)]
+struct StoreUnreachable {
+    address: &'static str,
+    cause: std::io::Error,
+}
+
+impl std::fmt::Display for StoreUnreachable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "store unreachable at {}", self.address)
+    }
+}
+
+impl std::error::Error for StoreUnreachable {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.cause)
+    }
+}
+
+/// The limit's own error, found in `error`'s source: its address and its cause reach the
+/// caller.
+fn assert_keeps_the_limits_error(error: &Rejected) {
+    use std::error::Error as _;
+    let source = error.source().expect("the limit's error is the source");
+    let store = source
+        .downcast_ref::<StoreUnreachable>()
+        .unwrap_or_else(|| panic!("not the limit's own error: {source}"));
+    assert_eq!(store.address, "127.0.0.1:6390");
+    assert_eq!(store.cause.kind(), std::io::ErrorKind::ConnectionRefused);
+    assert!(error.to_string().contains("127.0.0.1:6390"), "{error}");
 }
 
 impl Acquire for Unreachable {
@@ -143,7 +176,10 @@ impl Acquire for Unreachable {
             if !after.is_zero() {
                 tokio::time::sleep(after).await;
             }
-            Err(AcquireError::failed("store unreachable"))
+            Err(AcquireError::failed(StoreUnreachable {
+                address: "127.0.0.1:6390",
+                cause: std::io::ErrorKind::ConnectionRefused.into(),
+            }))
         }
     }
 }
@@ -657,18 +693,23 @@ async fn a_failing_limit_is_answered_unavailable_and_counted_rejected(after: Dur
         .unwrap_err();
     let rejected = error.downcast_ref::<Rejected>().expect("a Rejected");
     assert_eq!(rejected.rejection(), Rejection::Unavailable);
+    assert_keeps_the_limits_error(rejected);
 
-    // The scoped API: `Err(Rejected)`.
+    // The scoped API: `Err(Rejected)`, with the limit's error as its source.
     let metrics = t.metrics.clone();
     let scoped = tokio::spawn(async move {
         metrics
-            .resources_operation(limit, Operation::Judge, Executor::Inline, never_run())
+            .resources_operation(
+                limit.clone(),
+                Operation::Judge,
+                Executor::Inline,
+                never_run(),
+            )
             .await
     });
-    assert_eq!(
-        scoped.await.unwrap().map(|_| ()),
-        Err(Rejected::new(Rejection::Unavailable))
-    );
+    let scoped = scoped.await.unwrap().map(|_| ()).unwrap_err();
+    assert_eq!(scoped, Rejected::new(Rejection::Unavailable));
+    assert_keeps_the_limits_error(&scoped);
 
     for operation in ["verify", "judge"] {
         assert_eq!(

@@ -27,7 +27,7 @@ use support::{abandoned, live, panic_message, rejection_of, settle, take, Teleme
 use tower_resources_operation::classify::DefaultClassifier;
 use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTIONS, REJECTION_ATTRIBUTE};
 use tower_resources_operation::per_request::{choose_fn, Choice};
-use tower_resources_operation::protocol::{Http, RejectAsError};
+use tower_resources_operation::protocol::{Http, Plain, RejectAsError};
 use tower_resources_operation::{
     Acquire, Executor, Limit, Operation, OperationMetrics, Rejected, Rejection,
     ResourcesOperationLayer, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT,
@@ -747,9 +747,14 @@ async fn a_layer_that_cannot_answer_refuses_a_limit_made_with_a_bound_and_one_ma
         message.contains(std::any::type_name::<Limit>()),
         "{message}"
     );
-    // A queue timeout may turn operations away too, whatever the limit.
-    let timed = quiet(&Limit::new(1)).queue_timeout(Duration::from_secs(1));
-    let message = refusal(&timed, inner());
+    // A queue timeout may turn operations away too, whatever the limit: on a layer that cannot
+    // answer it does not build (the `compile_fail` example of `queue_timeout`); a protocol that
+    // cannot answer, given after it, is refused at that call.
+    let timed = quiet(&Limit::new(1))
+        .protocol(RejectAsError)
+        .queue_timeout(Duration::from_secs(1));
+    let refused = catch_unwind(AssertUnwindSafe(|| drop(timed.protocol(Plain))));
+    let message = panic_message(&*refused.expect_err("Plain is refused"));
     assert!(message.contains("cannot answer a rejection"), "{message}");
 
     // Each way of answering takes the limit.

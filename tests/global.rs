@@ -225,3 +225,23 @@ async fn a_default_layer_reports_its_series_from_the_first_request_a_service_ser
         "from its first request on, it reports 0"
     );
 }
+
+/// The global metrics are kept per provider only while the provider is the global one (or
+/// otherwise alive): a provider replaced by another is let go, so the registry does not grow
+/// with every provider a process installs.
+#[tokio::test]
+async fn a_replaced_global_provider_is_let_go() {
+    let _turn = global_provider_turn().await;
+    let first = provider();
+    install(&first);
+    let installed = std::sync::Arc::downgrade(&opentelemetry::global::meter_provider());
+    assert!(OperationMetrics::global().is_enabled());
+
+    let second = provider();
+    install(&second);
+    assert!(OperationMetrics::global().is_enabled());
+    assert!(
+        installed.upgrade().is_none(),
+        "the replaced provider is still held"
+    );
+}

@@ -906,3 +906,44 @@ fn a_layers_debug_shows_its_limits_name_and_capacity_not_a_type_name() {
     assert!(shown.contains("\"verifiers\""), "{shown}");
     assert!(!shown.contains("tower_resources_operation::"), "{shown}");
 }
+
+/// One limit in two layers of one stack (tower's limits deadlock there once every place is held
+/// by a request that waits for a second): each request is admitted once, on the place the outer
+/// layer took, with metrics off as on, so at most 2 run and 2 do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_limit_in_two_layers_of_a_stack_admits_each_request_once() {
+    use tower::ServiceBuilder;
+
+    for metrics in [
+        OperationMetrics::disabled(),
+        Telemetry::new().metrics.clone(),
+    ] {
+        let limit = Limit::new(2);
+        let load = Arc::new(support::Load::default());
+        let twice = {
+            let load = Arc::clone(&load);
+            ServiceBuilder::new()
+                .layer(ResourcesOperationLayer::new(limit.clone()).metrics(metrics.clone()))
+                .layer(ResourcesOperationLayer::new(limit.clone()).metrics(metrics))
+                .service(service_fn(move |n: u32| {
+                    let load = Arc::clone(&load);
+                    async move {
+                        load.work(Duration::from_millis(50)).await;
+                        Ok::<_, BoxError>(n)
+                    }
+                }))
+        };
+        let calls = (0..6).map(|n| tokio::spawn(twice.clone().oneshot(n)));
+        let answered = tokio::time::timeout(
+            Duration::from_secs(10),
+            futures_util::future::join_all(calls),
+        )
+        .await
+        .expect("every request is answered");
+        for (n, answer) in answered.into_iter().enumerate() {
+            assert_eq!(answer.unwrap().unwrap(), n as u32);
+        }
+        assert_eq!(load.max(), 2, "at most 2 ran at once, and 2 did");
+        assert_eq!(limit.available(), 2);
+    }
+}

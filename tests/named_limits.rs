@@ -354,3 +354,26 @@ fn a_limit_name_outside_the_bounded_alphabet_is_refused() {
         assert_eq!(Limit::builder(1).name(good).build().name(), Some(good));
     }
 }
+
+/// A name read from configuration needs no `check_name` first: `try_build` returns a bad one as
+/// an error, whichever of the capacity and the name is wrong, and never panics.
+#[test]
+fn try_build_returns_a_bad_name_as_an_error_never_a_panic() {
+    use tower_resources_operation::limit::InvalidLimit;
+
+    let built = std::panic::catch_unwind(|| Limit::builder(0).name("my workers").try_build());
+    let refused = built.expect("try_build does not panic");
+    assert!(
+        matches!(refused, Err(InvalidLimit::Capacity(_))),
+        "{refused:?}"
+    );
+
+    let from_config = String::from("my workers");
+    let built = std::panic::catch_unwind(|| Limit::builder(2).name(from_config).try_build());
+    let refused = built.expect("try_build does not panic").unwrap_err();
+    assert!(matches!(refused, InvalidLimit::Name(_)), "{refused:?}");
+    assert!(refused.to_string().contains("\"my workers\""), "{refused}");
+
+    let named = Limit::builder(2).name(String::from("workers")).try_build();
+    assert_eq!(named.unwrap().name(), Some("workers"));
+}

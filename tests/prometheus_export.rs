@@ -512,3 +512,55 @@ async fn a_named_adaptive_limit_shows_its_controllers_series() {
         Some(2.0)
     );
 }
+
+/// OpenTelemetry's base-2 exponential histogram does not reach Prometheus through the exporter
+/// the README uses: opentelemetry-prometheus 0.33 drops the instrument whole (no series, no
+/// error), so a View that asks for it on the queue time loses the queue time. Finer buckets
+/// are an explicit-bucket View (the README's), which it exports.
+#[tokio::test]
+async fn an_exponential_histogram_view_loses_the_instrument_through_the_prometheus_exporter() {
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::{Aggregation, Instrument, SdkMeterProvider, Stream};
+    use tower_resources_operation::{OperationMetrics, QUEUE_DURATION_INSTRUMENT};
+
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_units()
+        .build()
+        .unwrap();
+    let exponential = |instrument: &Instrument| {
+        (instrument.name() == QUEUE_DURATION_INSTRUMENT).then(|| {
+            let aggregation = Aggregation::Base2ExponentialHistogram {
+                max_size: 160,
+                max_scale: 20,
+                record_min_max: true,
+            };
+            Stream::builder()
+                .with_aggregation(aggregation)
+                .build()
+                .unwrap()
+        })
+    };
+    let provider = SdkMeterProvider::builder()
+        .with_reader(exporter)
+        .with_view(exponential)
+        .build();
+    let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
+    let service = tower::ServiceBuilder::new()
+        .layer(tower_resources_operation::ResourcesOperationLayer::new(1).metrics(metrics))
+        .service(tower::service_fn(|()| async {
+            Ok::<_, std::convert::Infallible>(())
+        }));
+    tower::ServiceExt::oneshot(service, ()).await.unwrap();
+
+    let text = support::prometheus::text(&registry);
+    assert!(
+        text.contains("gym_resources_operation_duration_ms_count"),
+        "the explicit-bucket run time is exported: {text}"
+    );
+    assert!(
+        !text.contains("gym_resources_operation_queue_duration_ms"),
+        "the exporter drops an exponential histogram: {text}"
+    );
+}

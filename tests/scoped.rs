@@ -486,3 +486,28 @@ async fn a_panicking_operation_output_keeps_the_output_and_records_error() {
     assert_eq!(live(&t), (0, 0));
     assert_eq!(limit.available_permits(), 1);
 }
+
+/// Work that calls `resources_operation` on the limit whose place it already holds runs on that
+/// place, rather than wait for a second one, which a limit of 1 would never give: with a
+/// `Limit`, and with an `Arc<Semaphore>`.
+#[tokio::test(flavor = "current_thread")]
+async fn work_that_reaches_its_own_limit_again_runs_on_the_place_it_holds() {
+    async fn twice<A: tower_resources_operation::Acquire + Copy>(limit: A) -> u32 {
+        let outer = resources_operation(limit, Operation::Verify, Executor::Inline, async move {
+            resources_operation(limit, Operation::Judge, Executor::Inline, async {
+                Ok::<u32, Infallible>(7)
+            })
+            .await
+        });
+        let answer = tokio::time::timeout(Duration::from_secs(10), outer)
+            .await
+            .expect("not waiting for a second place of a limit of 1");
+        answer.unwrap().unwrap().unwrap()
+    }
+    let limit = tower_resources_operation::Limit::new(1);
+    assert_eq!(twice(&limit).await, 7);
+    assert_eq!(limit.available(), 1);
+    let semaphore = Arc::new(Semaphore::new(1));
+    assert_eq!(twice(&semaphore).await, 7);
+    assert_eq!(semaphore.available_permits(), 1);
+}

@@ -68,6 +68,13 @@ fn mistakes_made_in_the_child() {
         .build()
         .unwrap();
     #[cfg(feature = "axum")]
+    if mode == "plain" {
+        let provider = SdkMeterProvider::builder().build();
+        let metrics = OperationMetrics::new(&provider.meter("plain"));
+        runtime.block_on(plain_service_serves_two_requests_without_a_route(metrics));
+        return;
+    }
+    #[cfg(feature = "axum")]
     if mode == "per_request" {
         let provider = SdkMeterProvider::builder().build();
         let metrics = OperationMetrics::new(&provider.meter("chosen"));
@@ -145,5 +152,34 @@ async fn per_request_layer_places_two_404s(metrics: OperationMetrics) {
 #[test]
 fn a_per_request_layer_over_the_router_is_not_warned_about() {
     let stderr = child("per_request");
+    assert_eq!(stderr.matches("matched no route").count(), 0, "{stderr}");
+}
+
+/// A layer of one operation on a plain service (hyper's `service_fn`, a test, a fleet replica),
+/// whose requests never went through an axum Router: they carry no route, and that is no
+/// mistake.
+#[cfg(feature = "axum")]
+async fn plain_service_serves_two_requests_without_a_route(metrics: OperationMetrics) {
+    use tower::{Layer as _, ServiceExt as _};
+    use tower_resources_operation::ResourcesOperationLayer;
+
+    let plain = ResourcesOperationLayer::new_for_http(2)
+        .metrics(metrics)
+        .layer(tower::service_fn(|_: http::Request<()>| async {
+            Ok::<_, Infallible>(http::Response::new(()))
+        }));
+    for _ in 0..2 {
+        let request = http::Request::get("/verify").body(()).unwrap();
+        let answer = plain.clone().oneshot(request).await.unwrap();
+        assert_eq!(answer.status(), 200);
+    }
+}
+
+/// The Router warning is for requests that went through an axum Router: a layer on a plain
+/// service is not warned about.
+#[cfg(feature = "axum")]
+#[test]
+fn a_layer_on_a_plain_service_is_not_warned_about() {
+    let stderr = child("plain");
     assert_eq!(stderr.matches("matched no route").count(), 0, "{stderr}");
 }

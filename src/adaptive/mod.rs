@@ -138,10 +138,28 @@ fn in_range(setting: &str, value: f64, range: std::ops::RangeInclusive<f64>) -> 
         return value;
     }
     panic!(
-        "tower-resources-operation: {setting} must be within {:?}..={:?}; got {value:?}",
-        range.start(),
-        range.end()
+        "tower-resources-operation: {setting} must be {}; got {value:?}",
+        Within(&range)
     )
+}
+
+/// A range of settings as a person writes it: "above 0 and below 1", "at least 1".
+struct Within<'a>(&'a std::ops::RangeInclusive<f64>);
+
+impl std::fmt::Display for Within<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (start, end) = (*self.0.start(), *self.0.end());
+        // The smallest positive value stands for "above 0", the largest below 1 for "below 1".
+        match start {
+            f64::MIN_POSITIVE => f.write_str("above 0")?,
+            start => write!(f, "at least {start}")?,
+        }
+        match end {
+            f64::MAX | f64::INFINITY => Ok(()),
+            end if end == 1.0 - f64::EPSILON => f.write_str(" and below 1"),
+            end => write!(f, " and at most {end}"),
+        }
+    }
 }
 
 /// An exponentially weighted moving average of run times, in seconds.
@@ -246,6 +264,16 @@ mod tests {
             Gradient::default().backoff(1.5)
         });
         assert_refused("Aimd::backoff", "1.5", || Aimd::default().backoff(1.5));
+        // As a person writes the range: no float's bit pattern for "0" and "1".
+        assert_refused("must be above 0 and below 1; got 1.5", "", || {
+            Aimd::default().backoff(1.5)
+        });
+        assert_refused("must be at least 1; got 0.5", "", || {
+            Gradient::default().tolerance(0.5)
+        });
+        assert_refused("must be above 0 and at most 1; got 0.0", "", || {
+            Gradient::default().smoothing(0.0)
+        });
         assert_refused("Aimd::backoff", "NaN", || Aimd::default().backoff(f64::NAN));
         assert_refused("Aimd::run_time_ratio", "0.5", || {
             Aimd::default().run_time_ratio(0.5)

@@ -290,6 +290,16 @@ fn is_timeout(error: &(dyn Error + 'static)) -> bool {
 
 /// The outcome of an error of any type: looks through `Any` for the error types whose chain
 /// can be read.
+///
+/// Why a downcast, and not a bound on the error as tower-http's classifiers have (`E:
+/// Display`): the one bound that would read a timeout in the chain is `E: Error + 'static`,
+/// and neither `BoxError` (`Box<dyn Error + Send + Sync>` does not implement `Error`) nor
+/// `anyhow::Error` meets it. A trait of the crate's own would need an impl for `BoxError` beside
+/// a blanket impl for every `Error`, which Rust refuses (std may one day implement `Error` for
+/// the box), and an `anyhow::Error` user could not implement it (the orphan rule). So a work's
+/// `Result` of any error type stays an `OperationOutput`, and `TimeoutClassifier` takes any
+/// error, at the price of `'static` (see the crate docs' compile errors). The ladder reads
+/// only std's, tower's and tokio's types, never the crate's own.
 pub(crate) fn any_error_outcome<E: 'static>(error: &E) -> Outcome {
     let any: &dyn Any = error;
     let error: &(dyn Error + 'static) =

@@ -23,19 +23,21 @@ pin_project! {
     /// [`Outcome::Cancelled`](crate::Outcome::Cancelled).
     pub struct ResponseFuture<F, C, L: Acquire, R, E> {
         #[pin]
-        state: State<F, R>,
-        operation: Lifecycle<L, Option<C>>,
+        state: State<F, C, L, R>,
         _end: PhantomData<fn() -> E>,
     }
 }
 
 pin_project! {
+    /// One enum, the operation inside its variant: its tag then fits in the operation's spare
+    /// values, and a queued request's task stays a word smaller.
     #[project = StateProj]
-    enum State<F, R> {
-        /// The inner service was called.
+    enum State<F, C, L: Acquire, R> {
+        /// The inner service was called, as the operation.
         Called {
             #[pin]
             inner: F,
+            operation: Lifecycle<L, Option<C>>,
         },
         /// The limit turned the operation away; this is the answer, until taken.
         Answered { answer: Option<R> },
@@ -46,8 +48,7 @@ impl<F, C, L: Acquire, R, E> ResponseFuture<F, C, L, R, E> {
     #[inline]
     pub(crate) fn called(inner: F, operation: Lifecycle<L, Option<C>>) -> Self {
         Self {
-            state: State::Called { inner },
-            operation,
+            state: State::Called { inner, operation },
             _end: PhantomData,
         }
     }
@@ -57,7 +58,6 @@ impl<F, C, L: Acquire, R, E> ResponseFuture<F, C, L, R, E> {
             state: State::Answered {
                 answer: Some(answer),
             },
-            operation: Lifecycle::new(),
             _end: PhantomData,
         }
     }
@@ -73,11 +73,10 @@ where
 
     #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        match this.state.project() {
-            StateProj::Called { inner } => {
-                let result = ready!(this.operation.poll(|| inner.poll(cx)));
-                Poll::Ready(E::complete(result, this.operation))
+        match self.project().state.project() {
+            StateProj::Called { inner, operation } => {
+                let result = ready!(operation.poll(|| inner.poll(cx)));
+                Poll::Ready(E::complete(result, operation))
             }
             StateProj::Answered { answer } => {
                 let answer = answer
@@ -92,7 +91,7 @@ where
 impl<F, C, L: Acquire, R, E> fmt::Debug for ResponseFuture<F, C, L, R, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
-            State::Called { .. } if self.operation.is_admitted() => "called",
+            State::Called { operation, .. } if operation.is_admitted() => "called",
             State::Called { .. } => "completed",
             State::Answered { .. } => "rejected",
         };

@@ -18,7 +18,7 @@ pub use service::ResourcesOperation;
 
 use crate::attributes::{Executor, Operation};
 use crate::classify::{DefaultClassifier, GrpcClassifier, HttpClassifier};
-use crate::limit::{Acquire, Capacity, IntoLimit, Limit};
+use crate::limit::{Acquire, Capacity, IntoLimit, Limit, LimitId};
 use crate::metrics::{MetricsSource, OperationMetrics, Series};
 use crate::protocol::{CanAnswer, Grpc, Http, Plain};
 
@@ -120,6 +120,7 @@ impl<C, L: Acquire, P> Config<C, L, P> {
             Recording {
                 records: series.is_some() || self.hears,
                 series,
+                limit_id: self.limit.id(),
             }
         })
     }
@@ -136,6 +137,19 @@ impl<C, L: Acquire, P> Config<C, L, P> {
                 std::any::type_name::<L>(),
                 self.described_limit()
             );
+        }
+    }
+
+    /// The limit, as a warning names it: `"workers"` (2 at once), or its type.
+    pub(crate) fn named_limit(&self) -> String {
+        let DescribedLimit { name, capacity } = self.described_limit();
+        let name = match name {
+            Some(name) => format!("{name:?}"),
+            None => std::any::type_name::<L>().to_owned(),
+        };
+        match capacity {
+            Some(capacity) => format!(": the limit {name} ({capacity} at once)"),
+            None => format!(": the limit {name}"),
         }
     }
 
@@ -156,6 +170,8 @@ pub(crate) struct Recording {
     pub(crate) series: Option<Series>,
     /// Whether an operation records anything: with a series, or for a limit that hears ends.
     pub(crate) records: bool,
+    /// Which limit it is, if the limit says ([`Acquire::id`]).
+    pub(crate) limit_id: Option<LimitId>,
 }
 
 /// A layer's limit in its `Debug` output.
@@ -365,8 +381,21 @@ where
     /// Speaks `protocol`: how a rejection is answered, and where a caller's deadline is read
     /// (see [`protocol`](crate::protocol); a closure `Fn(Rejected) -> Result<Res, Err>` answers
     /// with what it returns).
+    ///
+    /// # Panics
+    ///
+    /// If `protocol` cannot answer a rejection ([`Plain`]) and the layer has a
+    /// [`queue_timeout`](Self::queue_timeout).
+    #[track_caller]
     pub fn protocol<Q: CanAnswer>(self, protocol: Q) -> ResourcesOperationLayer<C, L, Q, E> {
         let answers = Q::CAN_ANSWER;
+        if !answers && self.config.queue_timeout.is_some() {
+            panic!(
+                "tower-resources-operation: this layer has a queue timeout, which turns \
+                 operations away, but {} cannot answer a rejection",
+                std::any::type_name::<Q>()
+            );
+        }
         self.reconfigure(|parts| Parts {
             protocol,
             answers,
@@ -390,9 +419,43 @@ where
     /// # drop(layer);
     /// ```
     ///
-    /// A layer with a queue timeout must answer rejections (see [`protocol`](Self::protocol)):
-    /// a generic one without refuses, when it makes its service, to go on.
-    pub fn queue_timeout(self, timeout: impl Into<Option<Duration>>) -> Self {
+    /// A layer with a queue timeout must answer rejections: a layer whose protocol cannot
+    /// ([`Plain`], the protocol of [`new`](ResourcesOperationLayer::new)) is refused when the
+    /// program is built, with an error at this call. Give it a [`protocol`](Self::protocol)
+    /// that answers first:
+    ///
+    /// ```compile_fail,E0080
+    /// use std::time::Duration;
+    /// use tower_resources_operation::ResourcesOperationLayer;
+    ///
+    /// // `Plain` has no answer to a queue timeout: this does not build.
+    /// let layer = ResourcesOperationLayer::new(4).queue_timeout(Duration::from_millis(250));
+    /// # drop(layer);
+    /// ```
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_resources_operation::protocol::RejectAsError;
+    /// use tower_resources_operation::ResourcesOperationLayer;
+    ///
+    /// let layer = ResourcesOperationLayer::new(4)
+    ///     .protocol(RejectAsError)
+    ///     .queue_timeout(Duration::from_millis(250));
+    /// # drop(layer);
+    /// ```
+    pub fn queue_timeout(self, timeout: impl Into<Option<Duration>>) -> Self
+    where
+        P: CanAnswer,
+    {
+        const {
+            assert!(
+                P::CAN_ANSWER,
+                "tower-resources-operation: a queue timeout turns operations away, but this \
+                 layer's protocol (Plain, the protocol of new(..)) cannot answer a rejection: \
+                 give the layer .protocol(RejectAsError) (a BoxError service) before \
+                 .queue_timeout(..), or use new_for_http / new_for_grpc"
+            )
+        };
         let timeout = timeout.into();
         self.configure(|config| config.queue_timeout = timeout)
     }

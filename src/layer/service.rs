@@ -14,8 +14,8 @@ use super::Config;
 use crate::classify::{ClassifyOutcome, DefaultClassifier};
 use crate::diagnostics::{self, Mistake};
 use crate::guard::guarded;
-use crate::limit::{limit_failed, Acquire, AcquireError, IntoLimit, Limit, Waiting};
-use crate::operation::{Ending, Lifecycle};
+use crate::limit::{limit_failed, Acquire, IntoLimit, Limit, LimitId, Waiting};
+use crate::operation::{scope, Ending, Lifecycle};
 use crate::protocol::{unanswerable, Plain, Protocol, Rejected};
 
 /// A service limited to a number of operations at once, made by
@@ -109,17 +109,20 @@ where
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         if !self.operation.is_admitted() {
-            if self.waiting.rejection().is_some() {
+            if self.waiting.is_rejected() {
                 // `call` answers it.
                 return Poll::Ready(Ok(()));
             }
             let config = &*self.config;
+            let recording = config.recording();
+            if self.waiting.is_nested() || self.holds_its_limit(recording.limit_id) {
+                return self.poll_nested(cx);
+            }
             let admitted = {
                 let mut asking = self.waiting.asking(&config.limit, &config.queue_timeout);
                 let deadline = || {
                     Protocol::<Request, S::Response, S::Error>::server_deadline(&config.protocol)
                 };
-                let recording = config.recording();
                 ready!(self.operation.poll_admit(
                     &mut asking,
                     recording.series.as_ref(),
@@ -129,7 +132,7 @@ where
                 ))
             };
             if let Err(refused) = admitted {
-                return self.rejected(&refused);
+                return self.rejected(refused);
             }
         }
         // Admitted: the inner service's readiness, as the operation.
@@ -145,6 +148,10 @@ where
     #[inline]
     fn call(&mut self, request: Request) -> Self::Future {
         if !self.operation.is_admitted() {
+            if self.waiting.take_nested() {
+                // On the place its request holds: the operation around it records it.
+                return ResponseFuture::called(self.inner.call(request), Lifecycle::new());
+            }
             return ResponseFuture::answered(self.answer(request));
         }
         let config = &*self.config;
@@ -152,7 +159,7 @@ where
             true => {
                 let unrouted = guarded(|| config.protocol.unrouted(&request));
                 if !config.per_request && unrouted == Some(true) {
-                    diagnostics::report(Mistake::RouterWide, "");
+                    diagnostics::report(Mistake::RouterWide, String::new);
                 }
                 guarded(|| config.protocol.deadline(&request)).flatten()
             }
@@ -160,7 +167,7 @@ where
         };
         let inner = &mut self.inner;
         // The work is called as the service's operation, in place; the future then takes it.
-        let future = self.operation.run(|| inner.call(request));
+        let future = self.operation.call(|| inner.call(request));
         let operation = self
             .operation
             .called(|| (guarded(|| config.classifier.clone()), deadline));
@@ -172,17 +179,43 @@ impl<S, C, L, P, E> ResourcesOperation<S, C, L, P, E>
 where
     L: Acquire,
 {
+    /// Whether an operation around this one, on its request's path, holds a place of this
+    /// service's limit (`id`), while no wait of its own is in progress.
+    #[inline]
+    fn holds_its_limit(&self, id: Option<LimitId>) -> bool {
+        match id {
+            Some(id) => !self.waiting.is_waiting() && scope::holds(id),
+            None => false,
+        }
+    }
+
+    /// The request already holds a place of this limit: it is admitted on that place (waiting
+    /// for a second one would halve the limit, or deadlock once every place is held by a
+    /// request that waits for another), says so once, and is not an operation of its own.
+    #[cold]
+    fn poll_nested<Request, Error>(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>>
+    where
+        S: Service<Request, Error = Error>,
+    {
+        if !self.waiting.is_nested() {
+            diagnostics::report(Mistake::NestedLimit, || self.config.named_limit());
+        }
+        let ready = self.inner.poll_ready(cx);
+        self.waiting.nest(!matches!(ready, Poll::Ready(Err(_))));
+        ready
+    }
+
     /// The limit turned the operation away, or could not admit it: `call` answers it, if this
     /// layer can; a layer that cannot ends the caller, naming the limit.
     #[cold]
-    fn rejected<Error>(&mut self, refused: &AcquireError) -> Poll<Result<(), Error>> {
+    fn rejected<Error>(&mut self, refused: Rejected) -> Poll<Result<(), Error>> {
         if !self.config.answers {
             if refused.is_failure() {
-                limit_failed::<L>(refused);
+                limit_failed::<L>(&refused);
             }
-            unanswerable::<L>(Rejected::new(refused.rejection()));
+            unanswerable::<L>(refused);
         }
-        self.waiting.reject(refused.rejection());
+        self.waiting.reject(refused);
         Poll::Ready(Ok(()))
     }
 
@@ -195,7 +228,7 @@ where
         P: Protocol<Request, Res, Err>,
     {
         match self.waiting.take_rejection() {
-            Some(rejection) => self.config.protocol.answer(Rejected::new(rejection)),
+            Some(rejected) => self.config.protocol.answer(rejected),
             None => panic!(
                 "ResourcesOperation::call without a permit: poll_ready must return \
                  Ready(Ok(())) before each call (use tower::ServiceExt::ready or oneshot)"
@@ -228,8 +261,10 @@ impl<S: fmt::Debug, C, L: Acquire, P, E> fmt::Debug for ResourcesOperation<S, C,
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = if self.operation.is_admitted() {
             "admitted"
-        } else if self.waiting.rejection().is_some() {
+        } else if self.waiting.is_rejected() {
             "rejected"
+        } else if self.waiting.is_nested() {
+            "on its request's place"
         } else if self.waiting.is_waiting() {
             "waiting"
         } else {

@@ -153,6 +153,28 @@ pub trait Acquire {
         let _ = (permit, ended);
     }
 
+    /// Which limit this is: the same for every clone of it, so that a request that reaches a
+    /// limit whose place it already holds (one limit applied twice on its path: on a route and
+    /// on the Router, or a handler that calls
+    /// [`resources_operation`](crate::resources_operation) on the limit its layer
+    /// holds) is admitted on the place it holds, instead of waiting for a second place, which
+    /// halves the limit, or deadlocks once every place is held by a request that waits for
+    /// another. Return the same as [`id_of`](Acquire::id_of) says of its permits.
+    ///
+    /// Defaults to `None`, not known: such a request then waits for a second place, as with
+    /// tower's limits. [`Limit`], `Arc<Semaphore>` and the companion's fleet limit say.
+    fn id(&self) -> Option<LimitId> {
+        None
+    }
+
+    /// Which limit `permit` holds a place of: the [`id`](Acquire::id) of the limit that handed
+    /// it out. Defaults to `None`.
+    #[inline]
+    fn id_of(permit: &Self::Permit) -> Option<LimitId> {
+        let _ = permit;
+        None
+    }
+
     /// This limit, turning away with [`Rejection::QueueTimeout`] an operation that has waited
     /// `timeout` for its permit.
     ///
@@ -169,6 +191,37 @@ pub trait Acquire {
         Self: Sized,
     {
         QueueTimeout::new(self, timeout)
+    }
+}
+
+/// Which limit a limit is ([`Acquire::id`]): the address of the state that every clone of it
+/// shares, which no other limit alive has.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tokio::sync::Semaphore;
+/// use tower_resources_operation::limit::LimitId;
+/// use tower_resources_operation::{Acquire, Limit};
+///
+/// let limit = Limit::new(2);
+/// assert_eq!(limit.id(), limit.clone().id());
+/// assert_ne!(limit.id(), Limit::new(2).id());
+///
+/// // A limit of your own: the address of what its handles share.
+/// let shared = Arc::new(Semaphore::new(2));
+/// assert_eq!(LimitId::of(&*shared), LimitId::of(&*shared.clone()));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LimitId(std::num::NonZeroUsize);
+
+impl LimitId {
+    /// The identity of the limit whose clones all share `shared` (the contents of their `Arc`,
+    /// say): its address. Give it a value with a size (the address of a zero-sized value is
+    /// no one's own).
+    pub fn of<T: ?Sized>(shared: &T) -> Self {
+        // A reference is never null.
+        let address = (shared as *const T).cast::<()>() as usize;
+        Self(std::num::NonZeroUsize::new(address).unwrap_or(std::num::NonZeroUsize::MIN))
     }
 }
 
@@ -230,6 +283,15 @@ impl<'a> Acquire for &'a Semaphore {
 impl Acquire for Arc<Semaphore> {
     type Permit = OwnedSemaphorePermit;
 
+    fn id(&self) -> Option<LimitId> {
+        Some(LimitId::of(&**self))
+    }
+
+    #[inline]
+    fn id_of(permit: &OwnedSemaphorePermit) -> Option<LimitId> {
+        Some(LimitId::of(&**permit.semaphore()))
+    }
+
     fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
         Acquire::acquire_owned(Arc::clone(self))
     }
@@ -275,6 +337,15 @@ macro_rules! forward_acquire {
 
             fn hears_ends(&self) -> bool {
                 (**self).hears_ends()
+            }
+
+            fn id(&self) -> Option<LimitId> {
+                (**self).id()
+            }
+
+            #[inline]
+            fn id_of(permit: &Self::Permit) -> Option<LimitId> {
+                A::id_of(permit)
             }
 
             #[inline]

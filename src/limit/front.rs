@@ -51,7 +51,8 @@ pub(super) trait Queue {
 impl Queue for tokio::sync::Semaphore {
     #[inline]
     fn try_take(&self) -> Result<(), TryAcquireError> {
-        self.try_acquire().map(std::mem::forget)
+        // The place leaves tokio's count: the front gives it back (`add`) when it is released.
+        self.try_acquire().map(tokio::sync::SemaphorePermit::forget)
     }
 
     fn add(&self, n: usize) {

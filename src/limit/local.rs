@@ -9,9 +9,9 @@ use tokio::sync::{Semaphore, TryAcquireError};
 
 use super::feedback::{Control, Ended, MakeControl, Resize};
 use super::front::{Front, Joined};
-use super::report::{check_name, Capacity, Reading};
+use super::report::{check_name, Capacity, InvalidName, Reading};
 use super::resize::Resizable;
-use super::{Acquire, AcquireError};
+use super::{Acquire, AcquireError, LimitId};
 use crate::attributes::Rejection;
 
 /// A limit of operations at once, shared by every clone, that knows its capacity, can bound its
@@ -290,8 +290,10 @@ impl LimitBuilder {
     /// with `nemo.gym.resources.limit` = `name`, so that one dashboard row or alert covers every
     /// route and operation that shares it. Limits that share a name add up.
     ///
-    /// A name is checked once, here, so the attribute stays bounded: 1 to 64 characters among
-    /// `A-Z a-z 0-9 _ . : / -`, starting with a letter. It may come from a config file:
+    /// A name is checked when the limit is built, so the attribute stays bounded: 1 to 64
+    /// characters among `A-Z a-z 0-9 _ . : / -`, starting with a letter. It may come from a
+    /// config file: [`try_build`](Self::try_build) then returns a name that is not such a name
+    /// as an error, and [`build`](Self::build) panics naming it.
     ///
     /// ```
     /// use tower_resources_operation::Limit;
@@ -299,18 +301,12 @@ impl LimitBuilder {
     /// let from_config = String::from("judges");
     /// let judges = Limit::builder(8).name(from_config).build();
     /// assert_eq!(judges.name(), Some("judges"));
+    ///
+    /// let refused = Limit::builder(8).name("my judges").try_build();
+    /// assert!(refused.unwrap_err().to_string().contains("\"my judges\""));
     /// ```
-    ///
-    /// # Panics
-    ///
-    /// If `name` is not such a name.
-    #[track_caller]
     pub fn name(mut self, name: impl Into<String>) -> Self {
-        let name = name.into();
-        if let Err(error) = check_name(&name) {
-            panic!("{error}");
-        }
-        self.name = Some(name);
+        self.name = Some(name.into());
         self
     }
 
@@ -338,8 +334,8 @@ impl LimitBuilder {
     /// # Panics
     ///
     /// If its capacity is 0, or it or an adaptive limit's highest is above tokio's
-    /// [`Semaphore::MAX_PERMITS`]; [`try_build`](Self::try_build) returns that as an error
-    /// instead.
+    /// [`Semaphore::MAX_PERMITS`], or its [name](Self::name) cannot be a metric attribute;
+    /// [`try_build`](Self::try_build) returns that as an error instead.
     #[track_caller]
     pub fn build(self) -> Limit {
         match self.try_build() {
@@ -348,12 +344,24 @@ impl LimitBuilder {
         }
     }
 
-    /// The limit, or an error if its capacity, or an adaptive limit's highest, is above tokio's
-    /// [`Semaphore::MAX_PERMITS`].
-    pub fn try_build(self) -> Result<Limit, InvalidCapacity> {
+    /// The limit, or an error if its capacity is 0, if it or an adaptive limit's highest is
+    /// above tokio's [`Semaphore::MAX_PERMITS`], or if its [name](Self::name) cannot be a metric
+    /// attribute ([`check_name`]).
+    ///
+    /// ```
+    /// use tower_resources_operation::limit::InvalidLimit;
+    /// use tower_resources_operation::Limit;
+    ///
+    /// assert!(matches!(Limit::builder(0).name("workers").try_build(), Err(InvalidLimit::Capacity(_))));
+    /// assert!(matches!(Limit::builder(2).name("my workers").try_build(), Err(InvalidLimit::Name(_))));
+    /// ```
+    pub fn try_build(self) -> Result<Limit, InvalidLimit> {
         check_built(self.max)?;
         if let Some(adaptive) = &self.adaptive {
             check(*adaptive.bounds().end())?;
+        }
+        if let Some(name) = &self.name {
+            check_name(name)?;
         }
         Ok(Limit::make(
             self.max,
@@ -403,7 +411,8 @@ impl Acquire for Limit {
             Joined::Closed => return Err(AcquireError::closed()),
         };
         let placed = queued.state().places.places().queue().acquire().await;
-        match placed.map(std::mem::forget) {
+        // The place leaves tokio's count: the `LimitPermit` gives it back when it drops.
+        match placed.map(tokio::sync::SemaphorePermit::forget) {
             Ok(()) => Ok(queued.admitted()),
             Err(_) => Err(AcquireError::closed()),
         }
@@ -436,6 +445,15 @@ impl Acquire for Limit {
 
     fn hears_ends(&self) -> bool {
         self.state.control.is_some()
+    }
+
+    fn id(&self) -> Option<LimitId> {
+        Some(LimitId::of(&*self.state))
+    }
+
+    #[inline]
+    fn id_of(permit: &LimitPermit) -> Option<LimitId> {
+        Some(LimitId::of(&*permit.state))
     }
 
     #[inline]
@@ -556,6 +574,39 @@ impl fmt::Display for InvalidCapacity {
 }
 
 impl std::error::Error for InvalidCapacity {}
+
+/// Why [`LimitBuilder::try_build`] made no limit: its capacity, or its name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InvalidLimit {
+    /// A capacity a limit cannot have.
+    Capacity(InvalidCapacity),
+    /// A name that cannot be a metric attribute.
+    Name(InvalidName),
+}
+
+impl From<InvalidCapacity> for InvalidLimit {
+    fn from(error: InvalidCapacity) -> Self {
+        Self::Capacity(error)
+    }
+}
+
+impl From<InvalidName> for InvalidLimit {
+    fn from(error: InvalidName) -> Self {
+        Self::Name(error)
+    }
+}
+
+impl fmt::Display for InvalidLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Capacity(error) => error.fmt(f),
+            Self::Name(error) => error.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for InvalidLimit {}
 
 // Not under loom: a `Limit`'s places are loom's there, which run only in a model.
 #[cfg(all(test, not(tro_loom)))]

@@ -23,11 +23,11 @@ mod report;
 mod resize;
 
 pub use crate::diagnostics::{inform, warn};
-pub use acquire::{Acquire, IntoLimit};
+pub use acquire::{Acquire, IntoLimit, LimitId};
 pub(crate) use error::limit_failed;
-pub use error::AcquireError;
+pub use error::{AcquireError, Rejected};
 pub use feedback::{Control, Ended, MakeControl, Resize};
-pub use local::{InvalidCapacity, Limit, LimitBuilder, LimitPermit};
+pub use local::{InvalidCapacity, InvalidLimit, Limit, LimitBuilder, LimitPermit};
 pub(crate) use poll::{in_place, Asking, Waiting};
 pub use queue_timeout::QueueTimeout;
 pub use report::{check_name, Capacity, InvalidName, Reading, Scope};

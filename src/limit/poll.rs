@@ -9,8 +9,7 @@ use std::time::Duration;
 use tokio_util::sync::ReusableBoxFuture;
 
 use super::queue_timeout::timed_out;
-use super::{Acquire, AcquireError};
-use crate::attributes::Rejection;
+use super::{Acquire, AcquireError, Rejected};
 
 /// One way of asking a limit, for [`Lifecycle::poll_admit`](crate::operation::Lifecycle::poll_admit).
 pub(crate) trait Asking {
@@ -37,12 +36,15 @@ pub(crate) struct Waiting<P> {
 }
 
 /// Where a service's next operation stands while it holds no permit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 enum Standing {
     Idle,
     Waiting,
     /// Turned away, for `call` to answer.
-    Rejected(Rejection),
+    Rejected(Rejected),
+    /// Its request already holds a place of the limit (an operation around it on the request's
+    /// path holds one): `call` runs it on that place.
+    Nested,
 }
 
 impl<P> Waiting<P> {
@@ -55,20 +57,40 @@ impl<P> Waiting<P> {
 
     /// Whether a wait is in progress.
     pub(crate) fn is_waiting(&self) -> bool {
-        self.standing == Standing::Waiting
+        matches!(self.standing, Standing::Waiting)
     }
 
-    /// Why the limit turned the operation away, if it did.
-    pub(crate) fn rejection(&self) -> Option<Rejection> {
-        match self.standing {
-            Standing::Rejected(rejection) => Some(rejection),
-            _ => None,
+    /// Whether the limit turned the operation away, for `call` to answer.
+    pub(crate) fn is_rejected(&self) -> bool {
+        matches!(self.standing, Standing::Rejected(_))
+    }
+
+    /// Whether the request already holds a place of the limit, for `call` to run on.
+    pub(crate) fn is_nested(&self) -> bool {
+        matches!(self.standing, Standing::Nested)
+    }
+
+    /// The request already holds a place of the limit: `call` runs it on that place; `false`
+    /// undoes it (the inner service will not be called).
+    pub(crate) fn nest(&mut self, nested: bool) {
+        self.standing = match nested {
+            true => Standing::Nested,
+            false => Standing::Idle,
+        };
+    }
+
+    /// Whether the next call runs on a place its request holds: taken once, by `call`.
+    pub(crate) fn take_nested(&mut self) -> bool {
+        let nested = self.is_nested();
+        if nested {
+            self.standing = Standing::Idle;
         }
+        nested
     }
 
     /// The limit turned the operation away: `call` answers it.
-    pub(crate) fn reject(&mut self, rejection: Rejection) {
-        self.standing = Standing::Rejected(rejection);
+    pub(crate) fn reject(&mut self, rejected: Rejected) {
+        self.standing = Standing::Rejected(rejected);
     }
 
     /// Starts the wait `next`, in the allocation of the last one if it fits.
@@ -81,12 +103,14 @@ impl<P> Waiting<P> {
     }
 
     /// The rejection to answer, which `call` takes once.
-    pub(crate) fn take_rejection(&mut self) -> Option<Rejection> {
-        let rejection = self.rejection();
-        if rejection.is_some() {
-            self.standing = Standing::Idle;
+    pub(crate) fn take_rejection(&mut self) -> Option<Rejected> {
+        match std::mem::replace(&mut self.standing, Standing::Idle) {
+            Standing::Rejected(rejected) => Some(rejected),
+            other => {
+                self.standing = other;
+                None
+            }
         }
-        rejection
     }
 
     /// Asks `limit` through this wait, turning the operation away once it has waited

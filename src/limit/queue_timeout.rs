@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use super::feedback::Ended;
 use super::report::Capacity;
-use super::{Acquire, AcquireError};
+use super::{Acquire, AcquireError, LimitId};
 use crate::attributes::Rejection;
 
 /// A limit whose operations wait at most a time for their permit: see
@@ -60,6 +60,15 @@ impl<A: Acquire + Sync> Acquire for QueueTimeout<A> {
 
     fn hears_ends(&self) -> bool {
         self.limit.hears_ends()
+    }
+
+    fn id(&self) -> Option<LimitId> {
+        self.limit.id()
+    }
+
+    #[inline]
+    fn id_of(permit: &Self::Permit) -> Option<LimitId> {
+        A::id_of(permit)
     }
 
     #[inline]

@@ -245,6 +245,11 @@ impl Capacity {
     }
 
     /// Whether this is the last `Capacity` of its limit: nothing else describes that limit.
+    ///
+    /// The metrics keep one `Capacity` per limit a series draws from, and forget it once it is
+    /// the last: the limit, and every layer and service given it, are gone. A limit of the
+    /// user's own may keep its `Capacity` only through its `read` closure's captures, so the
+    /// count of the shared `read` is the one fact that says "nothing else holds it".
     pub(crate) fn is_last(&self) -> bool {
         Arc::strong_count(&self.read) == 1
     }

@@ -2,7 +2,7 @@
 //! takes its metrics from.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, OnceLock, RwLock, Weak};
 
 use opentelemetry::metrics::{Meter, MeterProvider};
 
@@ -46,7 +46,7 @@ impl Metrics {
     fn count(&self) {
         self.counted.store(true, Ordering::Relaxed);
         if LIVE.fetch_add(1, Ordering::Relaxed) > 0 {
-            diagnostics::report(Mistake::SeveralMetrics, "");
+            diagnostics::report(Mistake::SeveralMetrics, String::new);
         }
     }
 }
@@ -80,8 +80,11 @@ impl OperationMetrics {
     fn build(meter: &Meter) -> Self {
         let shared = Arc::new(Shared::new(meter));
         register_callbacks(meter, &shared);
-        // Each observable instrument's callback holds the instruments: a meter that kept none
-        // of them (OpenTelemetry's no-op meter) can never report.
+        // Whether the meter can ever report. OpenTelemetry has no way to ask (a `Meter` does not
+        // say whether it is a no-op), so this asks what the meter did with the callbacks just
+        // registered, each of which holds a clone of `shared`: a meter that can report keeps
+        // them, and OpenTelemetry's no-op meter drops them at once. Read once, here, never on
+        // a request's path.
         let reports = Arc::strong_count(&shared) > 1;
         let series = (0..SERIES)
             .map(|index| Series::new(&shared, index))
@@ -126,13 +129,18 @@ impl OperationMetrics {
         if disabled {
             return Self::disabled();
         }
-        type Provider = Arc<dyn MeterProvider + Send + Sync>;
+        // The metrics of each provider installed globally, while it lives: held weakly, so a
+        // provider that another replaced is let go, and its entry with it.
+        type Provider = Weak<dyn MeterProvider + Send + Sync>;
         static BY_PROVIDER: RwLock<Vec<(Provider, OperationMetrics)>> = RwLock::new(Vec::new());
         let provider = opentelemetry::global::meter_provider();
+        let is_it = |known: &Provider| {
+            known.strong_count() > 0 && std::ptr::addr_eq(known.as_ptr(), Arc::as_ptr(&provider))
+        };
         let find = |known: &[(Provider, OperationMetrics)]| {
             known
                 .iter()
-                .find(|(p, _)| Arc::ptr_eq(p, &provider))
+                .find(|(p, _)| is_it(p))
                 .map(|(_, metrics)| metrics.clone())
         };
         if let Some(metrics) = find(&BY_PROVIDER.read().unwrap_or_else(|p| p.into_inner())) {
@@ -150,11 +158,12 @@ impl OperationMetrics {
                 metrics
             }
             _ => {
-                diagnostics::report(Mistake::NoGlobalProvider, "");
+                diagnostics::report(Mistake::NoGlobalProvider, String::new);
                 Self::disabled()
             }
         };
-        known.push((provider, metrics.clone()));
+        known.retain(|(p, _)| p.strong_count() > 0);
+        known.push((Arc::downgrade(&provider), metrics.clone()));
         metrics
     }
 

@@ -17,18 +17,23 @@
 //! [`guarded`](crate::guard::guarded) for everything else). With metrics off, and a limit that
 //! does not hear ends, an operation takes the same path with nothing to record: it only holds
 //! its permit.
+//!
+//! While its work runs, an admitted operation is the thread's [scope]: [`set_outcome`] sets its
+//! outcome, and a request that reaches its limit again is admitted on the place it holds
+//! ([`scope::holds`]).
 
-mod outcome_slot;
+pub(crate) mod scope;
 
 use std::fmt;
+use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub use outcome_slot::set_outcome;
+pub use scope::set_outcome;
 
-use self::outcome_slot::{enter, leave, Slot};
+use self::scope::{Holding, Slot};
 use crate::attributes::{Outcome, Rejection};
 use crate::guard::guarded;
 use crate::limit::{Acquire, AcquireError, Asking, Ended};
@@ -41,72 +46,143 @@ const DEADLINE_SLACK: Duration = Duration::from_millis(10);
 
 /// One operation on a limit `A`: the permit it holds, and what it records.
 ///
-/// `K` is what it carries to decide its outcome when its work returns: nothing while a service
-/// prepares it, the classifier in a response future, the end-of-stream rule in a body.
+/// `K` is what a called operation carries to decide its outcome when its work returns: the
+/// classifier in a response future, the end-of-stream rule in a body (made only for an
+/// operation that records, and kept in its record).
 ///
 /// It is admitted while it holds its permit. With nothing to record it is only its permit and a
-/// null word, so that a response future is built, moved and dropped about as cheaply as tower's.
-/// Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
+/// null word, so that a response future is built, moved and dropped about as cheaply as tower's;
+/// recording, three words more, so that a queued request's task stays within tower's size
+/// class. Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
 /// operation), and only then does the permit go back.
 pub struct Lifecycle<A: Acquire, K = ()> {
     /// `None`: nothing to record (metrics off and a limit that does not hear ends, or nothing
     /// asked yet).
-    record: Option<Record>,
-    /// What decides the outcome when the work returns: `()` while a service prepares the
-    /// operation, then the classifier (made only for an operation that records).
-    decides: K,
+    record: Option<Record<K>>,
     /// Held from admission to the end.
     permit: Option<A::Permit>,
 }
 
 /// What an operation records, and when it started to.
-struct Record {
+struct Record<K> {
     /// `None` with metrics off: the operation is timed for its limit alone.
     series: Option<Series>,
-    stage: Stage,
-    /// The outcome [`set_outcome`] chose, if it did (see [`Chosen`]).
-    chosen: Chosen,
-    /// Waiting: how long it may wait before a drop is past the server's deadline, in
-    /// milliseconds. Admitted: how long it waited, in microseconds. Called: how long it may run
-    /// before a drop is past its caller's deadline, in milliseconds ([`NO_DEADLINE`] for none,
-    /// waiting or called). One field for all three keeps a record, and so every service and
-    /// response future, a word smaller.
-    timing: u32,
-    /// When it started to wait (while waiting), or was admitted (once admitted); `None` if the
-    /// clock could not be read (a duration from it is then 0).
-    at: Option<Instant>,
+    /// When it started to wait (while waiting), or was admitted (once admitted).
+    at: Stamp,
+    stage: Stage<K>,
+    /// The outcome [`set_outcome`] chose, if it did.
+    chosen: Option<Outcome>,
     /// Whether its limit hears its end ([`Acquire::hears_end`]), asked as it was admitted.
     heard: bool,
 }
 
-/// Where a recorded operation stands. An enum, so that "nothing to record" takes no word of
-/// its own.
+/// When something happened, on tokio's clock (so that a paused clock is followed), in one word:
+/// nanoseconds from the first instant the crate read in the process (earlier ones, of a clock
+/// paused before it, are negative); or not known, if the clock could not be read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Stage {
-    Waiting,
-    Admitted,
-    Called,
-    Ended,
-}
+struct Stamp(i64);
 
-/// A called operation's `timing` when its caller set no deadline.
-const NO_DEADLINE: u32 = u32::MAX;
+impl Stamp {
+    const UNKNOWN: Self = Self(i64::MIN);
 
-/// An outcome that [`set_outcome`] may have chosen, kept in a plain byte.
-#[derive(Clone, Copy)]
-struct Chosen(u8);
-
-impl Chosen {
-    const NONE: Self = Self(u8::MAX);
-
+    /// Now; [`UNKNOWN`](Self::UNKNOWN) if the clock cannot be read (tokio's paused clock panics
+    /// once its runtime's thread-locals are gone).
     #[inline]
-    fn get(self) -> Option<Outcome> {
-        Outcome::ALL.get(usize::from(self.0)).copied()
+    fn now() -> (Self, Option<Instant>) {
+        match guarded(Instant::now) {
+            Some(now) => (Self::of(now), Some(now)),
+            None => (Self::UNKNOWN, None),
+        }
     }
 
     #[inline]
-    fn new(outcome: Option<Outcome>) -> Self {
-        outcome.map_or(Self::NONE, |outcome| Self(outcome as u8))
+    fn of(instant: Instant) -> Self {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        let origin = *ORIGIN.get_or_init(|| instant);
+        // In 64 bits: 292 years of nanoseconds either way.
+        let nanos = |duration: Duration| {
+            let secs = i64::try_from(duration.as_secs()).unwrap_or(i64::MAX / 2_000_000_000);
+            secs.saturating_mul(1_000_000_000) + i64::from(duration.subsec_nanos())
+        };
+        match instant.checked_duration_since(origin) {
+            Some(after) => Self(nanos(after)),
+            None => Self(-nanos(origin.saturating_duration_since(instant))),
+        }
+    }
+
+    /// The time from `self` to `to`: 0 if either is not known, or `to` is earlier.
+    #[inline]
+    fn until(self, to: Stamp) -> Duration {
+        if self == Self::UNKNOWN || to == Self::UNKNOWN {
+            return Duration::ZERO;
+        }
+        let nanos = to.0.saturating_sub(self.0);
+        Duration::from_nanos(u64::try_from(nanos).unwrap_or(0))
+    }
+}
+
+/// Where a recorded operation stands, with what it needs at that stage. An enum, so that
+/// "nothing to record" takes no word of its own.
+#[derive(Debug, PartialEq, Eq)]
+enum Stage<K> {
+    /// Waiting for its permit.
+    Waiting {
+        /// How long after it started to wait a drop is past the server's deadline.
+        deadline: Budget,
+    },
+    /// Holding its permit, not called yet.
+    Admitted {
+        /// How long it waited, in microseconds (saturated).
+        queued_us: u32,
+    },
+    /// Called: its work runs.
+    Called {
+        /// How long after its admission a drop is past its caller's deadline.
+        deadline: Budget,
+        /// What decides its outcome when its work returns.
+        decides: K,
+    },
+    /// Recorded.
+    Ended,
+}
+
+/// How long an operation may take before a drop is past a deadline, in whole milliseconds; or
+/// no deadline. In 32 bits, so that a stage, and so every service and response future, is a
+/// word smaller than with an `Option<Duration>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Budget(u32);
+
+impl Budget {
+    const NONE: Self = Self(u32::MAX);
+
+    /// `deadline` less a slack (the caller started its clock a little before the operation
+    /// asked), rounded up to a millisecond: at most the longest a budget holds.
+    fn new(deadline: Option<Duration>) -> Self {
+        let Some(deadline) = deadline else {
+            return Self::NONE;
+        };
+        let slack = DEADLINE_SLACK.min(deadline / 10);
+        let ms = deadline
+            .saturating_sub(slack)
+            .as_nanos()
+            .div_ceil(1_000_000);
+        Self(u32::try_from(ms).unwrap_or(u32::MAX - 1).min(u32::MAX - 1))
+    }
+
+    /// The budget left after `spent`.
+    fn less(self, spent: Duration) -> Self {
+        match self {
+            Self::NONE => Self::NONE,
+            Self(ms) => {
+                let spent = u32::try_from(spent.as_nanos().div_ceil(1_000_000)).unwrap_or(u32::MAX);
+                Self(ms.saturating_sub(spent))
+            }
+        }
+    }
+
+    /// Whether `elapsed` is past it.
+    fn is_past(self, elapsed: Duration) -> bool {
+        self != Self::NONE && elapsed >= Duration::from_millis(u64::from(self.0))
     }
 }
 
@@ -124,33 +200,20 @@ pub(crate) enum Ending {
     Dropped,
 }
 
-/// Now, on tokio's clock (so that a paused clock is followed); `None` if it cannot be read
-/// (tokio's paused clock panics once its runtime's thread-locals are gone).
-#[inline]
-fn now() -> Option<Instant> {
-    guarded(Instant::now)
-}
-
-impl<A: Acquire, K: Default> Lifecycle<A, K> {
+impl<A: Acquire, K> Lifecycle<A, K> {
     /// An operation that has not asked yet.
     pub(crate) fn new() -> Self {
         Self {
             record: None,
-            decides: K::default(),
             permit: None,
         }
     }
 
     /// Carries on with `decides` in place of what it carried (a response future handing its
-    /// operation to the body).
+    /// operation to the body); `J::default()` if `decides` panics.
     pub(crate) fn carry<J: Default>(&mut self, decides: impl FnOnce(&K) -> J) -> Lifecycle<A, J> {
-        let carried = match &self.record {
-            Some(_) => guarded(|| decides(&self.decides)).unwrap_or_default(),
-            None => J::default(),
-        };
         Lifecycle {
-            record: self.record.take(),
-            decides: carried,
+            record: self.record.take().map(|record| record.carry(decides)),
             permit: self.permit.take(),
         }
     }
@@ -164,14 +227,11 @@ impl<A: Acquire, K: Default> Lifecycle<A, K> {
             .expect("only an admitted operation lends its permit");
         let lent = Lifecycle {
             record: self.record.take(),
-            decides: std::mem::take(&mut self.decides),
             permit: None,
         };
         (permit, lent)
     }
-}
 
-impl<A: Acquire, K> Lifecycle<A, K> {
     /// Whether it holds its permit.
     #[inline]
     pub(crate) fn is_admitted(&self) -> bool {
@@ -218,11 +278,10 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         let Some(mut record) = self.record.take() else {
             return;
         };
-        let decides = &self.decides;
-        let Some(ended) = record.end(end, || classify(decides)) else {
+        let Some((ended, heard)) = record.end(end, classify) else {
             return;
         };
-        if !record.heard {
+        if !heard {
             return;
         }
         if let Some(permit) = self.permit.as_ref().or(lent) {
@@ -242,10 +301,12 @@ impl<A: Acquire, K> Lifecycle<A, K> {
 
     /// Polls `work` (the operation's response future or body) as this operation, for an owner
     /// that a panic in it drops: recording, it is [`run`](Self::run); with nothing to record,
-    /// the work is polled as is, and the drop that follows a panic gives the permit back.
+    /// the work is polled with only its limit's place published ([`scope::holds`]), and the
+    /// drop that follows a panic gives the permit back.
     #[inline]
     pub(crate) fn poll<R>(&mut self, work: impl FnOnce() -> R) -> R {
         if self.record.is_none() {
+            let _holding = Holding::enter(self.permit.as_ref().and_then(A::id_of));
             return work();
         }
         self.run_lent(None, work)
@@ -260,36 +321,49 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         self.run_lent(None, work)
     }
 
+    /// Calls the inner service with `work`, as [`run`](Self::run) does, but without publishing
+    /// its limit's place: layers inside it that share the limit asked for their place in
+    /// `poll_ready`, where it was published, and the future the call returns is polled as this
+    /// operation's.
+    #[inline]
+    pub(crate) fn call<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        self.run_as(None, false, work)
+    }
+
     /// [`run`](Self::run), for an operation whose permit is `lent` to its work (see
     /// [`lend_permit`](Self::lend_permit)): a panic is told to the limit through it.
     #[inline]
     pub(crate) fn run_lent<R>(&mut self, lent: Option<&A::Permit>, work: impl FnOnce() -> R) -> R {
+        self.run_as(lent, true, work)
+    }
+
+    /// Runs `work` as this operation, publishing its limit's place if `holding`.
+    #[inline(always)]
+    fn run_as<R>(
+        &mut self,
+        lent: Option<&A::Permit>,
+        holding: bool,
+        work: impl FnOnce() -> R,
+    ) -> R {
+        // The limit whose place it holds, so that the work does not wait for a second one.
+        let held = match holding {
+            true => self.permit.as_ref().or(lent).and_then(A::id_of),
+            false => None,
+        };
+        let _holding = Holding::enter(held);
         let previous = match &self.record {
-            Some(record) => enter(record.chosen.get()),
+            Some(record) => scope::enter(record.chosen()),
             None => None,
         };
-        let unwinding = Unwinding {
+        let mut running = Running {
             operation: self,
             previous,
             lent,
+            returned: false,
         };
         let output = work();
-        // The work returned: leave the scope here, in line, and disarm the guard.
-        if let Some(previous) = unwinding.previous {
-            unwinding.operation.leave(previous);
-        }
-        std::mem::forget(unwinding);
+        running.returned = true;
         output
-    }
-
-    /// Gives the thread's slot back to the operation around this one, keeping the outcome that
-    /// the work chose, if it chose one.
-    #[inline]
-    fn leave(&mut self, previous: Slot) {
-        let chosen = leave(previous);
-        if let Some(record) = &mut self.record {
-            record.chosen = Chosen::new(chosen);
-        }
     }
 
     /// Dropped before it ended: a wait given up is abandoned, an admitted operation ends as
@@ -301,10 +375,9 @@ impl<A: Acquire, K> Lifecycle<A, K> {
             return;
         };
         match record.stage {
-            Stage::Waiting => {
+            Stage::Waiting { deadline } => {
                 record.stage = Stage::Ended;
-                let past_deadline = record.timing != NO_DEADLINE
-                    && elapsed(record.at, now()) >= Duration::from_millis(u64::from(record.timing));
+                let past_deadline = deadline.is_past(record.at.until(Stamp::now().0));
                 if let Some(series) = &record.series {
                     match past_deadline {
                         // The server gave up on it while the limit kept it waiting.
@@ -314,7 +387,9 @@ impl<A: Acquire, K> Lifecycle<A, K> {
                 }
                 self.record = None;
             }
-            Stage::Admitted | Stage::Called => self.record_end(Ending::Dropped, |_| None, None),
+            Stage::Admitted { .. } | Stage::Called { .. } => {
+                self.record_end(Ending::Dropped, |_| None, None)
+            }
             Stage::Ended => self.record = None,
         }
     }
@@ -401,28 +476,33 @@ impl<A: Acquire> Lifecycle<A> {
     #[cold]
     fn start_waiting(&mut self, series: &Series, deadline: Option<Duration>) {
         series.start_waiting();
-        let mut record = Record::new(Some(series.clone()), now());
-        record.timing = deadline.map_or(NO_DEADLINE, |deadline| {
-            let slack = DEADLINE_SLACK.min(deadline / 10);
-            millis_within_record(deadline.saturating_sub(slack))
+        self.record = Some(Record {
+            series: Some(series.clone()),
+            at: Stamp::now().0,
+            stage: Stage::Waiting {
+                deadline: Budget::new(deadline),
+            },
+            chosen: None,
+            heard: false,
         });
-        self.record = Some(record);
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
     #[inline(never)]
     fn record_admission(&mut self, series: Option<&Series>, heard: bool) {
         match &mut self.record {
-            Some(waited) => {
-                waited.admit(true);
-                waited.heard = heard;
-            }
+            Some(waited) => waited.admit(true, heard),
             None => {
                 // It never waited (or waited unrecorded, for a limit that hears ends with
                 // metrics off): its queue sample is 0, and needs no clock.
-                let mut record = Record::new(series.cloned(), None);
-                record.admit(false);
-                record.heard = heard;
+                let mut record = Record {
+                    series: series.cloned(),
+                    at: Stamp::UNKNOWN,
+                    stage: Stage::Ended,
+                    chosen: None,
+                    heard: false,
+                };
+                record.admit(false, heard);
                 self.record = Some(record);
             }
         }
@@ -456,27 +536,21 @@ impl<A: Acquire> Lifecycle<A> {
     /// that could not be made: the outcome is then `error`). The lifecycle it leaves behind has
     /// not asked yet.
     #[inline]
-    pub(crate) fn called<K: Default>(
+    pub(crate) fn called<K>(
         &mut self,
         carried: impl FnOnce() -> (K, Option<Duration>),
     ) -> Lifecycle<A, K> {
         let permit = self.permit.take();
-        if self.record.is_none() {
+        let Some(record) = self.record.take() else {
             // Nothing to record: the lifecycle is its permit, and only that is moved.
             return Lifecycle {
                 record: None,
-                decides: K::default(),
                 permit,
             };
-        }
+        };
         let (decides, deadline) = carried();
-        let mut record = self.record.take();
-        if let Some(record) = &mut record {
-            record.called(deadline);
-        }
         Lifecycle {
-            record,
-            decides,
+            record: record.called(decides, deadline),
             permit,
         }
     }
@@ -499,85 +573,128 @@ impl<A: Acquire, K> fmt::Debug for Lifecycle<A, K> {
     }
 }
 
-impl Record {
-    /// A record of an operation that started to wait `at`.
-    fn new(series: Option<Series>, at: Option<Instant>) -> Self {
-        Record {
-            series,
-            stage: Stage::Waiting,
-            chosen: Chosen::NONE,
-            timing: 0,
-            at,
-            heard: false,
-        }
+impl<K> Record<K> {
+    /// The outcome [`set_outcome`] chose so far, if it did.
+    #[inline]
+    fn chosen(&self) -> Option<Outcome> {
+        self.chosen
+    }
+
+    /// Keeps the outcome the work chose, if it chose one.
+    #[inline]
+    fn choose(&mut self, outcome: Option<Outcome>) {
+        self.chosen = outcome;
     }
 
     /// Admitted, after waiting since `self.at` if it `waited`: records the queue sample (0 if it
-    /// did not wait) and counts it as active.
+    /// did not wait) and counts it as active. `heard`: whether its limit hears its end.
     #[inline]
-    fn admit(&mut self, waited: bool) {
-        let now = now();
+    fn admit(&mut self, waited: bool, heard: bool) {
+        let now = Stamp::now().0;
         let queued = if waited {
-            elapsed(self.at, now)
+            self.at.until(now)
         } else {
             Duration::ZERO
         };
         if let Some(series) = &self.series {
             series.admit(waited, queued);
         }
-        self.stage = Stage::Admitted;
         self.at = now;
-        self.timing = u32::try_from(queued.as_micros()).unwrap_or(u32::MAX);
+        self.heard = heard;
+        self.stage = Stage::Admitted {
+            queued_us: u32::try_from(queued.as_micros()).unwrap_or(u32::MAX),
+        };
     }
 
-    /// Called, with its caller's `deadline` counted from when it asked: keeps how long it may
-    /// run before a drop is past that deadline (less a slack: the caller started its clock a
-    /// little before the operation asked).
-    fn called(&mut self, deadline: Option<Duration>) {
-        if self.stage != Stage::Admitted {
-            return;
+    /// Called, with what `decides` its outcome and its caller's `deadline` counted from when
+    /// it asked: keeps how long it may run before a drop is past that deadline (less a slack:
+    /// the caller started its clock a little before the operation asked). `None` for an
+    /// operation that was not admitted.
+    #[inline]
+    fn called<J>(self, decides: J, deadline: Option<Duration>) -> Option<Record<J>> {
+        let Stage::Admitted { queued_us } = self.stage else {
+            return None;
+        };
+        let queued = Duration::from_micros(u64::from(queued_us));
+        Some(Record {
+            series: self.series,
+            at: self.at,
+            stage: Stage::Called {
+                deadline: Budget::new(deadline).less(queued),
+                decides,
+            },
+            chosen: self.chosen,
+            heard: self.heard,
+        })
+    }
+
+    /// The same record, carrying what `decides` makes of what it carried (`J::default()` if
+    /// that panics).
+    fn carry<J: Default>(self, decides: impl FnOnce(&K) -> J) -> Record<J> {
+        let stage = match self.stage {
+            Stage::Waiting { deadline } => Stage::Waiting { deadline },
+            Stage::Admitted { queued_us } => Stage::Admitted { queued_us },
+            Stage::Called {
+                deadline,
+                decides: carried,
+            } => Stage::Called {
+                deadline,
+                decides: guarded(|| decides(&carried)).unwrap_or_default(),
+            },
+            Stage::Ended => Stage::Ended,
+        };
+        Record {
+            series: self.series,
+            at: self.at,
+            stage,
+            chosen: self.chosen,
+            heard: self.heard,
         }
-        let queued = Duration::from_micros(u64::from(self.timing));
-        self.timing = deadline.map_or(NO_DEADLINE, |deadline| {
-            let slack = DEADLINE_SLACK.min(deadline / 10);
-            millis_within_record(deadline.saturating_sub(queued + slack))
-        });
-        self.stage = Stage::Called;
     }
 
     /// Records the end of the admitted operation, once; `classify` says what a returned work's
-    /// outcome is, if it can (`None` when nothing was made to decide it). Returns how it ended,
-    /// for its limit to hear.
-    fn end(&mut self, end: Ending, classify: impl FnOnce() -> Option<Outcome>) -> Option<Ended> {
-        if self.stage != Stage::Admitted && self.stage != Stage::Called {
+    /// outcome is from what decides it, if it can. Returns how it ended, for its limit to hear,
+    /// and whether its limit hears it.
+    fn end(
+        &mut self,
+        end: Ending,
+        classify: impl FnOnce(&K) -> Option<Outcome>,
+    ) -> Option<(Ended, bool)> {
+        if !matches!(self.stage, Stage::Admitted { .. } | Stage::Called { .. }) {
             return None;
         }
-        let now = now();
+        let heard = self.heard;
+        let (now, instant) = Stamp::now();
         let outcome = decide(self, end, classify, now);
         self.stage = Stage::Ended;
-        let ran = elapsed(self.at, now);
+        let ran = self.at.until(now);
         if let Some(series) = &self.series {
             series.end(outcome, ran);
         }
-        Some(Ended::new(outcome, ran, now))
+        Some((Ended::new(outcome, ran, instant), heard))
     }
 }
 
 /// Where an operation's outcome is decided, for every way it can end: [`set_outcome`] wins;
-/// then a returned work is what its classifier says (`error` if the classifier panics), a
-/// failure is `error`, a panic `crashed`, and a drop `cancelled`, or `timeout` once the
-/// caller's deadline has passed.
-fn decide(
-    record: &Record,
+/// then a returned work is what its classifier says (`error` if the classifier panics, or was
+/// not made), a failure is `error`, a panic `crashed`, and a drop `cancelled`, or `timeout` once
+/// the caller's deadline has passed.
+fn decide<K>(
+    record: &Record<K>,
     end: Ending,
-    classify: impl FnOnce() -> Option<Outcome>,
-    now: Option<Instant>,
+    classify: impl FnOnce(&K) -> Option<Outcome>,
+    now: Stamp,
 ) -> Outcome {
-    if let Some(chosen) = record.chosen.get() {
+    if let Some(chosen) = record.chosen() {
         return chosen;
     }
     match end {
-        Ending::Returned => guarded(classify).flatten().unwrap_or(Outcome::Error),
+        Ending::Returned => match &record.stage {
+            Stage::Called { decides, .. } => guarded(|| classify(decides))
+                .flatten()
+                .unwrap_or(Outcome::Error),
+            _ => Outcome::Error,
+        },
         Ending::Failed => Outcome::Error,
         Ending::Crashed => Outcome::Crashed,
         Ending::Dropped if past_deadline(record, now) => Outcome::Timeout,
@@ -586,47 +703,47 @@ fn decide(
 }
 
 /// Whether the caller's deadline has passed at `now`, counted from when the operation asked.
-fn past_deadline(record: &Record, now: Option<Instant>) -> bool {
-    // Only a called operation has its caller's deadline (admitted, `timing` is its queue time).
-    if record.stage != Stage::Called || record.timing == NO_DEADLINE {
+fn past_deadline<K>(record: &Record<K>, now: Stamp) -> bool {
+    // Only a called operation has its caller's deadline.
+    let Stage::Called { deadline, .. } = record.stage else {
+        return false;
+    };
+    if record.at == Stamp::UNKNOWN || now == Stamp::UNKNOWN {
         return false;
     }
-    if record.at.is_none() || now.is_none() {
-        return false;
-    }
-    elapsed(record.at, now) >= Duration::from_millis(u64::from(record.timing))
+    deadline.is_past(record.at.until(now))
 }
 
-/// `duration` in whole milliseconds (rounded up), as a record's `timing` keeps it: at most the
-/// longest it holds short of [`NO_DEADLINE`].
-fn millis_within_record(duration: Duration) -> u32 {
-    let ms = duration.as_nanos().div_ceil(1_000_000);
-    u32::try_from(ms)
-        .unwrap_or(NO_DEADLINE - 1)
-        .min(NO_DEADLINE - 1)
-}
-
-/// The time from `from` to `to`: 0 if the clock could not read either, or `to` is earlier.
-#[inline]
-fn elapsed(from: Option<Instant>, to: Option<Instant>) -> Duration {
-    match (from, to) {
-        (Some(from), Some(to)) => to.saturating_duration_since(from),
-        _ => Duration::ZERO,
-    }
-}
-
-/// Dropped only while the work unwinds: leaves the scope and ends the operation as crashed.
-struct Unwinding<'a, 'p, A: Acquire, K> {
+/// An operation's work while it runs: the scope it entered is left when the work returns or
+/// unwinds, and if it unwinds (`returned` still false), the operation ends as crashed.
+struct Running<'a, 'p, A: Acquire, K> {
     operation: &'a mut Lifecycle<A, K>,
+    /// The outcome slot to give back, if the operation records.
     previous: Option<Slot>,
     lent: Option<&'p A::Permit>,
+    returned: bool,
 }
 
-impl<A: Acquire, K> Drop for Unwinding<'_, '_, A, K> {
+impl<A: Acquire, K> Drop for Running<'_, '_, A, K> {
+    #[inline]
     fn drop(&mut self) {
         if let Some(previous) = self.previous {
-            self.operation.leave(previous);
+            let chosen = scope::leave(previous);
+            if let Some(record) = &mut self.operation.record {
+                record.choose(chosen);
+            }
         }
+        if !self.returned {
+            self.crashed();
+        }
+    }
+}
+
+impl<A: Acquire, K> Running<'_, '_, A, K> {
+    /// The work panicked: the operation ends as crashed, its permit going back.
+    #[cold]
+    #[inline(never)]
+    fn crashed(&mut self) {
         match self.lent {
             Some(permit) => self.operation.end_lent(permit, Ending::Crashed, |_| None),
             None => self.operation.end(Ending::Crashed, |_| None),
@@ -639,11 +756,21 @@ mod tests {
     use super::*;
 
     /// A record admitted at `at` after waiting `queued`, with nothing to record it to.
-    fn admitted(at: Instant, queued: Duration) -> Record {
-        let mut record = Record::new(None, Some(at));
-        record.stage = Stage::Admitted;
-        record.timing = u32::try_from(queued.as_micros()).unwrap();
-        record
+    fn admitted(at: Instant, queued: Duration) -> Record<()> {
+        Record {
+            series: None,
+            at: Stamp::of(at),
+            stage: Stage::Admitted {
+                queued_us: u32::try_from(queued.as_micros()).unwrap(),
+            },
+            chosen: None,
+            heard: false,
+        }
+    }
+
+    /// `at` called with the caller's `deadline`.
+    fn called(at: Instant, queued: Duration, deadline: Option<Duration>) -> Record<()> {
+        admitted(at, queued).called((), deadline).unwrap()
     }
 
     fn ms(ms: u64) -> Duration {
@@ -654,49 +781,53 @@ mod tests {
     fn the_queue_time_counts_toward_the_callers_deadline() {
         let at = Instant::now();
         // 100 ms from when it asked, 80 of them spent waiting, less a slack of 10 ms.
-        let mut record = admitted(at, ms(80));
-        record.called(Some(ms(100)));
-        assert!(!past_deadline(&record, Some(at + ms(9))));
-        assert!(past_deadline(&record, Some(at + ms(10))));
-        record.stage = Stage::Ended;
+        let record = called(at, ms(80), Some(ms(100)));
+        assert!(!past_deadline(&record, Stamp::of(at + ms(9))));
+        assert!(past_deadline(&record, Stamp::of(at + ms(10))));
     }
 
     #[test]
     fn a_wait_longer_than_the_deadline_makes_any_drop_past_it() {
         let at = Instant::now();
-        let mut record = admitted(at, ms(150));
-        record.called(Some(ms(100)));
-        assert!(past_deadline(&record, Some(at)));
-        record.stage = Stage::Ended;
+        let record = called(at, ms(150), Some(ms(100)));
+        assert!(past_deadline(&record, Stamp::of(at)));
     }
 
     #[test]
     fn without_a_deadline_or_a_call_no_drop_is_past_one() {
         let at = Instant::now();
-        let mut no_deadline = admitted(at, ms(0));
-        no_deadline.called(None);
-        assert!(!past_deadline(&no_deadline, Some(at + ms(3_600_000))));
-        no_deadline.stage = Stage::Ended;
+        let no_deadline = called(at, ms(0), None);
+        assert!(!past_deadline(&no_deadline, Stamp::of(at + ms(3_600_000))));
 
         // Admitted, never called: its queue time (5 ms, kept as 5000 us) is not a deadline.
-        let mut never_called = admitted(at, ms(5));
+        let never_called = admitted(at, ms(5));
         let outcome = decide(
             &never_called,
             Ending::Dropped,
-            || None,
-            Some(at + ms(6_000)),
+            |()| None,
+            Stamp::of(at + ms(6_000)),
         );
         assert_eq!(outcome, Outcome::Cancelled);
-        never_called.stage = Stage::Ended;
     }
 
     #[test]
     fn a_deadline_beyond_what_the_record_holds_is_kept_as_the_longest_it_can() {
         let at = Instant::now();
-        let mut record = admitted(at, ms(0));
-        record.called(Some(Duration::from_secs(60 * 60 * 24 * 365)));
-        assert_eq!(record.timing, NO_DEADLINE - 1);
-        assert!(!past_deadline(&record, Some(at + ms(1_000))));
-        record.stage = Stage::Ended;
+        let record = called(at, ms(0), Some(Duration::from_secs(60 * 60 * 24 * 365)));
+        let Stage::Called { deadline, .. } = record.stage else {
+            panic!("called")
+        };
+        assert_eq!(deadline, Budget(u32::MAX - 1));
+        assert!(!past_deadline(&record, Stamp::of(at + ms(1_000))));
+    }
+
+    #[test]
+    fn a_stamp_measures_from_earlier_instants_too() {
+        let at = Instant::now();
+        let later = Stamp::of(at + ms(5));
+        let earlier = Stamp::of(at - ms(5));
+        assert_eq!(earlier.until(later), ms(10));
+        assert_eq!(later.until(earlier), Duration::ZERO);
+        assert_eq!(Stamp::UNKNOWN.until(later), Duration::ZERO);
     }
 }

@@ -118,7 +118,7 @@ impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
         match self.names.iter().position(|known| &**known == name) {
             Some(index) => index + 1,
             None => {
-                diagnostics::report(Mistake::UnknownLimit, &format!(": {name:?}"));
+                diagnostics::report(Mistake::UnknownLimit, || format!(": {name:?}"));
                 0
             }
         }

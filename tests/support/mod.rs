@@ -6,6 +6,8 @@
 //! (`reliability`).
 #![allow(dead_code, unreachable_pub)]
 
+#[cfg(feature = "tracing")]
+pub mod captured;
 #[cfg(feature = "tonic")]
 pub mod grpc;
 pub mod http;

@@ -1,7 +1,8 @@
 //! Shared by the tests that read the crate's series as Prometheus does (through the real
 //! exporter, `prometheus`, `promtool`) and the dashboard files: the exporter pipeline and its text
-//! format, the labels' names, finding the binaries, the `REQUIRE_PROMETHEUS=1` convention, temp
-//! dirs, free ports, and the dashboard's queries.
+//! format, the labels' names, finding the binaries (a test that needs one is `#[ignore]`d, so
+//! that a machine without them counts it as not run, and fails saying what to install when it
+//! is run without them), temp dirs, free ports, and the dashboard's queries.
 #![allow(dead_code, unreachable_pub)]
 
 use std::path::{Path, PathBuf};
@@ -77,9 +78,6 @@ pub fn text(registry: &prometheus::Registry) -> String {
         .expect("encode the registry")
 }
 
-/// Set to `1` (as CI does) to make a missing `prometheus`/`promtool` a failure, not a skip.
-pub const REQUIRE_VAR: &str = "REQUIRE_PROMETHEUS";
-
 /// The repository root (where Cargo.toml is).
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -103,27 +101,17 @@ fn is_executable(path: &Path) -> bool {
         .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-/// `name` on `PATH`; if it is missing, `None` after a loud message, or a panic when
-/// `REQUIRE_PROMETHEUS=1`.
-pub fn require_binary(name: &str, test: &str) -> Option<PathBuf> {
-    if let Some(path) = find_on_path(name) {
-        return Some(path);
-    }
-    let required = std::env::var(REQUIRE_VAR).is_ok_and(|v| v.trim() == "1");
-    let message = format!(
-        "`{name}` is not on PATH, so {test} cannot run. Install it (Debian/Ubuntu: \
-         `apt-get install prometheus`, which ships `prometheus` and `promtool`)."
-    );
-    if required {
-        panic!("{REQUIRE_VAR}=1 and {message}");
-    }
-    eprintln!();
-    eprintln!("**********************************************************************");
-    eprintln!("SKIPPED: {message}");
-    eprintln!("(set {REQUIRE_VAR}=1 to make this a failure)");
-    eprintln!("**********************************************************************");
-    eprintln!();
-    None
+/// `name` on `PATH`. A test that calls this is `#[ignore]`d with the reason above, so it runs
+/// only when asked for (`--include-ignored`); asked for, a missing binary fails it, saying what to
+/// install, rather than letting it pass without running.
+pub fn require_binary(name: &str, test: &str) -> PathBuf {
+    find_on_path(name).unwrap_or_else(|| {
+        panic!(
+            "`{name}` is not on PATH, so {test} cannot run. Install it (Debian/Ubuntu: \
+             `apt-get install prometheus`, which ships `prometheus` and `promtool`), or leave \
+             out --include-ignored to skip the tests that need it (they show as ignored)."
+        )
+    })
 }
 
 /// A directory under the system temp dir, removed when dropped.
