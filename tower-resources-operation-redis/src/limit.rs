@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
-use tower_resources_operation::limit::{Acquire, AcquireError, Capacity, Ended};
+use tower_resources_operation::limit::{Acquire, AcquireError, Capacity, Ended, LimitId};
 
 use crate::error::Error;
 use crate::fleet::member::{Handle, Unreachable};
@@ -275,6 +275,17 @@ impl Acquire for RedisLimit {
     fn may_reject(&self) -> bool {
         self.handle.member.unreachable != Unreachable::Open
             || self.handle.member.max_queued.is_some()
+    }
+
+    /// The limit every clone of this handle shares (a layer applied twice on a request's path
+    /// admits the request on the place it holds).
+    fn id(&self) -> Option<LimitId> {
+        Some(LimitId::of(&*self.handle))
+    }
+
+    #[inline]
+    fn id_of(permit: &RedisPermit) -> Option<LimitId> {
+        Some(LimitId::of(&*permit.place.handle))
     }
 
     /// `true` for an adaptive limit: its controller counts each end.

@@ -648,6 +648,33 @@ async fn after_a_restart_the_fleet_recovers_by_itself() {
     assert!(t.live_value(REJECTED_INSTRUMENT, &[(REJECTION_ATTRIBUTE, "unavailable")]) >= 1);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
+async fn work_that_reaches_its_fleet_limit_again_runs_on_the_place_it_holds() {
+    let redis = RedisServer::start_required();
+    let t = Telemetry::new();
+    let limit = patient("judges", 1).build(redis.url()).unwrap();
+    // Of a limit of 1, the outer operation holds the one place: the inner one would wait for
+    // it forever, as with tower's limits, but runs on the place it holds.
+    let nested = t
+        .metrics
+        .resources_operation(&limit, Operation::Judge, Executor::Inline, async {
+            t.metrics
+                .resources_operation(&limit.clone(), Operation::Judge, Executor::Inline, async {
+                    "judged"
+                })
+                .await
+        });
+    assert_eq!(
+        within("the nested operation", nested).await,
+        Ok(Ok("judged"))
+    );
+    until("the place back", || async {
+        fleet(&limit).await == (1, 0, 0)
+    })
+    .await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Metrics
 // ---------------------------------------------------------------------------------------------
