@@ -389,11 +389,11 @@ impl RedisLimitBuilder {
                 call_timeout: self.call_timeout,
                 fallback_poll: self.fallback_poll.min(self.lease_ttl / 3),
                 claim_timeout,
-                control: self.adaptive.map(|mut adaptive| {
-                    adaptive.tick = self.adaptive_tick;
-                    FleetControl::new(adaptive, self.call_timeout, self.lease_ttl)
-                }),
             },
+            self.adaptive.map(|mut adaptive| {
+                adaptive.tick = self.adaptive_tick;
+                FleetControl::new(adaptive, self.call_timeout, self.lease_ttl)
+            }),
         ));
         let (releases, released) = unbounded_channel();
         let handle = Arc::new_cyclic(|handle: &Weak<Handle<RedisStore>>| {

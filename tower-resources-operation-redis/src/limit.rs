@@ -49,7 +49,7 @@ impl RedisLimit {
 
     /// The limit's name: its Redis keys, and its attribute in the metrics.
     pub fn name(&self) -> &str {
-        &self.handle.member.name
+        &self.handle.member.settings.name
     }
 
     /// The Redis the limit was given, as its messages say it (without a password).
@@ -104,12 +104,12 @@ impl RedisLimit {
 
     /// The bound on the fleet's queue, if there is one.
     pub fn queue_bound(&self) -> Option<usize> {
-        self.handle.member.max_queued
+        self.handle.member.settings.max_queued
     }
 
     /// What it answers while Redis is out of reach.
     pub fn when_unreachable(&self) -> Unreachable {
-        self.handle.member.unreachable
+        self.handle.member.settings.unreachable
     }
 
     /// Whether the last call reached Redis. While it did not, callers are answered at once (as
@@ -248,7 +248,7 @@ impl RedisPermit {
 impl fmt::Debug for RedisPermit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisPermit")
-            .field("limit", &&*self.place.handle.member.name)
+            .field("limit", &&*self.place.handle.member.settings.name)
             .field("place", &self.place.kind)
             .finish()
     }
@@ -273,8 +273,8 @@ impl Acquire for RedisLimit {
     /// Redis cannot be reached (failing closed, or on the share of a replica that never reached
     /// it), or when a queue is full.
     fn may_reject(&self) -> bool {
-        self.handle.member.unreachable != Unreachable::Open
-            || self.handle.member.max_queued.is_some()
+        self.handle.member.settings.unreachable != Unreachable::Open
+            || self.handle.member.settings.max_queued.is_some()
     }
 
     /// The limit every clone of this handle shares (a layer applied twice on a request's path
@@ -309,16 +309,16 @@ impl fmt::Debug for RedisLimit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let member = &self.handle.member;
         f.debug_struct("RedisLimit")
-            .field("name", &member.name)
+            .field("name", &member.settings.name)
             .field("address", &self.address())
             .field("capacity", &self.capacity())
             .field("active", &self.active())
             .field("queued", &self.queued())
-            .field("queue_bound", &member.max_queued)
-            .field("lease_ttl", &member.lease_ttl)
-            .field("call_timeout", &member.call_timeout)
-            .field("claim_timeout", &member.claim_timeout)
-            .field("when_unreachable", &member.unreachable)
+            .field("queue_bound", &member.settings.max_queued)
+            .field("lease_ttl", &member.settings.lease_ttl)
+            .field("call_timeout", &member.settings.call_timeout)
+            .field("claim_timeout", &member.settings.claim_timeout)
+            .field("when_unreachable", &member.settings.unreachable)
             .field("adaptive", &member.control)
             .field("reachable", &self.is_reachable())
             .finish()

@@ -62,7 +62,7 @@ pub(crate) fn register(meter: &Meter, handle: &Arc<Handle<RedisStore>>) {
         ),
     ] {
         let limit: Weak<Handle<RedisStore>> = Arc::downgrade(handle);
-        let attributes = [KeyValue::new(LIMIT_ATTRIBUTE, Arc::clone(&handle.member.name))];
+        let attributes = [KeyValue::new(LIMIT_ATTRIBUTE, Arc::clone(&handle.member.settings.name))];
         meter
             .u64_observable_counter(name)
             .with_unit("{operation}")

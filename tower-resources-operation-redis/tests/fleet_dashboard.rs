@@ -303,7 +303,7 @@ fn dashboard_query(title: &str, reference: &str) -> String {
         .find(|target| target["refId"] == reference)
         .and_then(|target| target["expr"].as_str())
         .expect("the query")
-        .replace("$__rate_interval", "5s");
+        .replace("$__rate_interval", "8s");
     ["job", "instance", "limit", "operation"]
         .iter()
         .fold(expr, |expr, variable| {
@@ -341,8 +341,10 @@ fn the_dashboard_and_the_alerts_read_a_saturated_fleet_limit_as_the_fleets() {
                 (replicas, targets)
             });
         let prometheus = Prometheus::start(&targets);
-        // Scrapes over 5 s, and past the rules' shortened `for:`.
-        std::thread::sleep(Duration::from_secs(8));
+        // Scrapes over 8 s (each replica's places, sampled at its own scrape, move between
+        // them in between: the average over many scrapes is the fleet's), and past the rules'
+        // shortened `for:`.
+        std::thread::sleep(Duration::from_secs(11));
 
         let utilisation = prometheus
             .of_limit(&dashboard_query("Utilisation per named limit", "A"))
@@ -353,7 +355,7 @@ fn the_dashboard_and_the_alerts_read_a_saturated_fleet_limit_as_the_fleets() {
         // What the panel read before 0.5: the capacity every replica reports, added up.
         let added_up = prometheus
             .of_limit(
-                "sum by (nemo_gym_resources_limit) (avg_over_time(gym_resources_limit_active[5s])) \
+                "sum by (nemo_gym_resources_limit) (avg_over_time(gym_resources_limit_active[8s])) \
                  / sum by (nemo_gym_resources_limit) (gym_resources_limit_capacity)",
             )
             .expect("the old reading");

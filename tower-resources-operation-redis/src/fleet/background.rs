@@ -76,7 +76,7 @@ impl Background {
     ) -> Self {
         let retries: Arc<Retries> = Arc::default();
         Self {
-            limit: Arc::clone(&member.name),
+            limit: Arc::clone(&member.settings.name),
             releases: Box::pin(send_releases(
                 Arc::clone(&member),
                 Arc::clone(&retries),
@@ -147,7 +147,7 @@ async fn send_releases<S: Store>(
     // Gone: the releases still to be made, once.
     let ids: Vec<String> = lock(&retries)
         .drain(..)
-        .filter(|(_, at)| at.elapsed() < member.lease_ttl)
+        .filter(|(_, at)| at.elapsed() < member.settings.lease_ttl)
         .map(|(id, _)| id)
         .collect();
     for batch in ids.chunks(BATCH) {
@@ -193,7 +193,7 @@ async fn tick<S: Store>(member: &Member<S>, retries: &Retries) {
     let ids: Vec<String> = {
         let mut retries = lock(retries);
         // A lease given back after it expired is moot.
-        retries.retain(|(_, at)| at.elapsed() < member.lease_ttl);
+        retries.retain(|(_, at)| at.elapsed() < member.settings.lease_ttl);
         retries.iter().map(|(id, _)| id.clone()).collect()
     };
     member.refresh().await;

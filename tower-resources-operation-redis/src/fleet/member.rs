@@ -43,10 +43,12 @@ pub enum Unreachable {
     Open,
 }
 
-/// The settings a member is made with.
+/// What a member is made with: the builder's settings, as checked.
 pub(crate) struct Settings {
     pub(crate) name: Arc<str>,
+    /// The capacity this process was built with.
     pub(crate) capacity: usize,
+    /// Whether the first call makes `capacity` the fleet's.
     pub(crate) overwrite: bool,
     pub(crate) max_queued: Option<usize>,
     pub(crate) unreachable: Unreachable,
@@ -54,20 +56,15 @@ pub(crate) struct Settings {
     pub(crate) call_timeout: Duration,
     pub(crate) fallback_poll: Duration,
     pub(crate) claim_timeout: Duration,
-    pub(crate) control: Option<FleetControl>,
 }
 
 /// One process's part in one fleet limit.
 pub(crate) struct Member<S> {
-    pub(crate) name: Arc<str>,
+    pub(crate) settings: Settings,
     pub(crate) store: S,
     pub(crate) health: Health,
     /// How the handles and the listener hurry the refresh loop.
     pub(crate) doorbell: Doorbell,
-    /// The capacity this process was built with.
-    pub(crate) configured: usize,
-    /// Whether the first call makes `configured` the fleet's capacity.
-    overwrite: bool,
     overwritten: OnceCell<()>,
     /// Whether the first capacity read from the store was compared with `configured`.
     capacity_checked: AtomicBool,
@@ -75,12 +72,6 @@ pub(crate) struct Member<S> {
     saying: Mutex<()>,
     /// Whether a fixed replica in an adaptive fleet was said.
     control_checked: AtomicBool,
-    pub(crate) max_queued: Option<usize>,
-    pub(crate) unreachable: Unreachable,
-    pub(crate) lease_ttl: Duration,
-    pub(crate) call_timeout: Duration,
-    pub(crate) fallback_poll: Duration,
-    pub(crate) claim_timeout: Duration,
     pub(crate) books: Mutex<Books>,
     /// The fleet's capacity, as last read.
     pub(crate) capacity: AtomicUsize,
@@ -106,26 +97,18 @@ pub(crate) struct Member<S> {
 }
 
 impl<S: Store> Member<S> {
-    pub(crate) fn new(store: S, settings: Settings) -> Self {
+    pub(crate) fn new(store: S, settings: Settings, control: Option<FleetControl>) -> Self {
         Self {
-            name: settings.name,
+            capacity: AtomicUsize::new(settings.capacity),
+            settings,
             store,
             health: Health::new(),
             doorbell: Doorbell::default(),
-            configured: settings.capacity,
-            overwrite: settings.overwrite,
             overwritten: OnceCell::new(),
             capacity_checked: AtomicBool::new(false),
             saying: Mutex::new(()),
             control_checked: AtomicBool::new(false),
-            max_queued: settings.max_queued,
-            unreachable: settings.unreachable,
-            lease_ttl: settings.lease_ttl,
-            call_timeout: settings.call_timeout,
-            fallback_poll: settings.fallback_poll,
-            claim_timeout: settings.claim_timeout,
             books: Mutex::default(),
-            capacity: AtomicUsize::new(settings.capacity),
             replicas: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             queued: AtomicUsize::new(0),
@@ -135,7 +118,7 @@ impl<S: Store> Member<S> {
             share_freed: Notify::new(),
             settling: AtomicU64::new(0),
             origin: Instant::now(),
-            control: settings.control,
+            control,
         }
     }
 
@@ -170,7 +153,7 @@ impl<S: Store> Member<S> {
     /// The share it runs on now, if it does: the store is out of reach (or answers again, and
     /// the fleet is settling), and it knows one.
     pub(crate) fn running_on_share(&self) -> Option<usize> {
-        match self.unreachable {
+        match self.settings.unreachable {
             Unreachable::Share if self.health.is_down() || self.is_settling() => self.share(),
             _ => None,
         }
@@ -213,11 +196,11 @@ impl<S: Store> Member<S> {
     /// `call`, noting whether the store answered; first, once, makes the configured capacity
     /// the fleet's if the limit was built to.
     async fn call<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
-        if self.overwrite && !self.overwritten.initialized() {
+        if self.settings.overwrite && !self.overwritten.initialized() {
             let stored = self
                 .overwritten
                 .get_or_try_init(|| async {
-                    let capacity = self.store.set_capacity(self.configured).await?;
+                    let capacity = self.store.set_capacity(self.settings.capacity).await?;
                     self.capacity.store(capacity, Ordering::Relaxed);
                     Ok::<_, Error>(())
                 })
@@ -244,17 +227,18 @@ impl<S: Store> Member<S> {
                         "{error}. Until it answers again the limit {}, and asks again every \
                          {:?} in the background",
                         self.answer_while_down(),
-                        self.fallback_poll
+                        self.settings.fallback_poll
                     ));
                 }
                 self.doorbell.probe();
             }
             Change::Up(after) => {
-                let settle = self.unreachable == Unreachable::Share && self.share().is_some();
+                let settle =
+                    self.settings.unreachable == Unreachable::Share && self.share().is_some();
                 inform(&format!(
                     "tower-resources-operation-redis: the fleet limit {:?} reaches its store at \
                      {} again, after {after:?}{}",
-                    self.name,
+                    self.settings.name,
                     self.store.address(),
                     match settle {
                         true =>
@@ -270,7 +254,7 @@ impl<S: Store> Member<S> {
                     if !lock(&self.books).unheard.is_empty() {
                         self.doorbell.probe();
                     }
-                    let at = Instant::now() + self.fallback_poll / 2;
+                    let at = Instant::now() + self.settings.fallback_poll / 2;
                     let ns = u64::try_from(at.saturating_duration_since(self.origin).as_nanos())
                         .unwrap_or(u64::MAX)
                         .max(1);
@@ -287,7 +271,7 @@ impl<S: Store> Member<S> {
 
     /// What the limit answers while the store is out of reach, in words.
     fn answer_while_down(&self) -> String {
-        match (self.unreachable, self.share()) {
+        match (self.settings.unreachable, self.share()) {
             (Unreachable::Share, Some(share)) => format!(
                 "runs on this replica's share of the fleet's last capacity: {share} at once \
                  ({} over {} replicas alive; queued locally beyond that)",
@@ -373,7 +357,7 @@ impl<S: Store> Member<S> {
         }
         // Marked once said (a caller that finds it marked finds it said).
         let _mark = Mark(&self.capacity_checked);
-        if capacity == self.configured || self.control.is_some() {
+        if capacity == self.settings.capacity || self.control.is_some() {
             return;
         }
         warn(&format!(
@@ -382,10 +366,10 @@ impl<S: Store> Member<S> {
              ({capacity}). The first process to reach the store stores its capacity, and \
              `set_capacity` changes it for the whole fleet; build with `overwrite_capacity()` to \
              make {} the fleet's at this process's first call.",
-            self.name,
-            self.configured,
+            self.settings.name,
+            self.settings.capacity,
             self.store.address(),
-            self.configured,
+            self.settings.capacity,
         ));
     }
 
@@ -416,7 +400,7 @@ impl<S: Store> Member<S> {
              within a lease TTL): this replica admits whatever capacity the controller sets, and \
              never changes it. Build every replica of one limit the same way: all \
              `adaptive(..)`, or none",
-            self.name,
+            self.settings.name,
             self.store.address()
         ));
     }
@@ -498,11 +482,11 @@ impl<S: Store> Member<S> {
     /// fallback poll after).
     pub(crate) fn every(&self, urgent: bool) -> Duration {
         if self.health.is_down() {
-            self.fallback_poll / 4
+            self.settings.fallback_poll / 4
         } else if urgent || self.queued.load(Ordering::Relaxed) > 0 {
-            self.fallback_poll
+            self.settings.fallback_poll
         } else {
-            self.lease_ttl / 3
+            self.settings.lease_ttl / 3
         }
     }
 
@@ -525,9 +509,9 @@ impl<S: Store> Member<S> {
                 // expires untaken, and this process's waiters find the place by a refresh
                 // soon after, rather than at the next fallback poll.
                 if foreign && self.queued.load(Ordering::Relaxed) > 0 {
-                    let slack = self.claim_timeout / 10 + Duration::from_millis(5);
+                    let slack = self.settings.claim_timeout / 10 + Duration::from_millis(5);
                     self.doorbell
-                        .refresh_at(Instant::now() + self.claim_timeout + slack);
+                        .refresh_at(Instant::now() + self.settings.claim_timeout + slack);
                 }
             }
             Event::Capacity(capacity) => self.capacity.store(capacity, Ordering::Relaxed),

@@ -52,7 +52,7 @@ pub(crate) async fn acquire<S: Store>(handle: Arc<Handle<S>>) -> Result<Place<S>
             // Not asked this time: only an earlier ask may have left a ticket.
             waiter.asked = asked_before;
         }
-        match member.unreachable {
+        match member.settings.unreachable {
             Unreachable::Closed => return Err(AcquireError::failed(error)),
             Unreachable::Open => {
                 member.failed_open.fetch_add(1, Ordering::Relaxed);
@@ -113,7 +113,7 @@ impl<S: Store> Waiter<S> {
     /// running.
     async fn wait(&self) -> bool {
         // One deadline for the whole wait: a wake-up without news does not put it off.
-        let deadline = tokio::time::Instant::now() + self.handle.member.lease_ttl;
+        let deadline = tokio::time::Instant::now() + self.handle.member.settings.lease_ttl;
         loop {
             let heard = tokio::time::timeout_at(deadline, self.slot.notified()).await;
             match self.slot.take_news() {
@@ -143,7 +143,7 @@ impl<S: Store> Waiter<S> {
             if down && member.take_on_share(share) {
                 return Some(Ok(self.admitted_on_share()));
             }
-            if let Some(bound) = member.max_queued {
+            if let Some(bound) = member.settings.max_queued {
                 let replicas = member.replicas.load(Ordering::Relaxed).max(1);
                 if !self.slot.queued.load(Ordering::Relaxed)
                     && member.queued.load(Ordering::Relaxed) >= bound / replicas
