@@ -50,14 +50,20 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_resources_operation::adaptive::{Adaptive, Aimd, Algorithm, Gradient, Sample, Vegas};
 use tower_resources_operation::classify::OperationOutput;
+use tower_resources_operation::limit::Ended;
 use tower_resources_operation::{Executor, Limit, Operation, OperationMetrics, Outcome};
+
+#[path = "arc_scenarios/fleet.rs"]
+mod fleet;
+
+use fleet::Fleet;
 
 /// ARC's and the crate's controllers stay within `1..=MAX` (ARC's default maximum).
 const MAX: usize = 200;
@@ -152,6 +158,8 @@ struct Level {
     time: BTreeMap<usize, f64>,
     max: usize,
     min: usize,
+    /// Every value it took, from when (seconds from the start): for the mean of a phase.
+    trace: Vec<(f64, usize)>,
 }
 
 impl Level {
@@ -163,12 +171,17 @@ impl Level {
             time: BTreeMap::new(),
             max: value,
             min: value,
+            trace: vec![(0.0, value)],
         }
     }
 
     fn set(&mut self, now: Instant, value: usize) {
         let spent = now.saturating_duration_since(self.since).as_secs_f64();
         *self.time.entry(self.value).or_default() += spent;
+        if value != self.value {
+            let at = now.saturating_duration_since(self.start).as_secs_f64();
+            self.trace.push((at, value));
+        }
         self.value = value;
         self.since = now;
         self.max = self.max.max(value);
@@ -197,6 +210,20 @@ impl Level {
             .map_or(0, |(value, _)| *value);
         (mean, mode, self.max)
     }
+}
+
+/// The time-weighted mean of a level that took the values of `trace` (from when, in seconds),
+/// over `[from, to)` seconds.
+fn mean_between(trace: &[(f64, usize)], from: f64, to: f64) -> f64 {
+    let mut sum = 0.0;
+    for (i, &(at, value)) in trace.iter().enumerate() {
+        let until = trace.get(i + 1).map_or(f64::INFINITY, |next| next.0);
+        let (a, b) = (at.max(from), until.min(to));
+        if b > a {
+            sum += value as f64 * (b - a);
+        }
+    }
+    sum / (to - from)
 }
 
 /// What can change during a run: the server's parameters.
@@ -247,8 +274,9 @@ impl Server {
         Duration::from_secs_f64(model.delay * factor)
     }
 
-    /// A request arrives: what the server will do with it.
-    fn start(&mut self, now: Instant) -> Reply {
+    /// A request that takes `factor` times the model's delay arrives: what the server will do
+    /// with it.
+    fn start(&mut self, now: Instant, factor: f64) -> Reply {
         self.prune(now);
         self.arrived.push_back(now);
         self.rate.set(now, self.arrived.len());
@@ -261,8 +289,8 @@ impl Server {
             .action_at(level)
             .or_else(|| model.rate.action_at(rate))
         {
-            None => Reply::Ok(self.delay_at(level, rate)),
-            Some(Action::Defer) => Reply::Deferred(self.delay_at(1, 1)),
+            None => Reply::Ok(self.delay_at(level, rate).mul_f64(factor)),
+            Some(Action::Defer) => Reply::Deferred(self.delay_at(1, 1).mul_f64(factor)),
             Some(Action::Drop) => {
                 self.end(now);
                 Reply::Dropped
@@ -317,9 +345,29 @@ impl Drop for Leaves {
     }
 }
 
-/// One attempt at the server, as its client sees it: within [`CLIENT_TIMEOUT`].
-async fn attempt(server: &Shared) -> Answer {
-    let reply = server.lock().unwrap().start(Instant::now());
+/// A kind of work the clients send: what it is to the limit, how long it takes at low load,
+/// and how long its caller waits for it.
+#[derive(Clone, Copy, Debug)]
+struct Kind {
+    operation: Operation,
+    executor: Executor,
+    /// Its run time at low load, in the model's delays.
+    factor: f64,
+    /// How long its caller waits for an answer.
+    timeout: Duration,
+}
+
+/// What every scenario of Vector's set sends: one kind, at the model's delay.
+const ONE_KIND: Kind = Kind {
+    operation: Operation::Judge,
+    executor: Executor::Inline,
+    factor: 1.0,
+    timeout: CLIENT_TIMEOUT,
+};
+
+/// One attempt of `kind` at the server, as its client sees it: within the kind's timeout.
+async fn attempt(server: &Shared, kind: Kind) -> Answer {
+    let reply = server.lock().unwrap().start(Instant::now(), kind.factor);
     let served = async {
         match reply {
             Reply::Ok(delay) | Reply::Deferred(delay) => {
@@ -337,7 +385,7 @@ async fn attempt(server: &Shared) -> Answer {
             Reply::Dropped => std::future::pending().await,
         }
     };
-    tokio::time::timeout(CLIENT_TIMEOUT, served)
+    tokio::time::timeout(kind.timeout, served)
         .await
         .unwrap_or(Answer::TimedOut)
 }
@@ -531,10 +579,15 @@ enum Controller {
     Aimd,
     /// Vector's ARC, re-implemented here.
     Arc,
+    /// Each algorithm deciding for a fleet of replicas on one limit ([`fleet`]).
+    FleetVegas,
+    FleetGradient,
+    FleetAimd,
 }
 
 impl Controller {
     const ALL: [Self; 4] = [Self::Vegas, Self::Gradient, Self::Aimd, Self::Arc];
+    const FLEET: [Self; 3] = [Self::FleetVegas, Self::FleetGradient, Self::FleetAimd];
 
     fn name(self) -> &'static str {
         match self {
@@ -542,6 +595,9 @@ impl Controller {
             Self::Gradient => "gradient",
             Self::Aimd => "aimd",
             Self::Arc => "arc",
+            Self::FleetVegas => "fleet/vegas",
+            Self::FleetGradient => "fleet/gradient",
+            Self::FleetAimd => "fleet/aimd",
         }
     }
 }
@@ -561,21 +617,78 @@ fn adaptive<A: Algorithm + Clone + Sync>(algorithm: A, baseline: &Baseline, trac
         .build()
 }
 
+/// How a run's limit is decided.
+struct Decided {
+    limit: Limit,
+    /// ARC's controller, beside a plain limit.
+    arc: Option<Arc<ArcController>>,
+    /// A fleet's controller, beside a plain limit.
+    fleet: Option<Arc<Fleet>>,
+    baseline: Baseline,
+}
+
 /// A limit run by `controller`, starting at 1, and what reads its algorithm's baseline.
-fn limit_for(controller: Controller) -> (Limit, Option<Arc<ArcController>>, Baseline) {
+fn limit_for(controller: Controller) -> Decided {
     let baseline = Baseline::default();
     let trace = std::env::var("ARC_TRACE").is_ok_and(|name| name == controller.name());
-    let limit = match controller {
-        Controller::Vegas => adaptive(Vegas::default(), &baseline, trace),
-        Controller::Gradient => adaptive(Gradient::default(), &baseline, trace),
-        Controller::Aimd => adaptive(Aimd::default(), &baseline, trace),
+    let watched = |algorithm: Box<dyn Algorithm>| -> Box<dyn Algorithm> {
+        Box::new(Watched {
+            algorithm: Boxed(Arc::new(Mutex::new(algorithm))),
+            baseline: Arc::clone(&baseline),
+            trace,
+        })
+    };
+    let fleet = |algorithm: Box<dyn Algorithm>| {
+        let limit = Limit::new(1);
+        let fleet = Fleet::new(limit.clone(), watched(algorithm), (1, MAX));
+        (limit, Some(fleet))
+    };
+    let (limit, arc, fleet) = match controller {
+        Controller::Vegas => (adaptive(Vegas::default(), &baseline, trace), None, None),
+        Controller::Gradient => (adaptive(Gradient::default(), &baseline, trace), None, None),
+        Controller::Aimd => (adaptive(Aimd::default(), &baseline, trace), None, None),
         Controller::Arc => {
             let limit = Limit::new(1);
             let arc = Arc::new(ArcController::new(limit.clone()));
-            return (limit, Some(arc), baseline);
+            (limit, Some(arc), None)
+        }
+        Controller::FleetVegas => {
+            let (limit, fleet) = fleet(Box::<Vegas>::default());
+            (limit, None, fleet)
+        }
+        Controller::FleetGradient => {
+            let (limit, fleet) = fleet(Box::<Gradient>::default());
+            (limit, None, fleet)
+        }
+        Controller::FleetAimd => {
+            let (limit, fleet) = fleet(Box::<Aimd>::default());
+            (limit, None, fleet)
         }
     };
-    (limit, None, baseline)
+    Decided {
+        limit,
+        arc,
+        fleet,
+        baseline,
+    }
+}
+
+/// A boxed algorithm, shared, so that [`Watched`] can wrap one (a fleet's leader holds it).
+#[derive(Clone)]
+struct Boxed(Arc<Mutex<Box<dyn Algorithm>>>);
+
+impl Algorithm for Boxed {
+    fn update(&mut self, sample: &Sample) -> usize {
+        self.0.lock().unwrap().update(sample)
+    }
+
+    fn baseline(&self) -> Option<Duration> {
+        self.0.lock().unwrap().baseline()
+    }
+
+    fn estimate(&self) -> Option<Duration> {
+        self.0.lock().unwrap().estimate()
+    }
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -590,6 +703,21 @@ enum Demand {
     /// `clients` closed-loop clients for `seconds`: each sends its next request as soon as the
     /// last one is answered.
     Closed { clients: usize, seconds: f64 },
+    /// Closed-loop clients of several kinds of work, each group from and until a moment of the
+    /// run, for `seconds`.
+    Mixed {
+        loads: &'static [Load],
+        seconds: f64,
+    },
+}
+
+/// A group of closed-loop clients of one kind of work, from `from` until `until` seconds.
+#[derive(Clone, Copy, Debug)]
+struct Load {
+    kind: Kind,
+    clients: usize,
+    from: f64,
+    until: f64,
 }
 
 /// A scenario: a model, a demand, and changes of the model during the run.
@@ -624,12 +752,45 @@ struct Figures {
     limits: Vec<(f64, usize)>,
     /// When each attempt timed out, in seconds.
     timeouts: Vec<f64>,
+    /// The server's in flight whenever it changed: `(seconds, in flight)`.
+    in_flight: Vec<(f64, usize)>,
     baseline: Option<Duration>,
 }
 
 impl Figures {
     fn failures_per_success(&self) -> f64 {
         (self.deferred + self.timed_out) as f64 / self.successes.max(1) as f64
+    }
+
+    /// The share of the attempts that timed out.
+    fn timed_out_share(&self) -> f64 {
+        let attempts = self.successes + self.deferred + self.timed_out;
+        self.timed_out as f64 / attempts.max(1) as f64
+    }
+
+    /// The server's mean in flight over `[from, to)` seconds, time-weighted.
+    fn in_flight_between(&self, from: f64, to: f64) -> f64 {
+        mean_between(&self.in_flight, from, to)
+    }
+
+    /// The first moment at or after `from` seconds that the capacity is at most `capacity`.
+    fn falls_to(&self, from: f64, capacity: usize) -> Option<f64> {
+        let mut current = 1;
+        for &(at, value) in &self.limits {
+            if at >= from && value <= capacity {
+                return Some(at.max(from));
+            }
+            if at < from {
+                current = value;
+            }
+        }
+        (current <= capacity).then_some(from)
+    }
+
+    /// Whether the capacity came back to 1 after it first left it.
+    fn back_to_one(&self) -> bool {
+        let left = self.limits.iter().position(|&(_, capacity)| capacity > 1);
+        left.is_some_and(|left| self.limits[left..].iter().any(|&(_, c)| c == 1))
     }
 
     /// The lowest capacity in `[from, to)` seconds.
@@ -668,7 +829,7 @@ impl fmt::Display for Figures {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:<9}{:>7.2}{:>7.1}{:>5}{:>5}{:>7.1}{:>5}{:>7.1}{:>6}{:>6}{:>8.3}{:>7.1}{:>5}{:>5}  {}",
+            "{:<15}{:>7.2}{:>7.1}{:>5}{:>5}{:>7.1}{:>5}{:>7.1}{:>6}{:>6}{:>8.3}{:>7.1}{:>5}{:>5}  {}",
             self.controller.name(),
             self.seconds,
             self.in_flight_mean,
@@ -689,9 +850,10 @@ impl fmt::Display for Figures {
     }
 }
 
-const HEADER: &str = "         seconds  in flight       rate       ok/s  defer  t/o fail/ok  \
-                      limit         baseline\n                   mean  max mode   mean  max   \
-                                                    mean  min  max";
+const HEADER: &str =
+    "               seconds  in flight       rate       ok/s  defer  t/o fail/ok  \
+                      limit         baseline\n                         mean  max mode   mean  \
+                      max                          mean  min  max";
 
 /// The capacity, time-weighted, as the attempts see it.
 struct Capacity {
@@ -715,6 +877,7 @@ struct Run {
     server: Shared,
     limit: Limit,
     arc: Option<Arc<ArcController>>,
+    fleet: Option<Arc<Fleet>>,
     capacity: Mutex<Capacity>,
     successes: AtomicU64,
     deferred: AtomicU64,
@@ -735,19 +898,30 @@ impl Run {
             .see(now, self.limit.capacity());
     }
 
-    /// One attempt through the limit: `true` if it succeeded.
-    async fn attempt(&self) -> bool {
+    /// One attempt of `kind` through the limit, by client number `client`: `true` if it
+    /// succeeded.
+    async fn attempt(&self, kind: Kind, client: usize) -> bool {
         let answer = self
             .metrics
-            .resources_operation(&self.limit, Operation::Judge, Executor::Inline, async {
+            .resources_operation(&self.limit, kind.operation, kind.executor, async {
                 self.see_capacity();
                 let started = Instant::now();
                 if let Some(arc) = &self.arc {
                     arc.start();
                 }
-                let answer = attempt(&self.server).await;
+                // A fleet's clients are spread over its replicas.
+                let admitted = self
+                    .fleet
+                    .as_ref()
+                    .map(|fleet| fleet.admitted(client % fleet::REPLICAS));
+                let answer = attempt(&self.server, kind).await;
                 if let Some(arc) = &self.arc {
                     arc.end(started, answer);
+                }
+                if let (Some(fleet), Some(admitted)) = (&self.fleet, admitted) {
+                    let now = Instant::now();
+                    let ended = Ended::new(answer.outcome(), now - started, Some(now));
+                    fleet.ended(admitted, &ended);
                 }
                 answer
             })
@@ -772,18 +946,55 @@ impl Run {
         answer == Answer::Ok
     }
 
-    /// A request, tried until it succeeds.
-    async fn request(self: Arc<Self>) {
-        while !self.attempt().await {
+    /// A request, tried until it succeeds, by client number `client`.
+    async fn request(self: Arc<Self>, client: usize) {
+        while !self.attempt(ONE_KIND, client).await {
             tokio::time::sleep(RETRY_BACKOFF).await;
         }
     }
 }
 
+/// Runs the closed-loop clients of `loads` for `seconds`; returns when the run ended.
+async fn closed_loop(run: &Arc<Run>, loads: &[Load], seconds: f64) -> Instant {
+    let start = run.start;
+    let tasks: Vec<_> = loads
+        .iter()
+        .flat_map(|load| (0..load.clients).map(move |_| *load))
+        .enumerate()
+        .map(|(client, load)| {
+            let run = Arc::clone(run);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(start + Duration::from_secs_f64(load.from)).await;
+                let until = start + Duration::from_secs_f64(load.until.min(seconds));
+                while Instant::now() < until {
+                    if !run.attempt(load.kind, client).await {
+                        tokio::time::sleep(RETRY_BACKOFF).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep_until(start + Duration::from_secs_f64(seconds)).await;
+    let end = Instant::now();
+    for task in &tasks {
+        task.abort();
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    end
+}
+
 /// Runs `scenario` against `controller`, with the server's random numbers seeded by `seed`.
 async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures {
     let start = Instant::now();
-    let (limit, arc, baseline) = limit_for(controller);
+    let Decided {
+        limit,
+        arc,
+        fleet,
+        baseline,
+    } = limit_for(controller);
+    let ticks = fleet.as_ref().map(Fleet::start).unwrap_or_default();
     let run = Arc::new(Run {
         server: Arc::new(Mutex::new(Server::new(scenario.model, seed, start))),
         capacity: Mutex::new(Capacity {
@@ -793,6 +1004,7 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
         }),
         limit,
         arc,
+        fleet,
         successes: AtomicU64::new(0),
         deferred: AtomicU64::new(0),
         timed_out: AtomicU64::new(0),
@@ -820,7 +1032,7 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
                     tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 * interval))
                         .await;
                 }
-                tasks.push(tokio::spawn(Arc::clone(&run).request()));
+                tasks.push(tokio::spawn(Arc::clone(&run).request(i)));
             }
             for task in tasks {
                 task.await.unwrap();
@@ -828,37 +1040,23 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
             start + Duration::from_nanos(run.last_success.load(Relaxed))
         }
         Demand::Closed { clients, seconds } => {
-            let done = Arc::new(AtomicUsize::new(0));
-            let tasks: Vec<_> = (0..clients)
-                .map(|_| {
-                    let (run, done) = (Arc::clone(&run), Arc::clone(&done));
-                    tokio::spawn(async move {
-                        while done.load(Relaxed) == 0 {
-                            if !run.attempt().await {
-                                tokio::time::sleep(RETRY_BACKOFF).await;
-                            }
-                        }
-                    })
-                })
-                .collect();
-            tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
-            done.store(1, Relaxed);
-            let end = Instant::now();
-            for task in &tasks {
-                task.abort();
-            }
-            for task in tasks {
-                let _ = task.await;
-            }
-            end
+            let load = Load {
+                kind: ONE_KIND,
+                clients,
+                from: 0.0,
+                until: seconds,
+            };
+            closed_loop(&run, &[load], seconds).await
         }
+        Demand::Mixed { loads, seconds } => closed_loop(&run, loads, seconds).await,
     };
-    for change in changes {
-        change.abort();
+    for task in changes.into_iter().chain(ticks) {
+        task.abort();
     }
     let seconds = end.saturating_duration_since(start).as_secs_f64();
     let mut server = run.server.lock().unwrap();
     let (in_flight_mean, in_flight_mode, in_flight_max) = server.in_flight.stats(end);
+    let in_flight = server.in_flight.trace.clone();
     let (rate_mean, _, rate_max) = server.rate.stats(end);
     let mut capacity = run.capacity.lock().unwrap();
     let (limit_mean, _, limit_max) = capacity.level.stats(end);
@@ -882,6 +1080,7 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
         limit_max,
         limits: capacity.changes.clone(),
         timeouts,
+        in_flight,
         baseline,
     }
 }
@@ -889,6 +1088,15 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
 /// Runs `scenario` against every controller and prints the table, with Vector's published
 /// ranges (`published`) under it.
 async fn compare(scenario: &Scenario, published: &str) -> BTreeMap<&'static str, Figures> {
+    compare_these(scenario, published, &Controller::ALL).await
+}
+
+/// [`compare`], for `controllers`.
+async fn compare_these(
+    scenario: &Scenario,
+    published: &str,
+    controllers: &[Controller],
+) -> BTreeMap<&'static str, Figures> {
     let mut figures = BTreeMap::new();
     let mut table = format!("\n== {}\n{HEADER}\n", scenario.name);
     // `ARC_SEED=<n>` runs with other random numbers (the assertions hold for the default).
@@ -896,7 +1104,7 @@ async fn compare(scenario: &Scenario, published: &str) -> BTreeMap<&'static str,
         .ok()
         .and_then(|seed| seed.parse().ok())
         .unwrap_or(0x5EED);
-    for controller in Controller::ALL {
+    for &controller in controllers {
         let run = run(scenario, controller, seed).await;
         table.push_str(&format!("{run}\n"));
         figures.insert(controller.name(), run);
@@ -1250,12 +1458,17 @@ async fn capacity_24_to_8_to_24() {
         changes: vec![(5.0, 8), (10.0, 24)],
     };
     let runs = compare(&scenario, "not in Vector's set").await;
+    // In round trips of 100 ms (a deferral is answered in one too).
+    let round_trips = |at: Option<f64>, from: f64| at.map_or(f64::INFINITY, |at| (at - from) / 0.1);
     for figures in runs.values() {
         println!(
-            "{:<9} lowest limit 5-10 s: {}, first at 24 after 10 s: {:?}",
+            "{:<9} at or below 10 after 5 s: {:4.1} round trips, lowest 5-10 s: {:2}; 18 or more \
+             after 10 s: {:4.1} round trips, 24: {:4.1}",
             figures.controller.name(),
+            round_trips(figures.falls_to(5.0, 10), 5.0),
             figures.lowest_limit(5.0, 10.0),
-            figures.reaches(10.0, 24).map(|at| at - 10.0)
+            round_trips(figures.reaches(10.0, 18), 10.0),
+            round_trips(figures.reaches(10.0, 24), 10.0),
         );
     }
     for name in ["vegas", "gradient", "aimd"] {
@@ -1326,4 +1539,228 @@ async fn steep_knee() {
         "at least 90% of ARC's throughput",
     );
     baselines_read(&runs, 0.1);
+}
+
+// -------------------------------------------------------------------------------------------------
+// Mixed work: one limit shared by operations whose run times differ tenfold (issue 33).
+
+/// What the mixed scenarios send: a verify of 100 ms (on a model of 100 ms), a tool call of
+/// 300 ms and a judge of 1 s, each given up by its caller after three times its run time.
+const VERIFY: Kind = Kind {
+    operation: Operation::Verify,
+    executor: Executor::Subprocess,
+    factor: 1.0,
+    timeout: Duration::from_millis(300),
+};
+const TOOL: Kind = Kind {
+    operation: Operation::Tool,
+    executor: Executor::Thread,
+    factor: 3.0,
+    timeout: Duration::from_millis(900),
+};
+const JUDGE: Kind = Kind {
+    operation: Operation::Judge,
+    executor: Executor::Inline,
+    factor: 10.0,
+    timeout: Duration::from_secs(3),
+};
+
+/// The backend of the mixed scenarios: it serves `K` at once at its kinds' run times (give or
+/// take an exponential 10%); past `K`, each more in flight doubles every run time, so that at
+/// `K + 2` every caller gives up.
+const K: usize = 12;
+
+fn knee_at_k() -> Model {
+    Model {
+        jitter: 0.1,
+        concurrency: Params {
+            knee_start: Some(K),
+            knee_exp: Some(2.0),
+            ..Params::NONE
+        },
+        ..link(0.1)
+    }
+}
+
+/// A group of `clients` closed-loop clients of `kind` from `from` until `until` seconds.
+const fn load(kind: Kind, clients: usize, from: f64, until: f64) -> Load {
+    Load {
+        kind,
+        clients,
+        from,
+        until,
+    }
+}
+
+/// Runs a mixed scenario of `loads` for 30 s, prints each controller's mean in flight (against
+/// `K`) over each of `phases` (seconds), its share of timeouts, whether it went back to 1, and
+/// its limit every second; returns the runs.
+async fn mixed(
+    name: &'static str,
+    loads: &'static [Load],
+    phases: &[(f64, f64)],
+) -> BTreeMap<&'static str, Figures> {
+    let scenario = Scenario {
+        name,
+        model: knee_at_k(),
+        demand: Demand::Mixed {
+            loads,
+            seconds: 30.0,
+        },
+        changes: Vec::new(),
+    };
+    let runs = compare(&scenario, "not in Vector's set").await;
+    for figures in runs.values() {
+        let phases: Vec<String> = phases
+            .iter()
+            .map(|&(from, to)| {
+                let k = figures.in_flight_between(from, to) / K as f64;
+                format!("{from:.0}-{to:.0} s {k:.2} K")
+            })
+            .collect();
+        println!(
+            "{:<15} in flight {} | timed out {:4.1}% | back to 1: {:<5} | limit every 1 s: {}",
+            figures.controller.name(),
+            phases.join(", "),
+            100.0 * figures.timed_out_share(),
+            figures.back_to_one(),
+            figures.trace(1.0),
+        );
+    }
+    runs
+}
+
+impl Figures {
+    /// The capacity every `every` seconds.
+    fn trace(&self, every: f64) -> String {
+        let mut values = Vec::new();
+        let (mut at, mut current, mut changes) = (0.0, 1, self.limits.iter().peekable());
+        while at < self.seconds {
+            while let Some(&&(when, capacity)) = changes.peek() {
+                if when > at {
+                    break;
+                }
+                current = capacity;
+                changes.next();
+            }
+            values.push(current.to_string());
+            at += every;
+        }
+        values.join(" ")
+    }
+}
+
+/// Verifies and judges from the start.
+#[tokio::test(start_paused = true)]
+async fn mixed_work_two_kinds() {
+    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 30.0), load(JUDGE, 24, 0.0, 30.0)];
+    mixed(
+        "mixed: verify 100 ms + judge 1 s from the start, knee at 12",
+        LOADS,
+        &[(5.0, 30.0)],
+    )
+    .await;
+}
+
+/// Verifies alone for 5 s, then judges too: the judges' first run times are not a queue.
+#[tokio::test(start_paused = true)]
+async fn mixed_work_fast_kind_first() {
+    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 30.0), load(JUDGE, 24, 5.0, 30.0)];
+    mixed(
+        "mixed: verify 100 ms from 0 s, judge 1 s from 5 s, knee at 12",
+        LOADS,
+        &[(2.0, 5.0), (10.0, 30.0)],
+    )
+    .await;
+}
+
+/// Judges alone for 5 s, then verifies too.
+#[tokio::test(start_paused = true)]
+async fn mixed_work_slow_kind_first() {
+    const LOADS: &[Load] = &[load(JUDGE, 24, 0.0, 30.0), load(VERIFY, 24, 5.0, 30.0)];
+    mixed(
+        "mixed: judge 1 s from 0 s, verify 100 ms from 5 s, knee at 12",
+        LOADS,
+        &[(2.0, 5.0), (10.0, 30.0)],
+    )
+    .await;
+}
+
+/// Three kinds from the start.
+#[tokio::test(start_paused = true)]
+async fn mixed_work_three_kinds() {
+    const LOADS: &[Load] = &[
+        load(VERIFY, 16, 0.0, 30.0),
+        load(TOOL, 16, 0.0, 30.0),
+        load(JUDGE, 16, 0.0, 30.0),
+    ];
+    mixed(
+        "mixed: verify 100 ms + tool 300 ms + judge 1 s, knee at 12",
+        LOADS,
+        &[(5.0, 30.0)],
+    )
+    .await;
+}
+
+/// The mix changes while the limit serves: mostly verifies, then mostly judges, then mostly
+/// verifies with tool calls too.
+#[tokio::test(start_paused = true)]
+async fn mixed_work_whose_mix_changes() {
+    const LOADS: &[Load] = &[
+        load(VERIFY, 8, 0.0, 30.0),
+        load(VERIFY, 24, 0.0, 10.0),
+        load(VERIFY, 24, 20.0, 30.0),
+        load(JUDGE, 8, 0.0, 30.0),
+        load(JUDGE, 24, 10.0, 20.0),
+        load(TOOL, 16, 20.0, 30.0),
+    ];
+    mixed(
+        "mixed: 32 verify + 8 judge, then 8 + 32 (10 s), then 32 + 8 + 16 tool (20 s)",
+        LOADS,
+        &[(5.0, 10.0), (15.0, 20.0), (25.0, 30.0)],
+    )
+    .await;
+}
+
+// -------------------------------------------------------------------------------------------------
+// A slow, steady rise is not a queue (issue 33).
+
+/// A backend whose run time rises 1% for each other call in flight (50 ms, plus 0.5 ms a call),
+/// without jitter, and that answers an error above K: 12, then 6 from 10 s, then 12 from 20 s.
+#[tokio::test(start_paused = true)]
+async fn a_slow_steady_rise_is_not_a_queue() {
+    let scenario = Scenario {
+        name: "slow rise: 50 ms + 1% per call in flight, defers above K = 12, 6 (10 s), 12 (20 s)",
+        model: Model {
+            concurrency: Params {
+                scale: 0.01,
+                limit: Some(12),
+                action: Action::Defer,
+                ..Params::NONE
+            },
+            ..link(0.05)
+        },
+        demand: Demand::Closed {
+            clients: 40,
+            seconds: 30.0,
+        },
+        changes: vec![(10.0, 6), (20.0, 12)],
+    };
+    let controllers = [&Controller::ALL[..], &Controller::FLEET[..]].concat();
+    let runs = compare_these(&scenario, "not in Vector's set", &controllers).await;
+    for figures in runs.values() {
+        let phases: Vec<String> = [(5.0, 10.0, 12.0), (15.0, 20.0, 6.0), (25.0, 30.0, 12.0)]
+            .iter()
+            .map(|&(from, to, k)| {
+                let share = figures.in_flight_between(from, to) / k;
+                format!("{from:.0}-{to:.0} s {share:.2} K")
+            })
+            .collect();
+        println!(
+            "{:<15} in flight {} | limit every 1 s: {}",
+            figures.controller.name(),
+            phases.join(", "),
+            figures.trace(1.0)
+        );
+    }
 }
