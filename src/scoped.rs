@@ -8,7 +8,7 @@ use pin_project_lite::pin_project;
 
 #[cfg(doc)]
 use crate::attributes::Rejection;
-use crate::attributes::{Executor, Operation};
+use crate::attributes::{Executor, Operation, SeriesKey};
 use crate::classify::OperationOutput;
 use crate::limit::{self, Acquire};
 use crate::metrics::OperationMetrics;
@@ -190,7 +190,8 @@ impl OperationMetrics {
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);
         let records = series.is_some() || limit.hears_ends();
-        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, || None, cx))
+        let key = SeriesKey::new(operation, executor);
+        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, key, || None, cx))
             .await
             .map_err(|refused| Rejected::new(refused.rejection()))?;
         Ok(asked.lend_permit())

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 pub use outcome_slot::set_outcome;
 
 use self::outcome_slot::{enter, leave, Slot};
-use crate::attributes::{Outcome, Rejection};
+use crate::attributes::{Outcome, Rejection, SeriesKey};
 use crate::guard::guarded;
 use crate::limit::{Acquire, AcquireError, Asking, Ended};
 use crate::metrics::Series;
@@ -77,6 +77,8 @@ struct Record {
     at: Option<Instant>,
     /// Whether its limit hears its end ([`Acquire::hears_end`]), asked as it was admitted.
     heard: bool,
+    /// Its operation and executor, as its limit hears them (in what would be padding).
+    key: SeriesKey,
 }
 
 /// Where a recorded operation stands. An enum, so that "nothing to record" takes no word of
@@ -342,13 +344,15 @@ impl<A: Acquire> Lifecycle<A> {
     /// a limit that [hears ends](Acquire::hears_ends) (it is then timed for the limit alone,
     /// if the limit [hears its end](Acquire::hears_end)). `deadline` is how long the server lets the
     /// request take, if the layer knows: a wait dropped past it is
-    /// [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not abandoned.
+    /// [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not abandoned. `key`
+    /// is its operation and executor, for its limit to hear with its end.
     #[inline(always)]
     pub(crate) fn poll_admit(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
         records: bool,
+        key: SeriesKey,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
@@ -360,7 +364,7 @@ impl<A: Acquire> Lifecycle<A> {
         };
         let acquired = match now {
             Some(now) => now,
-            None => std::task::ready!(self.poll_wait(asking, series, deadline, cx)),
+            None => std::task::ready!(self.poll_wait(asking, series, key, deadline, cx)),
         };
         let permit = match acquired {
             Ok(permit) => permit,
@@ -375,7 +379,7 @@ impl<A: Acquire> Lifecycle<A> {
             held_twice(permit);
         }
         if records && (heard || series.is_some()) {
-            self.record_admission(series, heard);
+            self.record_admission(series, heard, key);
         }
         Poll::Ready(Ok(()))
     }
@@ -386,22 +390,23 @@ impl<A: Acquire> Lifecycle<A> {
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
+        key: SeriesKey,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<A::Permit, AcquireError>> {
         let polled = asking.poll_wait(cx);
         if polled.is_pending() && self.record.is_none() {
             if let Some(series) = series {
-                self.start_waiting(series, guarded(deadline).flatten());
+                self.start_waiting(series, key, guarded(deadline).flatten());
             }
         }
         polled
     }
 
     #[cold]
-    fn start_waiting(&mut self, series: &Series, deadline: Option<Duration>) {
+    fn start_waiting(&mut self, series: &Series, key: SeriesKey, deadline: Option<Duration>) {
         series.start_waiting();
-        let mut record = Record::new(Some(series.clone()), now());
+        let mut record = Record::new(Some(series.clone()), key, now());
         record.timing = deadline.map_or(NO_DEADLINE, |deadline| {
             let slack = DEADLINE_SLACK.min(deadline / 10);
             millis_within_record(deadline.saturating_sub(slack))
@@ -411,7 +416,7 @@ impl<A: Acquire> Lifecycle<A> {
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
     #[inline(never)]
-    fn record_admission(&mut self, series: Option<&Series>, heard: bool) {
+    fn record_admission(&mut self, series: Option<&Series>, heard: bool, key: SeriesKey) {
         match &mut self.record {
             Some(waited) => {
                 waited.admit(true);
@@ -420,7 +425,7 @@ impl<A: Acquire> Lifecycle<A> {
             None => {
                 // It never waited (or waited unrecorded, for a limit that hears ends with
                 // metrics off): its queue sample is 0, and needs no clock.
-                let mut record = Record::new(series.cloned(), None);
+                let mut record = Record::new(series.cloned(), key, None);
                 record.admit(false);
                 record.heard = heard;
                 self.record = Some(record);
@@ -500,8 +505,8 @@ impl<A: Acquire, K> fmt::Debug for Lifecycle<A, K> {
 }
 
 impl Record {
-    /// A record of an operation that started to wait `at`.
-    fn new(series: Option<Series>, at: Option<Instant>) -> Self {
+    /// A record of an operation of `key` that started to wait `at`.
+    fn new(series: Option<Series>, key: SeriesKey, at: Option<Instant>) -> Self {
         Record {
             series,
             stage: Stage::Waiting,
@@ -509,6 +514,7 @@ impl Record {
             timing: 0,
             at,
             heard: false,
+            key,
         }
     }
 
@@ -559,7 +565,7 @@ impl Record {
         if let Some(series) = &self.series {
             series.end(outcome, ran);
         }
-        Some(Ended::new(outcome, ran, now))
+        Some(Ended::of(self.key, outcome, ran, now))
     }
 }
 
@@ -640,7 +646,8 @@ mod tests {
 
     /// A record admitted at `at` after waiting `queued`, with nothing to record it to.
     fn admitted(at: Instant, queued: Duration) -> Record {
-        let mut record = Record::new(None, Some(at));
+        let other = SeriesKey::new(crate::Operation::Other, crate::Executor::Other);
+        let mut record = Record::new(None, other, Some(at));
         record.stage = Stage::Admitted;
         record.timing = u32::try_from(queued.as_micros()).unwrap();
         record
