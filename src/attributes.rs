@@ -136,15 +136,26 @@ bounded_attribute! {
 }
 
 /// An (operation, executor) pair as one small number: the series an operation belongs to, as
-/// its limit hears it, with metrics on or off. Bounded: one of 20.
+/// its limit hears it, with metrics on or off. Bounded: one of [`SeriesKey::COUNT`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct SeriesKey(u8);
 
 impl SeriesKey {
+    /// How many there are: every operation on every executor.
+    pub(crate) const COUNT: usize = Operation::ALL.len() * Executor::ALL.len();
+
     /// The key of `operation` on `executor`.
     #[inline]
     pub(crate) const fn new(operation: Operation, executor: Executor) -> Self {
         Self((operation.index() * Executor::ALL.len() + executor.index()) as u8)
+    }
+
+    /// The key of the `index`-th series, `None` past the last.
+    pub(crate) const fn from_index(index: usize) -> Option<Self> {
+        match index < Self::COUNT {
+            true => Some(Self(index as u8)),
+            false => None,
+        }
     }
 
     /// Its position, below [`SeriesKey::COUNT`].
@@ -255,10 +266,12 @@ mod tests {
             for &executor in Executor::ALL {
                 let key = SeriesKey::new(operation, executor);
                 assert_eq!((key.operation(), key.executor()), (operation, executor));
+                assert_eq!(SeriesKey::from_index(key.index()), Some(key));
                 seen.insert(key.index());
             }
         }
-        assert_eq!(seen.len(), Operation::ALL.len() * Executor::ALL.len());
+        assert_eq!(seen.len(), SeriesKey::COUNT);
+        assert_eq!(SeriesKey::from_index(SeriesKey::COUNT), None);
     }
 
     #[test]

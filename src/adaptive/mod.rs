@@ -117,13 +117,16 @@ mod baseline;
 mod config;
 mod controller;
 mod gradient;
+mod news;
+mod tally;
 mod vegas;
-mod window;
 
 pub use aimd::Aimd;
-pub use algorithm::{Algorithm, Sample};
-pub use config::Adaptive;
+pub use algorithm::{Algorithm, BySeries, Sample, SeriesSample};
+pub use config::{Adaptive, Windows};
 pub use gradient::Gradient;
+pub use news::{is_congestion, News};
+pub use tally::{Counted, Counts, Running, SeriesCounts, Tally};
 pub use vegas::Vegas;
 
 #[cfg(doc)]
@@ -197,6 +200,8 @@ mod tests {
             mean_run_time: Some(Duration::from_millis(100)),
             min_run_time: Some(Duration::from_millis(90)),
             run_time_deviation: Some(Duration::ZERO),
+            series: BySeries::default(),
+            served: Duration::ZERO,
             peak_in_flight: capacity,
             in_flight: capacity as f64,
             overdue: 0,

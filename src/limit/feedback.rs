@@ -92,6 +92,12 @@ impl Ended {
         self.series.executor()
     }
 
+    /// Its series, as one small number.
+    #[inline]
+    pub(crate) fn series(&self) -> SeriesKey {
+        self.series
+    }
+
     /// How long it ran, from its permit to its end (0 if the clock could not be read).
     pub fn run_time(&self) -> Duration {
         self.ran
