@@ -153,6 +153,10 @@ pub struct SeriesSample {
     pub executor: Executor,
     /// Its operations that ended in the window, whenever admitted, whatever their outcome.
     pub ended: u64,
+    /// Those of them that ended `ok`.
+    pub ok: u64,
+    /// Their run times, summed: what the backend served of this series.
+    pub served: Duration,
     /// Those of them admitted in the window that ended `ok`: the ones its run times are of.
     pub timed: u64,
     /// Their mean run time; `None` if there are none.
@@ -171,11 +175,21 @@ impl SeriesSample {
             operation,
             executor,
             ended: 0,
+            ok: 0,
+            served: Duration::ZERO,
             timed: 0,
             mean_run_time: None,
             min_run_time: None,
             run_time_deviation: None,
         }
+    }
+
+    /// The mean run time of its operations that ended `ok` in the window, whenever admitted:
+    /// what one of them takes, even when none was admitted in the window (a kind of work
+    /// slower than a window lasts).
+    pub fn served_run_time(&self) -> Option<Duration> {
+        let ok = u32::try_from(self.ok).unwrap_or(u32::MAX);
+        (ok > 0).then(|| self.served / ok)
     }
 
     /// Its place in a [`BySeries`].

@@ -118,6 +118,7 @@ mod config;
 mod controller;
 mod gradient;
 mod news;
+mod served;
 mod tally;
 mod vegas;
 
@@ -201,7 +202,8 @@ mod tests {
             min_run_time: Some(Duration::from_millis(90)),
             run_time_deviation: Some(Duration::ZERO),
             series: BySeries::default(),
-            served: Duration::ZERO,
+            // The backend served the whole capacity.
+            served: Duration::from_secs(capacity as u64),
             peak_in_flight: capacity,
             in_flight: capacity as f64,
             overdue: 0,

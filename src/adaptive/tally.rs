@@ -24,9 +24,10 @@ const CONGESTED: u64 = 1 << COUNT_BITS;
 const STALE: u64 = 1 << (2 * COUNT_BITS);
 // Three counts of one word, with as much again for the ends that race a window's close.
 const _: () = assert!(3 * COUNT_BITS <= 64 && WINDOW_CAP < COUNT_MASK);
-/// A series' ends, in the low half of its word; its own `ok` ends in the high half.
+/// A series' ends, its `ok` ends and its own `ok` ends, in one word, `COUNT_BITS` each.
 const SERIES_ENDED: u64 = 1;
-const SERIES_TIMED: u64 = 1 << 32;
+const SERIES_OK: u64 = 1 << COUNT_BITS;
+const SERIES_TIMED: u64 = 1 << (2 * COUNT_BITS);
 /// An atomic duration's "none".
 pub(super) const NONE: u64 = u64::MAX;
 
@@ -78,18 +79,18 @@ pub struct Tally {
     in_flight: AtomicU64,
     /// The most that an end saw.
     peak: AtomicUsize,
-    /// The run times of every operation that ended `ok` in the window, summed, in microseconds.
-    served_us: AtomicU64,
     rejected: AtomicU64,
     series: [SeriesCell; SeriesKey::COUNT],
 }
 
-/// One series' share of a window, on half a cache line.
+/// One series' share of a window, on a cache line of its own.
 #[derive(Debug)]
-#[repr(align(32))]
+#[repr(align(64))]
 struct SeriesCell {
-    /// Its ends (low half) and its own `ok` ends (high half).
+    /// Its ends, its `ok` ends, and its own `ok` ends, `COUNT_BITS` each.
     ends: AtomicU64,
+    /// The run times of its operations that ended `ok`, whenever admitted, summed (µs).
+    served_us: AtomicU64,
     /// The run times of its own `ok` ends: their sum (µs), the sum of their squares
     /// (µs² / 1024), the shortest (`NONE` for none).
     sum_us: AtomicU64,
@@ -141,10 +142,10 @@ impl Tally {
             counts: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             peak: AtomicUsize::new(0),
-            served_us: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
             series: std::array::from_fn(|_| SeriesCell {
                 ends: AtomicU64::new(0),
+                served_us: AtomicU64::new(0),
                 sum_us: AtomicU64::new(0),
                 squares: AtomicU64::new(0),
                 min_us: AtomicU64::new(NONE),
@@ -162,12 +163,16 @@ impl Tally {
             self.peak.fetch_max(counted.in_flight, Relaxed);
         }
         let us = u64::try_from(ended.run_time().as_micros()).unwrap_or(NONE - 1);
-        if ok {
-            self.served_us.fetch_add(us, Relaxed);
-        }
         let timed = counted.own && ok;
-        cell.ends
-            .fetch_add(SERIES_ENDED + if timed { SERIES_TIMED } else { 0 }, Relaxed);
+        let ends = match (ok, timed) {
+            (false, _) => SERIES_ENDED,
+            (true, false) => SERIES_ENDED + SERIES_OK,
+            (true, true) => SERIES_ENDED + SERIES_OK + SERIES_TIMED,
+        };
+        cell.ends.fetch_add(ends, Relaxed);
+        if ok {
+            cell.served_us.fetch_add(us, Relaxed);
+        }
         if timed {
             cell.sum_us.fetch_add(us, Relaxed);
             cell.squares.fetch_add(us.saturating_mul(us) >> 10, Relaxed);
@@ -207,15 +212,16 @@ impl Tally {
         let mut counts = Counts {
             in_flight_sum: self.in_flight.swap(0, Relaxed),
             peak: self.peak.swap(0, Relaxed) as u64,
-            served_us: self.served_us.swap(0, Relaxed),
             rejected: self.rejected.swap(0, Relaxed),
             ..Counts::default()
         };
         for (cell, series) in self.series.iter().zip(&mut counts.series) {
             let ends = cell.ends.swap(0, Relaxed);
             *series = SeriesCounts {
-                ended: ends & 0xFFFF_FFFF,
-                timed: ends >> 32,
+                ended: ends & COUNT_MASK,
+                ok: (ends >> COUNT_BITS) & COUNT_MASK,
+                timed: (ends >> (2 * COUNT_BITS)) & COUNT_MASK,
+                served_us: cell.served_us.swap(0, Relaxed),
                 sum_us: cell.sum_us.swap(0, Relaxed),
                 squares: cell.squares.swap(0, Relaxed),
                 min_us: match cell.min_us.swap(NONE, Relaxed) {
@@ -265,9 +271,6 @@ pub struct Counts {
     pub in_flight_sum: u64,
     /// The most operations in flight that an end saw.
     pub peak: u64,
-    /// The run times of every operation that ended `ok` in the window, whenever admitted,
-    /// summed, in microseconds: what the backend served.
-    pub served_us: u64,
     /// Operations the limit turned away by a rule of its own.
     pub rejected: u64,
     series: [SeriesCounts; SeriesKey::COUNT],
@@ -278,6 +281,10 @@ pub struct Counts {
 pub struct SeriesCounts {
     /// Its operations that ended in the window, whenever admitted, whatever their outcome.
     pub ended: u64,
+    /// Those of them that ended `ok`.
+    pub ok: u64,
+    /// The run times of those, summed, in microseconds: what the backend served of it.
+    pub served_us: u64,
     /// Those of its own operations (admitted in the window) that ended `ok`: the ones timed.
     pub timed: u64,
     /// Their run times summed, in microseconds.
@@ -291,6 +298,8 @@ pub struct SeriesCounts {
 impl AddAssign for SeriesCounts {
     fn add_assign(&mut self, other: Self) {
         self.ended += other.ended;
+        self.ok += other.ok;
+        self.served_us += other.served_us;
         self.timed += other.timed;
         self.sum_us += other.sum_us;
         self.squares += other.squares;
@@ -308,7 +317,6 @@ impl AddAssign for Counts {
         self.stale += other.stale;
         self.in_flight_sum += other.in_flight_sum;
         self.peak = self.peak.max(other.peak);
-        self.served_us += other.served_us;
         self.rejected += other.rejected;
         for (series, other) in self.series.iter_mut().zip(other.series) {
             *series += other;
@@ -344,13 +352,14 @@ impl Counts {
             &mut self.congested,
             &mut self.stale,
             &mut self.in_flight_sum,
-            &mut self.served_us,
         ] {
             times(count);
         }
         for series in &mut self.series {
             for count in [
                 &mut series.ended,
+                &mut series.ok,
+                &mut series.served_us,
                 &mut series.timed,
                 &mut series.sum_us,
                 &mut series.squares,
@@ -386,7 +395,6 @@ impl Counts {
             0 => self.peak as f64,
             ended => self.in_flight_sum as f64 / ended as f64,
         };
-        sample.served = Duration::from_micros(self.served_us);
         sample.round_trip = self.congested <= tolerated && self.stale <= tolerated;
         let mut all = SeriesCounts::default();
         let mut series = BySeries::default();
@@ -395,6 +403,7 @@ impl Counts {
             series.insert(counts.sample(operation, executor));
         }
         let overall = all.sample(Operation::Other, Executor::Other);
+        sample.served = overall.served;
         sample.mean_run_time = overall.mean_run_time;
         sample.min_run_time = overall.min_run_time;
         sample.run_time_deviation = overall.run_time_deviation;
@@ -412,6 +421,8 @@ impl SeriesCounts {
             operation,
             executor,
             ended: self.ended,
+            ok: self.ok,
+            served: Duration::from_micros(self.served_us),
             timed,
             mean_run_time: mean.map(|mean| Duration::from_micros(mean as u64)),
             min_run_time: self.min_us.map(Duration::from_micros),
@@ -468,7 +479,6 @@ mod tests {
         assert_eq!((running.ended, running.congested, running.stale), (3, 0, 1));
         let counts = tally.take();
         assert_eq!((counts.ended, counts.peak), (3, 4));
-        assert_eq!(counts.served_us, 2_120_000);
         let sample = counts.sample(4, &Adaptive::new(Vegas::default(), 1..=8));
         assert_eq!(sample.in_flight, 10.0 / 3.0);
         let mean = Duration::from_micros(406_666);
@@ -477,7 +487,7 @@ mod tests {
             .series
             .get(Operation::Verify, Executor::Other)
             .unwrap();
-        assert_eq!((verify.ended, verify.timed), (2, 2));
+        assert_eq!((verify.ended, verify.ok, verify.timed), (2, 2, 2));
         assert_eq!(verify.mean_run_time, Some(ms(110)));
         assert_eq!(verify.min_run_time, Some(ms(100)));
         let deviation = verify.run_time_deviation.unwrap().as_secs_f64();
@@ -486,7 +496,10 @@ mod tests {
             .series
             .get(Operation::Judge, Executor::Other)
             .unwrap();
-        assert_eq!((judge.ended, judge.timed), (3, 1));
+        assert_eq!((judge.ended, judge.ok, judge.timed), (3, 2, 1));
+        assert_eq!(judge.served, ms(1_900));
+        assert_eq!(judge.served_run_time(), Some(ms(950)));
+        assert_eq!(sample.served, ms(2_120), "every ok end's run time");
         assert_eq!(judge.mean_run_time, Some(ms(1000)));
         assert_eq!(sample.series.iter().count(), 2);
         assert!(!sample.round_trip, "a stale failure, with a tolerance of 0");
@@ -516,7 +529,8 @@ mod tests {
             (3, 1, 1, 5)
         );
         let verify = sum.series().map(|(_, _, counts)| *counts).next().unwrap();
-        assert_eq!((verify.ended, verify.timed, verify.sum_us), (3, 2, 180_000));
+        assert_eq!((verify.ended, verify.ok, verify.timed), (3, 2, 2));
+        assert_eq!((verify.sum_us, verify.served_us), (180_000, 180_000));
         assert_eq!(verify.min_us, Some(80_000));
         // As a store would keep them: field by field.
         let mut rebuilt = Counts {
@@ -525,7 +539,6 @@ mod tests {
             rejected: 1,
             peak: 5,
             in_flight_sum: sum.in_flight_sum,
-            served_us: sum.served_us,
             ..Counts::default()
         };
         *rebuilt.series_mut(Operation::Verify, Executor::Other) = verify;

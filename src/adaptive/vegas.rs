@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use super::baseline::Baseline;
+use super::baseline::Baselines;
+use super::served::{decrease, Occupancy, Served};
 use super::{in_range, working, Algorithm, Average, Sample};
 
 #[cfg(doc)]
@@ -91,7 +92,9 @@ pub struct Vegas {
     /// them): taken out one by one as those fail, rather than at once (which would take them
     /// from the operations that still deliver).
     retiring: f64,
-    baseline: Baseline,
+    baseline: Baselines,
+    served: Served,
+    occupancy: Occupancy,
     estimate: Average,
     /// The capacity, kept between windows.
     limit: Option<f64>,
@@ -113,7 +116,9 @@ impl Default for Vegas {
             echo: None,
             cutting: false,
             retiring: 0.0,
-            baseline: Baseline::default(),
+            baseline: Baselines::default(),
+            served: Served::default(),
+            occupancy: Occupancy::default(),
             estimate: Average::default(),
             limit: None,
         }
@@ -157,18 +162,26 @@ impl Vegas {
     /// at the server rather than running and `overdue` holding a place without answering, and
     /// whether the run time `rose` above the baseline by more than chance.
     fn step(&mut self, limit: f64, waiting: f64, overdue: f64, rose: bool) -> f64 {
-        let room = waiting + overdue < self.alpha && !rose;
+        let room = waiting + overdue < self.alpha;
         let probed = std::mem::take(&mut self.probed);
         if self.slow_start {
-            if room {
+            if room && !rose {
                 return limit + (limit / 2.0).round().max(1.0);
             }
             self.slow_start = false;
-            if (waiting >= self.alpha || rose) && waiting <= self.beta {
+            if waiting >= self.alpha && waiting <= self.beta {
                 // The run time says the last step went past the knee: an eighth back, as
                 // TCP Vegas leaves its slow start.
                 self.ceiling = Some(limit);
                 return (limit * 7.0 / 8.0).round().min(limit - 1.0).max(1.0);
+            }
+            if room {
+                // The run time rose by more than chance, but no queue shows yet: the round
+                // trip after a step still mixes operations admitted at the lower capacity, so
+                // it is judged at this one, on the next round trip. (A backend whose run time
+                // rises slowly with its load has no queue to hold back for.)
+                self.ceiling = Some(limit);
+                return limit;
             }
         }
         if waiting > self.beta {
@@ -212,6 +225,8 @@ impl Vegas {
 impl Algorithm for Vegas {
     fn update(&mut self, sample: &Sample) -> usize {
         let mut limit = working(&mut self.limit, sample.capacity);
+        self.served.add(sample);
+        let unanswered = self.occupancy.unanswered(sample);
         let (min, max) = (sample.min_capacity as f64, sample.max_capacity as f64);
         // Operations it knew would fail did: their places go.
         let retired = self.retiring.min(sample.stale_congested as f64);
@@ -238,8 +253,11 @@ impl Algorithm for Vegas {
                 self.retiring -= failed;
                 limit - failed
             } else {
-                self.retiring = 0.0;
-                (limit * self.backoff).floor().min(limit - 1.0)
+                // Toward what the backend served: the rest as the operations admitted before
+                // the decrease fail.
+                let (now, rest) = decrease(limit, self.backoff, self.served.in_flight());
+                self.retiring = rest.0;
+                now
             }
         } else if let Some(measured) = self.baseline.measure(sample) {
             self.cutting = false;
@@ -247,8 +265,14 @@ impl Algorithm for Vegas {
             self.estimate.add(run_time, 0.5);
             let level = sample.in_flight.max(1.0);
             let waiting = level * (1.0 - baseline / run_time).max(0.0);
-            let overdue = sample.overdue as f64;
-            self.retiring = self.retiring.max(overdue);
+            // Places held by operations from before the window that do not answer.
+            let overdue = unanswered;
+            self.retiring = match sample.stale_congested {
+                // No operation from before the last decrease fails any more: what is left of
+                // it is not owed.
+                0 => overdue,
+                _ => self.retiring.max(overdue),
+            };
             if !sample.is_used() {
                 // The load stayed below the limit: nothing to learn about what it can take.
                 limit
@@ -308,15 +332,30 @@ mod tests {
     }
 
     #[test]
-    fn any_rise_of_a_run_time_without_jitter_is_a_sign_of_a_queue() {
+    fn a_rise_more_than_chance_ends_the_slow_start_and_a_queue_stops_growth() {
         let mut vegas = Vegas::default();
         assert_eq!(vegas.update(&sample(1)), 2);
-        // 2% slower with 8 in flight: not a queue of 1 by Vegas's count, but a link without
-        // jitter does not slow down by chance.
+        // 2% slower with 8 in flight: a link without jitter does not slow down by chance, but
+        // 8 × (1 − 100/102) = 0.16 wait, no queue of 1: the slow start ends where it is, and
+        // 8 is judged on its next round trip (which no longer mixes operations admitted at 5).
         let mut slower = sample(8);
         slower.mean_run_time = ms(102);
-        assert_eq!(vegas.update(&slower), 7);
-        // With a spread of 10 ms per operation, 20 operations' mean may be 4 ms off by chance.
+        assert_eq!(vegas.update(&slower), 8);
+        // Still no queue: the server has room (a backend whose run time rises 1% for each
+        // operation is not queueing): on, by half.
+        assert_eq!(vegas.update(&slower), 12);
+        // 12 × (1 − 100/112) = 1.3 wait: a queue between alpha and beta, held.
+        let mut queue = sample(12);
+        queue.mean_run_time = ms(112);
+        assert_eq!(
+            vegas.update(&queue),
+            11,
+            "the slow start ends an eighth back"
+        );
+        queue.capacity = 11;
+        assert_eq!(vegas.update(&queue), 11);
+        // With a spread of 10 ms per operation, 20 operations' mean may be 4 ms off by chance:
+        // 2% is not a rise.
         let mut vegas = Vegas::default();
         let mut jittery = sample(1);
         jittery.run_time_deviation = ms(10);
