@@ -66,6 +66,9 @@ pub struct Aimd {
     ceiling: Option<usize>,
     /// The last round trip was past the ceiling already.
     past: bool,
+    /// The last window decreased it for failures: a decrease that follows belongs to the same
+    /// run, whose ceiling is where it began.
+    cutting: bool,
     /// The mean run time of recent round trips, and the run time at low load.
     recent: Average,
     baseline: Baselines,
@@ -86,6 +89,7 @@ impl Default for Aimd {
             slow_start: true,
             ceiling: None,
             past: false,
+            cutting: false,
             recent: Average::default(),
             baseline: Baselines::default(),
             served: Served::default(),
@@ -164,12 +168,22 @@ impl Algorithm for Aimd {
         // The rest of the last decrease, as the operations from before it fail.
         let retired = self.retiring.retire(sample.stale_congested) as usize;
         let capacity = sample.capacity.saturating_sub(retired);
+        if sample.is_congested() && self.retiring.covers(sample.congested) {
+            // Operations admitted while the last decrease was under way: their places go.
+            let failed = sample.congested;
+            self.retiring.retire(failed);
+            return capacity.saturating_sub(failed as usize);
+        }
         if sample.is_congested() || slow {
             (self.slow_start, self.past) = (false, false);
             if sample.is_congested() {
-                // Where it failed. (Not where it was slow: that is a knee, past which a slow
-                // start only overshoots.)
-                self.ceiling = Some(capacity);
+                // Where it failed (where a run of decreases began). Not where it was slow:
+                // that is a knee, past which a slow start only overshoots.
+                self.ceiling = match (self.cutting, self.ceiling) {
+                    (true, Some(ceiling)) => Some(ceiling.max(capacity)),
+                    _ => Some(capacity),
+                };
+                self.cutting = true;
             }
             let served = self.served.in_flight();
             let (now, rest) = decrease(capacity as f64, self.backoff, served);
@@ -186,6 +200,7 @@ impl Algorithm for Aimd {
             return capacity;
         }
         self.retiring = Retiring::default();
+        self.cutting = false;
         if self.ceiling.is_some_and(|ceiling| capacity >= ceiling) {
             // A whole round trip at where it last had to decrease, without congestion (the
             // round trip after a step still mixes operations admitted before it): the backend

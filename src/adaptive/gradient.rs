@@ -205,7 +205,10 @@ impl Algorithm for Gradient {
             self.estimate = Some(m.baseline * ratio);
             ratio
         });
-        let next = if sample.is_congested() {
+        let next = if sample.is_congested() && self.retiring.covers(sample.congested) {
+            // Operations admitted while the last decrease was under way: their places go.
+            limit - self.retiring.retire(sample.congested)
+        } else if sample.is_congested() {
             // Not smoothed: a server that fails wants less at once.
             self.slow_start = false;
             self.probed = false;

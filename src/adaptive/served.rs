@@ -148,6 +148,13 @@ pub(super) fn decrease(limit: f64, backoff: f64, served: Option<f64>) -> (f64, R
 pub(super) struct Retiring(pub(super) f64);
 
 impl Retiring {
+    /// Whether the places still to take out cover `failed` operations: failures of
+    /// operations admitted while the last decrease was under way, at a capacity it is still
+    /// taking out. Their places go; no new decrease.
+    pub(super) fn covers(&self, failed: u64) -> bool {
+        self.0 >= failed as f64 && failed > 0
+    }
+
     /// The places to take out now that `stale` operations from before the decrease failed.
     pub(super) fn retire(&mut self, stale: u64) -> f64 {
         let retired = self.0.min(stale as f64);

@@ -342,6 +342,20 @@ impl Counts {
         &mut self.series[SeriesKey::new(operation, executor).index()]
     }
 
+    /// These counts, added to a window after the one they were taken in: what any window
+    /// counts of an end whenever its operation was admitted (each series' ends, `ok` ends and
+    /// what was served, the signs of congestion, the limit's rejections, the load), without
+    /// what only the window the operations were admitted in counts (its own ends, and their run
+    /// times). For a fleet whose process took its counts just as the fleet's window changed.
+    pub fn into_next_window(mut self) -> Self {
+        self.ended = 0;
+        self.in_flight_sum = 0;
+        for series in &mut self.series {
+            (series.timed, series.sum_us, series.squares, series.min_us) = (0, 0, 0, None);
+        }
+        self
+    }
+
     /// The counts of a window that heard one in `scale` of its operations (a busy limit's
     /// controller hears a sample), scaled back up: every count and sum times `scale` (the
     /// limit's rejections, counted whatever the sample, aside).
@@ -543,5 +557,14 @@ mod tests {
         };
         *rebuilt.series_mut(Operation::Verify, Executor::Other) = verify;
         assert_eq!(rebuilt, sum);
+        // Taken as the window changed: its own operations' counts stay with it.
+        let late = sum.into_next_window();
+        assert_eq!((late.ended, late.congested, late.rejected), (0, 1, 1));
+        let (_, _, verify) = late.series().next().unwrap();
+        assert_eq!((verify.ended, verify.ok, verify.timed), (3, 2, 0));
+        assert_eq!(
+            (verify.served_us, verify.sum_us, verify.min_us),
+            (180_000, 0, None)
+        );
     }
 }
