@@ -576,7 +576,11 @@ enum Controller {
     /// The crate's default: what its docs recommend.
     Vegas,
     Gradient,
+    /// `Aimd` as it comes: it reacts to failures only.
     Aimd,
+    /// `Aimd` given a run-time ratio (1.1): a round trip 10% slower than its baseline is
+    /// congestion too.
+    AimdRatio,
     /// Vector's ARC, re-implemented here.
     Arc,
     /// Each algorithm deciding for a fleet of replicas on one limit ([`fleet`]).
@@ -586,7 +590,13 @@ enum Controller {
 }
 
 impl Controller {
-    const ALL: [Self; 4] = [Self::Vegas, Self::Gradient, Self::Aimd, Self::Arc];
+    const ALL: [Self; 5] = [
+        Self::Vegas,
+        Self::Gradient,
+        Self::Aimd,
+        Self::AimdRatio,
+        Self::Arc,
+    ];
     const FLEET: [Self; 3] = [Self::FleetVegas, Self::FleetGradient, Self::FleetAimd];
 
     fn name(self) -> &'static str {
@@ -594,6 +604,7 @@ impl Controller {
             Self::Vegas => "vegas",
             Self::Gradient => "gradient",
             Self::Aimd => "aimd",
+            Self::AimdRatio => "aimd+ratio",
             Self::Arc => "arc",
             Self::FleetVegas => "fleet/vegas",
             Self::FleetGradient => "fleet/gradient",
@@ -640,13 +651,18 @@ fn limit_for(controller: Controller) -> Decided {
     };
     let fleet = |algorithm: Box<dyn Algorithm>| {
         let limit = Limit::new(1);
-        let fleet = Fleet::new(limit.clone(), watched(algorithm), (1, MAX));
+        let algorithm = Boxed(Arc::new(Mutex::new(watched(algorithm))));
+        let fleet = Fleet::new(limit.clone(), Adaptive::new(algorithm, 1..=MAX));
         (limit, Some(fleet))
     };
     let (limit, arc, fleet) = match controller {
         Controller::Vegas => (adaptive(Vegas::default(), &baseline, trace), None, None),
         Controller::Gradient => (adaptive(Gradient::default(), &baseline, trace), None, None),
         Controller::Aimd => (adaptive(Aimd::default(), &baseline, trace), None, None),
+        Controller::AimdRatio => {
+            let aimd = Aimd::default().run_time_ratio(1.1);
+            (adaptive(aimd, &baseline, trace), None, None)
+        }
         Controller::Arc => {
             let limit = Limit::new(1);
             let arc = Arc::new(ArcController::new(limit.clone()));
@@ -1592,7 +1608,7 @@ const fn load(kind: Kind, clients: usize, from: f64, until: f64) -> Load {
     }
 }
 
-/// Runs a mixed scenario of `loads` for 30 s, prints each controller's mean in flight (against
+/// Runs a mixed scenario of `loads` for 90 s, prints each controller's mean in flight (against
 /// `K`) over each of `phases` (seconds), its share of timeouts, whether it went back to 1, and
 /// its limit every second; returns the runs.
 async fn mixed(
@@ -1605,7 +1621,7 @@ async fn mixed(
         model: knee_at_k(),
         demand: Demand::Mixed {
             loads,
-            seconds: 30.0,
+            seconds: 90.0,
         },
         changes: Vec::new(),
     };
@@ -1626,6 +1642,14 @@ async fn mixed(
             figures.back_to_one(),
             figures.trace(1.0),
         );
+        if std::env::var("ARC_TIMEOUTS").is_ok() {
+            let at: Vec<String> = figures.timeouts.iter().map(|t| format!("{t:.1}")).collect();
+            println!(
+                "{:<15} timeouts at {}",
+                figures.controller.name(),
+                at.join(" ")
+            );
+        }
     }
     runs
 }
@@ -1653,35 +1677,35 @@ impl Figures {
 /// Verifies and judges from the start.
 #[tokio::test(start_paused = true)]
 async fn mixed_work_two_kinds() {
-    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 30.0), load(JUDGE, 24, 0.0, 30.0)];
+    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 90.0), load(JUDGE, 24, 0.0, 90.0)];
     mixed(
         "mixed: verify 100 ms + judge 1 s from the start, knee at 12",
         LOADS,
-        &[(5.0, 30.0)],
+        &[(10.0, 90.0)],
     )
     .await;
 }
 
-/// Verifies alone for 5 s, then judges too: the judges' first run times are not a queue.
+/// Verifies alone for 10 s, then judges too: the judges' first run times are not a queue.
 #[tokio::test(start_paused = true)]
 async fn mixed_work_fast_kind_first() {
-    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 30.0), load(JUDGE, 24, 5.0, 30.0)];
+    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 90.0), load(JUDGE, 24, 10.0, 90.0)];
     mixed(
-        "mixed: verify 100 ms from 0 s, judge 1 s from 5 s, knee at 12",
+        "mixed: verify 100 ms from 0 s, judge 1 s from 10 s, knee at 12",
         LOADS,
-        &[(2.0, 5.0), (10.0, 30.0)],
+        &[(5.0, 10.0), (20.0, 90.0)],
     )
     .await;
 }
 
-/// Judges alone for 5 s, then verifies too.
+/// Judges alone for 10 s, then verifies too.
 #[tokio::test(start_paused = true)]
 async fn mixed_work_slow_kind_first() {
-    const LOADS: &[Load] = &[load(JUDGE, 24, 0.0, 30.0), load(VERIFY, 24, 5.0, 30.0)];
+    const LOADS: &[Load] = &[load(JUDGE, 24, 0.0, 90.0), load(VERIFY, 24, 10.0, 90.0)];
     mixed(
-        "mixed: judge 1 s from 0 s, verify 100 ms from 5 s, knee at 12",
+        "mixed: judge 1 s from 0 s, verify 100 ms from 10 s, knee at 12",
         LOADS,
-        &[(2.0, 5.0), (10.0, 30.0)],
+        &[(5.0, 10.0), (20.0, 90.0)],
     )
     .await;
 }
@@ -1690,14 +1714,14 @@ async fn mixed_work_slow_kind_first() {
 #[tokio::test(start_paused = true)]
 async fn mixed_work_three_kinds() {
     const LOADS: &[Load] = &[
-        load(VERIFY, 16, 0.0, 30.0),
-        load(TOOL, 16, 0.0, 30.0),
-        load(JUDGE, 16, 0.0, 30.0),
+        load(VERIFY, 16, 0.0, 90.0),
+        load(TOOL, 16, 0.0, 90.0),
+        load(JUDGE, 16, 0.0, 90.0),
     ];
     mixed(
         "mixed: verify 100 ms + tool 300 ms + judge 1 s, knee at 12",
         LOADS,
-        &[(5.0, 30.0)],
+        &[(10.0, 90.0)],
     )
     .await;
 }
@@ -1707,17 +1731,17 @@ async fn mixed_work_three_kinds() {
 #[tokio::test(start_paused = true)]
 async fn mixed_work_whose_mix_changes() {
     const LOADS: &[Load] = &[
-        load(VERIFY, 8, 0.0, 30.0),
-        load(VERIFY, 24, 0.0, 10.0),
-        load(VERIFY, 24, 20.0, 30.0),
-        load(JUDGE, 8, 0.0, 30.0),
-        load(JUDGE, 24, 10.0, 20.0),
-        load(TOOL, 16, 20.0, 30.0),
+        load(VERIFY, 8, 0.0, 90.0),
+        load(VERIFY, 24, 0.0, 30.0),
+        load(VERIFY, 24, 60.0, 90.0),
+        load(JUDGE, 8, 0.0, 90.0),
+        load(JUDGE, 24, 30.0, 60.0),
+        load(TOOL, 16, 60.0, 90.0),
     ];
     mixed(
-        "mixed: 32 verify + 8 judge, then 8 + 32 (10 s), then 32 + 8 + 16 tool (20 s)",
+        "mixed: 32 verify + 8 judge, then 8 + 32 (30 s), then 32 + 8 + 16 tool (60 s)",
         LOADS,
-        &[(5.0, 10.0), (15.0, 20.0), (25.0, 30.0)],
+        &[(10.0, 30.0), (40.0, 60.0), (70.0, 90.0)],
     )
     .await;
 }
