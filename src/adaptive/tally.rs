@@ -1,10 +1,25 @@
 //! [`Tally`]: what the ends of an adaptive limit's current window add up to, lock-free, and the
 //! plain numbers it is taken as ([`Counts`]), which add up across processes.
+//!
+//! Every count is an atomic that an end adds to and [`Tally::take`] swaps for 0, so whatever
+//! the interleaving each end's every count lands in exactly one take: over the takes, nothing
+//! is lost and nothing counted twice (an end racing a take may land some counts in one window
+//! and the rest in the next). The loom model below checks every interleaving of two ends and a
+//! take:
+//!
+//! ```text
+//! RUSTFLAGS="--cfg tro_loom" cargo test --release --lib adaptive::tally::loom_tests
+//! ```
 
 use std::fmt;
 use std::ops::AddAssign;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
+
+#[cfg(not(all(test, tro_loom)))]
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+#[cfg(all(test, tro_loom))]
+use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use super::algorithm::{BySeries, Sample, SeriesSample};
 use super::config::Adaptive;
@@ -448,7 +463,62 @@ impl SeriesCounts {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, tro_loom))]
+mod loom_tests {
+    use loom::sync::Arc;
+    use loom::thread;
+
+    use super::*;
+
+    #[test]
+    fn ends_racing_a_take_are_each_counted_once() {
+        loom::model(|| {
+            let tally = Arc::new(Tally::new());
+            let ms = Duration::from_millis;
+            let ends = [
+                (Outcome::Ok, Operation::Verify, true, ms(100)),
+                (Outcome::Timeout, Operation::Judge, false, ms(1_000)),
+            ];
+            let adders: Vec<_> = ends
+                .into_iter()
+                .map(|(outcome, operation, own, ran)| {
+                    let tally = Arc::clone(&tally);
+                    thread::spawn(move || {
+                        let ended =
+                            Ended::new(outcome, ran, None).with_series(operation, Executor::Inline);
+                        let counted = Counted {
+                            own,
+                            news: true,
+                            in_flight: 2,
+                        };
+                        tally.add(&ended, counted);
+                    })
+                })
+                .collect();
+            let mut counts = tally.take();
+            for adder in adders {
+                adder.join().unwrap();
+            }
+            counts += tally.take();
+            assert_eq!((counts.ended, counts.congested, counts.stale), (1, 1, 0));
+            assert_eq!((counts.in_flight_sum, counts.peak), (2, 2));
+            let verify = counts.series_mut(Operation::Verify, Executor::Inline);
+            assert_eq!((verify.ended, verify.ok, verify.timed), (1, 1, 1));
+            assert_eq!(
+                (verify.sum_us, verify.served_us, verify.min_us),
+                (100_000, 100_000, Some(100_000))
+            );
+            let judge = counts.series_mut(Operation::Judge, Executor::Inline);
+            assert_eq!(
+                (judge.ended, judge.ok, judge.timed, judge.served_us),
+                (1, 0, 0, 0)
+            );
+        });
+    }
+}
+
+// Not under loom: a tally's atomics are loom's there, which run only in a model.
+#[cfg(all(test, not(tro_loom)))]
 mod tests {
     use super::*;
     use crate::adaptive::Vegas;
