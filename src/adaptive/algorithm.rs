@@ -67,7 +67,9 @@ pub struct Sample {
     /// Operations admitted before the window opened and still running when it closed, a
     /// round trip or more later: places held by operations that are slow or never answer (a
     /// server that drops what is above its capacity), which deliver nothing until they time
-    /// out. 0 for a window cut short, of a fixed count, or heard in a sample.
+    /// out, or by a kind of work that runs longer than a window lasts (a judge of 1 s among
+    /// verifies of 100 ms: [`series`](Self::series) says how many of each kind ended, and what
+    /// they served). 0 for a window cut short, of a fixed count, or heard in a sample.
     pub overdue: u64,
     /// Whether the window ran its course (a round trip, or its count of operations), rather
     /// than being closed early by congestion: only then are its run times and rate those of a

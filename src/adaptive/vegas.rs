@@ -18,18 +18,23 @@ use super::Adaptive;
 /// After each round trip (see [`Adaptive::window`]) in which the limit was used, with `L`
 /// operations in flight, a mean run time `r` and a baseline `b` (the run time at low load):
 ///
-/// - `L × (1 − b / r)` of them wait rather than run (Vegas's *diff*);
+/// - `L × (1 − b / r)` of them wait rather than run (Vegas's *diff*); with several kinds of work
+///   on the limit, `r` and `b` are their means over the window's operations, each kind against
+///   its own baseline, so the wait is each kind's share of it;
 /// - the operations admitted before the round trip and still running after it
-///   ([`Sample::overdue`]) hold a place without delivering: a server that drops requests never
-///   answers them;
-/// - below `alpha` in all, and with a run time no higher than chance explains (on a link
-///   without jitter, any rise counts), the capacity grows; with more than `beta` waiting it
-///   shrinks to bring them back between the two; otherwise it holds.
+///   ([`Sample::overdue`]), beyond those a kind of work slower than a round trip explains, hold
+///   a place without delivering: a server that drops requests never answers them;
+/// - below `alpha` in all, the capacity grows; with more than `beta` waiting it shrinks to bring
+///   them back between the two; otherwise it holds. A run time that rises with the load without
+///   a queue (1% per operation in flight) is no reason to stop: the estimate decides.
 ///
 /// **Slow start.** The capacity grows by half each round trip until the first sign of a queue
 /// or of congestion, so a link that takes 200 at once gets there in a dozen round trips, and a
-/// knee is overshot by half at most before it is seen; a slow start that ends on the run time
-/// steps an eighth back, as TCP Vegas does.
+/// knee is overshot by half at most before it is seen. A slow start that ends on a queue steps
+/// an eighth back, as TCP Vegas does; one that ends on a run time risen by more than chance (on
+/// a link without jitter, any rise), but no queue yet, holds, to judge the capacity on the next
+/// round trip (the round trip after a step still mixes operations admitted at the capacity
+/// before).
 ///
 /// **Probing.** After that it grows by one place a round trip up to where it last had to shrink
 /// (its *ceiling*), judges a probe up to the ceiling a round trip later (the round trip after a
@@ -40,11 +45,12 @@ use super::Adaptive;
 /// before the next one, as CUBIC plateaus.
 ///
 /// **Congestion.** A window with congestion (`timeout`, `error`, `crashed`, news to the
-/// controller) multiplies the capacity by `backoff` at once, at least one place less. The
-/// controller does not count as news the failures of operations admitted before the last
-/// decrease, within a round trip of it, so cuts never compound. The places of overdue
-/// operations are not cut (that would take them from the operations still delivering): they
-/// are taken out one by one as those operations fail.
+/// controller) multiplies the capacity by `backoff` at once, at least one place less, and goes
+/// on toward what the backend served over the last round trip (the operations that ended
+/// `ok`), by half at most, as the operations admitted before the decrease fail. The controller
+/// does not count as news the failures of operations admitted before the last decrease, so cuts
+/// never compound. The places of overdue operations are not cut (that would take them from the
+/// operations still delivering): they are taken out one by one as those operations fail.
 ///
 /// **Baseline.** It follows what it measures: a round trip at no more load than the one the
 /// baseline was taken at measures it again, up or down; a faster one at more load, by more than
