@@ -231,6 +231,11 @@ impl Tally {
             ..Counts::default()
         };
         for (cell, series) in self.series.iter().zip(&mut counts.series) {
+            if cell.is_empty() {
+                // Left alone: its line stays shared with the cores that read it, rather than
+                // pulled to this one for nothing. An end adding to it meanwhile is taken next.
+                continue;
+            }
             let ends = cell.ends.swap(0, Relaxed);
             *series = SeriesCounts {
                 ended: ends & COUNT_MASK,
@@ -249,6 +254,17 @@ impl Tally {
         (counts.ended, counts.congested, counts.stale) =
             (running.ended, running.congested, running.stale);
         counts
+    }
+}
+
+impl SeriesCell {
+    /// Whether nothing is in it (plain loads: an untouched cell is never written).
+    fn is_empty(&self) -> bool {
+        self.ends.load(Relaxed) == 0
+            && self.served_us.load(Relaxed) == 0
+            && self.sum_us.load(Relaxed) == 0
+            && self.squares.load(Relaxed) == 0
+            && self.min_us.load(Relaxed) == NONE
     }
 }
 
