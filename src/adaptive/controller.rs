@@ -167,7 +167,10 @@ impl Controller {
             Windows::RoundTrip { .. } => {
                 let round_trip = self.round_trip_ns.load(Relaxed);
                 running.stale > tolerated
-                    || (running.ended >= 1 && age >= self.interval_ns)
+                    || (running.ended >= 1
+                        && age >= self.interval_ns
+                        && (running.ended.saturating_mul(2) >= self.turnover.load(Relaxed)
+                            || age >= self.interval_ns.saturating_add(self.interval_ns / 2)))
                     || (running.ended >= self.due.load(Relaxed).div_ceil(2)
                         && age > round_trip.saturating_mul(2)
                         && long_enough)
