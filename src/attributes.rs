@@ -135,6 +135,44 @@ bounded_attribute! {
     }
 }
 
+/// An (operation, executor) pair as one small number: the series an operation belongs to, as
+/// its limit hears it, with metrics on or off. Bounded: one of [`SeriesKey::COUNT`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct SeriesKey(u8);
+
+impl SeriesKey {
+    /// How many there are: every operation on every executor.
+    pub(crate) const COUNT: usize = Operation::ALL.len() * Executor::ALL.len();
+
+    /// The key of `operation` on `executor`.
+    #[inline]
+    pub(crate) const fn new(operation: Operation, executor: Executor) -> Self {
+        Self((operation.index() * Executor::ALL.len() + executor.index()) as u8)
+    }
+
+    /// The key of the `index`-th series, `None` past the last.
+    pub(crate) const fn from_index(index: usize) -> Option<Self> {
+        match index < Self::COUNT {
+            true => Some(Self(index as u8)),
+            false => None,
+        }
+    }
+
+    /// Its position, below [`SeriesKey::COUNT`].
+    #[inline]
+    pub(crate) const fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    pub(crate) const fn operation(self) -> Operation {
+        Operation::ALL[self.index() / Executor::ALL.len()]
+    }
+
+    pub(crate) const fn executor(self) -> Executor {
+        Executor::ALL[self.index() % Executor::ALL.len()]
+    }
+}
+
 impl Operation {
     /// Parses a name, mapping anything that is not one of NeMo Gym's values to
     /// [`Operation::Other`], so names from requests or config can never add a series.
@@ -219,6 +257,21 @@ mod tests {
         for rejection in Rejection::ALL {
             assert_eq!(rejection.as_str().parse::<Rejection>(), Ok(*rejection));
         }
+    }
+
+    #[test]
+    fn a_series_key_names_its_operation_and_executor_and_every_pair_has_one() {
+        let mut seen = std::collections::BTreeSet::new();
+        for &operation in Operation::ALL {
+            for &executor in Executor::ALL {
+                let key = SeriesKey::new(operation, executor);
+                assert_eq!((key.operation(), key.executor()), (operation, executor));
+                assert_eq!(SeriesKey::from_index(key.index()), Some(key));
+                seen.insert(key.index());
+            }
+        }
+        assert_eq!(seen.len(), SeriesKey::COUNT);
+        assert_eq!(SeriesKey::from_index(SeriesKey::COUNT), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use pin_project_lite::pin_project;
 
 #[cfg(doc)]
 use crate::attributes::Rejection;
-use crate::attributes::{Executor, Operation};
+use crate::attributes::{Executor, Operation, SeriesKey};
 use crate::classify::OperationOutput;
 use crate::diagnostics::{self, Mistake};
 use crate::limit::{self, Acquire};
@@ -199,7 +199,8 @@ impl OperationMetrics {
         let records = series.is_some() || limit.hears_ends();
         // Turned away, the caller gets the limit's error as it was made (a failed limit's
         // cause is its `source()`).
-        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, || None, cx)).await?;
+        let key = SeriesKey::new(operation, executor);
+        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, key, || None, cx)).await?;
         // Its work is called at once, with no deadline of the caller's.
         Ok(asked.called(|| ((), None)).lend_permit())
     }

@@ -31,9 +31,15 @@
 //!   therefore not Vector's; both are printed.
 //! - A request its client gave up on leaves the server (Vector's harness never takes it out of
 //!   its level).
-//! - Two scenarios are not in Vector's set: a capacity that falls from 24 to 8 and comes back,
-//!   and a steep knee (the delay doubles with each request past 8). Vector's two
-//!   fixed-concurrency scenarios have no controller to compare, and are left out.
+//! - Scenarios not in Vector's set: a capacity that falls from 24 to 8 and comes back; a steep
+//!   knee (the delay doubles with each request past 8); and those of issue 33: mixed work (a
+//!   verify of 100 ms, a tool call of 300 ms and a judge of 1 s, each given up after three times
+//!   its run time, sharing one limit in front of a backend whose delay doubles with each request
+//!   past K = 12), either kind first, three kinds, a mix that changes; and a backend whose delay
+//!   rises 1% per request in flight without jitter, for one process and for a fleet of three
+//!   replicas on one limit, decided as the fleet limit does from the core's public pieces
+//!   (`arc_scenarios/fleet.rs`). Vector's two fixed-concurrency scenarios have no controller to
+//!   compare, and are left out.
 //!
 //! As in Vector's harness, a link without jitter answers many requests at the same instant, and
 //! the requests that arrive at one instant are taken in turn (the first at a lower load than the
@@ -44,20 +50,31 @@
 //! server's rate (requests arrived in the last second, time-weighted, as Vector reports it), the
 //! successes per second, the attempts deferred and timed out and the failures per success, the
 //! limit's mean, min and max, and the algorithm's baseline; then Vector's published ranges. The
-//! targets are asserted for the default algorithm, [`Vegas`], each with its reason; `Gradient`
-//! and `Aimd` are printed beside it. `ARC_TRACE=vegas` (or `gradient`, `aimd`) prints every
-//! window the algorithm saw; `ARC_SEED=<n>` runs on other random numbers.
+//! targets are asserted, each with its reason, for every algorithm the crate ships, by what it
+//! reacts to: all of them ([`SHIPPED`]) where failures reveal the backend, and those that read
+//! the run time ([`READ_LATENCY`]: `Vegas`, `Gradient`, and `Aimd` given a run-time ratio)
+//! where only latency does; `Aimd` as it comes reacts to failures only and is exempt there.
+//! `ARC_TRACE=vegas` (or `gradient`, `aimd`, `aimd+ratio`, `fleet/vegas`, ...) prints every window
+//! the algorithm saw; `ARC_TIMEOUTS=1` when each attempt timed out in the mixed scenarios;
+//! `ARC_SEED=<n>` runs on other random numbers; `ARC_SOFT=1` prints each missed target
+//! (`MISS ...`) rather than failing on the first.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_resources_operation::adaptive::{Adaptive, Aimd, Algorithm, Gradient, Sample, Vegas};
 use tower_resources_operation::classify::OperationOutput;
+use tower_resources_operation::limit::Ended;
 use tower_resources_operation::{Executor, Limit, Operation, OperationMetrics, Outcome};
+
+#[path = "arc_scenarios/fleet.rs"]
+mod fleet;
+
+use fleet::Fleet;
 
 /// ARC's and the crate's controllers stay within `1..=MAX` (ARC's default maximum).
 const MAX: usize = 200;
@@ -152,6 +169,8 @@ struct Level {
     time: BTreeMap<usize, f64>,
     max: usize,
     min: usize,
+    /// Every value it took, from when (seconds from the start): for the mean of a phase.
+    trace: Vec<(f64, usize)>,
 }
 
 impl Level {
@@ -163,12 +182,17 @@ impl Level {
             time: BTreeMap::new(),
             max: value,
             min: value,
+            trace: vec![(0.0, value)],
         }
     }
 
     fn set(&mut self, now: Instant, value: usize) {
         let spent = now.saturating_duration_since(self.since).as_secs_f64();
         *self.time.entry(self.value).or_default() += spent;
+        if value != self.value {
+            let at = now.saturating_duration_since(self.start).as_secs_f64();
+            self.trace.push((at, value));
+        }
         self.value = value;
         self.since = now;
         self.max = self.max.max(value);
@@ -197,6 +221,20 @@ impl Level {
             .map_or(0, |(value, _)| *value);
         (mean, mode, self.max)
     }
+}
+
+/// The time-weighted mean of a level that took the values of `trace` (from when, in seconds),
+/// over `[from, to)` seconds.
+fn mean_between(trace: &[(f64, usize)], from: f64, to: f64) -> f64 {
+    let mut sum = 0.0;
+    for (i, &(at, value)) in trace.iter().enumerate() {
+        let until = trace.get(i + 1).map_or(f64::INFINITY, |next| next.0);
+        let (a, b) = (at.max(from), until.min(to));
+        if b > a {
+            sum += value as f64 * (b - a);
+        }
+    }
+    sum / (to - from)
 }
 
 /// What can change during a run: the server's parameters.
@@ -247,8 +285,9 @@ impl Server {
         Duration::from_secs_f64(model.delay * factor)
     }
 
-    /// A request arrives: what the server will do with it.
-    fn start(&mut self, now: Instant) -> Reply {
+    /// A request that takes `factor` times the model's delay arrives: what the server will do
+    /// with it.
+    fn start(&mut self, now: Instant, factor: f64) -> Reply {
         self.prune(now);
         self.arrived.push_back(now);
         self.rate.set(now, self.arrived.len());
@@ -261,8 +300,8 @@ impl Server {
             .action_at(level)
             .or_else(|| model.rate.action_at(rate))
         {
-            None => Reply::Ok(self.delay_at(level, rate)),
-            Some(Action::Defer) => Reply::Deferred(self.delay_at(1, 1)),
+            None => Reply::Ok(self.delay_at(level, rate).mul_f64(factor)),
+            Some(Action::Defer) => Reply::Deferred(self.delay_at(1, 1).mul_f64(factor)),
             Some(Action::Drop) => {
                 self.end(now);
                 Reply::Dropped
@@ -317,9 +356,29 @@ impl Drop for Leaves {
     }
 }
 
-/// One attempt at the server, as its client sees it: within [`CLIENT_TIMEOUT`].
-async fn attempt(server: &Shared) -> Answer {
-    let reply = server.lock().unwrap().start(Instant::now());
+/// A kind of work the clients send: what it is to the limit, how long it takes at low load,
+/// and how long its caller waits for it.
+#[derive(Clone, Copy, Debug)]
+struct Kind {
+    operation: Operation,
+    executor: Executor,
+    /// Its run time at low load, in the model's delays.
+    factor: f64,
+    /// How long its caller waits for an answer.
+    timeout: Duration,
+}
+
+/// What every scenario of Vector's set sends: one kind, at the model's delay.
+const ONE_KIND: Kind = Kind {
+    operation: Operation::Judge,
+    executor: Executor::Inline,
+    factor: 1.0,
+    timeout: CLIENT_TIMEOUT,
+};
+
+/// One attempt of `kind` at the server, as its client sees it: within the kind's timeout.
+async fn attempt(server: &Shared, kind: Kind) -> Answer {
+    let reply = server.lock().unwrap().start(Instant::now(), kind.factor);
     let served = async {
         match reply {
             Reply::Ok(delay) | Reply::Deferred(delay) => {
@@ -337,7 +396,7 @@ async fn attempt(server: &Shared) -> Answer {
             Reply::Dropped => std::future::pending().await,
         }
     };
-    tokio::time::timeout(CLIENT_TIMEOUT, served)
+    tokio::time::timeout(kind.timeout, served)
         .await
         .unwrap_or(Answer::TimedOut)
 }
@@ -485,18 +544,19 @@ impl ArcController {
 struct Watched<A> {
     algorithm: A,
     baseline: Arc<Mutex<Option<Duration>>>,
-    trace: bool,
+    /// When the run started, if its windows are printed.
+    trace: Option<Instant>,
 }
 
 impl<A: Algorithm + Clone + Sync> Algorithm for Watched<A> {
     fn update(&mut self, sample: &Sample) -> usize {
         let next = self.algorithm.update(sample);
         *self.baseline.lock().unwrap() = self.algorithm.baseline();
-        if self.trace {
+        if let Some(start) = self.trace {
             println!(
-                "  {:>6.0?} cap {:>3} -> {:>3} | ended {:>3} congested {} stale {} | in flight \
+                "  {:>7.3} cap {:>3} -> {:>3} | ended {:>3} congested {} stale {} | in flight \
                  {:>5.1} peak {:>3} | run time {:>5.1?} overdue {} | {:>6.1?} round trip {}",
-                tokio::time::Instant::now(),
+                start.elapsed().as_secs_f64(),
                 sample.capacity,
                 next,
                 sample.ended,
@@ -528,20 +588,39 @@ enum Controller {
     /// The crate's default: what its docs recommend.
     Vegas,
     Gradient,
+    /// `Aimd` as it comes: it reacts to failures only.
     Aimd,
+    /// `Aimd` given a run-time ratio (1.1): a round trip 10% slower than its baseline is
+    /// congestion too.
+    AimdRatio,
     /// Vector's ARC, re-implemented here.
     Arc,
+    /// Each algorithm deciding for a fleet of replicas on one limit ([`fleet`]).
+    FleetVegas,
+    FleetGradient,
+    FleetAimd,
 }
 
 impl Controller {
-    const ALL: [Self; 4] = [Self::Vegas, Self::Gradient, Self::Aimd, Self::Arc];
+    const ALL: [Self; 5] = [
+        Self::Vegas,
+        Self::Gradient,
+        Self::Aimd,
+        Self::AimdRatio,
+        Self::Arc,
+    ];
+    const FLEET: [Self; 3] = [Self::FleetVegas, Self::FleetGradient, Self::FleetAimd];
 
     fn name(self) -> &'static str {
         match self {
             Self::Vegas => "vegas",
             Self::Gradient => "gradient",
             Self::Aimd => "aimd",
+            Self::AimdRatio => "aimd+ratio",
             Self::Arc => "arc",
+            Self::FleetVegas => "fleet/vegas",
+            Self::FleetGradient => "fleet/gradient",
+            Self::FleetAimd => "fleet/aimd",
         }
     }
 }
@@ -550,7 +629,11 @@ impl Controller {
 type Baseline = Arc<Mutex<Option<Duration>>>;
 
 /// A limit that starts at 1, adapted by `algorithm` within `1..=MAX`.
-fn adaptive<A: Algorithm + Clone + Sync>(algorithm: A, baseline: &Baseline, trace: bool) -> Limit {
+fn adaptive<A: Algorithm + Clone + Sync>(
+    algorithm: A,
+    baseline: &Baseline,
+    trace: Option<Instant>,
+) -> Limit {
     let watched = Watched {
         algorithm,
         baseline: Arc::clone(baseline),
@@ -561,21 +644,85 @@ fn adaptive<A: Algorithm + Clone + Sync>(algorithm: A, baseline: &Baseline, trac
         .build()
 }
 
+/// How a run's limit is decided.
+struct Decided {
+    limit: Limit,
+    /// ARC's controller, beside a plain limit.
+    arc: Option<Arc<ArcController>>,
+    /// A fleet's controller, beside a plain limit.
+    fleet: Option<Arc<Fleet>>,
+    baseline: Baseline,
+}
+
 /// A limit run by `controller`, starting at 1, and what reads its algorithm's baseline.
-fn limit_for(controller: Controller) -> (Limit, Option<Arc<ArcController>>, Baseline) {
+fn limit_for(controller: Controller) -> Decided {
     let baseline = Baseline::default();
-    let trace = std::env::var("ARC_TRACE").is_ok_and(|name| name == controller.name());
-    let limit = match controller {
-        Controller::Vegas => adaptive(Vegas::default(), &baseline, trace),
-        Controller::Gradient => adaptive(Gradient::default(), &baseline, trace),
-        Controller::Aimd => adaptive(Aimd::default(), &baseline, trace),
+    let trace = std::env::var("ARC_TRACE")
+        .is_ok_and(|name| name == controller.name())
+        .then(Instant::now);
+    let watched = |algorithm: Box<dyn Algorithm>| -> Box<dyn Algorithm> {
+        Box::new(Watched {
+            algorithm: Boxed(Arc::new(Mutex::new(algorithm))),
+            baseline: Arc::clone(&baseline),
+            trace,
+        })
+    };
+    let fleet = |algorithm: Box<dyn Algorithm>| {
+        let limit = Limit::new(1);
+        let algorithm = Boxed(Arc::new(Mutex::new(watched(algorithm))));
+        let fleet = Fleet::new(limit.clone(), Adaptive::new(algorithm, 1..=MAX));
+        (limit, Some(fleet))
+    };
+    let (limit, arc, fleet) = match controller {
+        Controller::Vegas => (adaptive(Vegas::default(), &baseline, trace), None, None),
+        Controller::Gradient => (adaptive(Gradient::default(), &baseline, trace), None, None),
+        Controller::Aimd => (adaptive(Aimd::default(), &baseline, trace), None, None),
+        Controller::AimdRatio => {
+            let aimd = Aimd::default().run_time_ratio(1.1);
+            (adaptive(aimd, &baseline, trace), None, None)
+        }
         Controller::Arc => {
             let limit = Limit::new(1);
             let arc = Arc::new(ArcController::new(limit.clone()));
-            return (limit, Some(arc), baseline);
+            (limit, Some(arc), None)
+        }
+        Controller::FleetVegas => {
+            let (limit, fleet) = fleet(Box::<Vegas>::default());
+            (limit, None, fleet)
+        }
+        Controller::FleetGradient => {
+            let (limit, fleet) = fleet(Box::<Gradient>::default());
+            (limit, None, fleet)
+        }
+        Controller::FleetAimd => {
+            let (limit, fleet) = fleet(Box::<Aimd>::default());
+            (limit, None, fleet)
         }
     };
-    (limit, None, baseline)
+    Decided {
+        limit,
+        arc,
+        fleet,
+        baseline,
+    }
+}
+
+/// A boxed algorithm, shared, so that [`Watched`] can wrap one (a fleet's leader holds it).
+#[derive(Clone)]
+struct Boxed(Arc<Mutex<Box<dyn Algorithm>>>);
+
+impl Algorithm for Boxed {
+    fn update(&mut self, sample: &Sample) -> usize {
+        self.0.lock().unwrap().update(sample)
+    }
+
+    fn baseline(&self) -> Option<Duration> {
+        self.0.lock().unwrap().baseline()
+    }
+
+    fn estimate(&self) -> Option<Duration> {
+        self.0.lock().unwrap().estimate()
+    }
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -590,6 +737,21 @@ enum Demand {
     /// `clients` closed-loop clients for `seconds`: each sends its next request as soon as the
     /// last one is answered.
     Closed { clients: usize, seconds: f64 },
+    /// Closed-loop clients of several kinds of work, each group from and until a moment of the
+    /// run, for `seconds`.
+    Mixed {
+        loads: &'static [Load],
+        seconds: f64,
+    },
+}
+
+/// A group of closed-loop clients of one kind of work, from `from` until `until` seconds.
+#[derive(Clone, Copy, Debug)]
+struct Load {
+    kind: Kind,
+    clients: usize,
+    from: f64,
+    until: f64,
 }
 
 /// A scenario: a model, a demand, and changes of the model during the run.
@@ -624,12 +786,45 @@ struct Figures {
     limits: Vec<(f64, usize)>,
     /// When each attempt timed out, in seconds.
     timeouts: Vec<f64>,
+    /// The server's in flight whenever it changed: `(seconds, in flight)`.
+    in_flight: Vec<(f64, usize)>,
     baseline: Option<Duration>,
 }
 
 impl Figures {
     fn failures_per_success(&self) -> f64 {
         (self.deferred + self.timed_out) as f64 / self.successes.max(1) as f64
+    }
+
+    /// The share of the attempts that timed out.
+    fn timed_out_share(&self) -> f64 {
+        let attempts = self.successes + self.deferred + self.timed_out;
+        self.timed_out as f64 / attempts.max(1) as f64
+    }
+
+    /// The server's mean in flight over `[from, to)` seconds, time-weighted.
+    fn in_flight_between(&self, from: f64, to: f64) -> f64 {
+        mean_between(&self.in_flight, from, to)
+    }
+
+    /// The first moment at or after `from` seconds that the capacity is at most `capacity`.
+    fn falls_to(&self, from: f64, capacity: usize) -> Option<f64> {
+        let mut current = 1;
+        for &(at, value) in &self.limits {
+            if at >= from && value <= capacity {
+                return Some(at.max(from));
+            }
+            if at < from {
+                current = value;
+            }
+        }
+        (current <= capacity).then_some(from)
+    }
+
+    /// Whether the capacity came back to 1 after it first left it.
+    fn back_to_one(&self) -> bool {
+        let left = self.limits.iter().position(|&(_, capacity)| capacity > 1);
+        left.is_some_and(|left| self.limits[left..].iter().any(|&(_, c)| c == 1))
     }
 
     /// The lowest capacity in `[from, to)` seconds.
@@ -668,7 +863,7 @@ impl fmt::Display for Figures {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:<9}{:>7.2}{:>7.1}{:>5}{:>5}{:>7.1}{:>5}{:>7.1}{:>6}{:>6}{:>8.3}{:>7.1}{:>5}{:>5}  {}",
+            "{:<15}{:>7.2}{:>7.1}{:>5}{:>5}{:>7.1}{:>5}{:>7.1}{:>6}{:>6}{:>8.3}{:>7.1}{:>5}{:>5}  {}",
             self.controller.name(),
             self.seconds,
             self.in_flight_mean,
@@ -689,9 +884,10 @@ impl fmt::Display for Figures {
     }
 }
 
-const HEADER: &str = "         seconds  in flight       rate       ok/s  defer  t/o fail/ok  \
-                      limit         baseline\n                   mean  max mode   mean  max   \
-                                                    mean  min  max";
+const HEADER: &str =
+    "               seconds  in flight       rate       ok/s  defer  t/o fail/ok  \
+                      limit         baseline\n                         mean  max mode   mean  \
+                      max                          mean  min  max";
 
 /// The capacity, time-weighted, as the attempts see it.
 struct Capacity {
@@ -715,6 +911,7 @@ struct Run {
     server: Shared,
     limit: Limit,
     arc: Option<Arc<ArcController>>,
+    fleet: Option<Arc<Fleet>>,
     capacity: Mutex<Capacity>,
     successes: AtomicU64,
     deferred: AtomicU64,
@@ -735,19 +932,30 @@ impl Run {
             .see(now, self.limit.capacity());
     }
 
-    /// One attempt through the limit: `true` if it succeeded.
-    async fn attempt(&self) -> bool {
+    /// One attempt of `kind` through the limit, by client number `client`: `true` if it
+    /// succeeded.
+    async fn attempt(&self, kind: Kind, client: usize) -> bool {
         let answer = self
             .metrics
-            .resources_operation(&self.limit, Operation::Judge, Executor::Inline, async {
+            .resources_operation(&self.limit, kind.operation, kind.executor, async {
                 self.see_capacity();
                 let started = Instant::now();
                 if let Some(arc) = &self.arc {
                     arc.start();
                 }
-                let answer = attempt(&self.server).await;
+                // A fleet's clients are spread over its replicas.
+                let admitted = self
+                    .fleet
+                    .as_ref()
+                    .map(|fleet| fleet.admitted(client % fleet::REPLICAS));
+                let answer = attempt(&self.server, kind).await;
                 if let Some(arc) = &self.arc {
                     arc.end(started, answer);
+                }
+                if let (Some(fleet), Some(admitted)) = (&self.fleet, admitted) {
+                    let now = Instant::now();
+                    let ended = Ended::new(answer.outcome(), now - started, Some(now));
+                    fleet.ended(admitted, &ended);
                 }
                 answer
             })
@@ -772,18 +980,55 @@ impl Run {
         answer == Answer::Ok
     }
 
-    /// A request, tried until it succeeds.
-    async fn request(self: Arc<Self>) {
-        while !self.attempt().await {
+    /// A request, tried until it succeeds, by client number `client`.
+    async fn request(self: Arc<Self>, client: usize) {
+        while !self.attempt(ONE_KIND, client).await {
             tokio::time::sleep(RETRY_BACKOFF).await;
         }
     }
 }
 
+/// Runs the closed-loop clients of `loads` for `seconds`; returns when the run ended.
+async fn closed_loop(run: &Arc<Run>, loads: &[Load], seconds: f64) -> Instant {
+    let start = run.start;
+    let tasks: Vec<_> = loads
+        .iter()
+        .flat_map(|load| (0..load.clients).map(move |_| *load))
+        .enumerate()
+        .map(|(client, load)| {
+            let run = Arc::clone(run);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(start + Duration::from_secs_f64(load.from)).await;
+                let until = start + Duration::from_secs_f64(load.until.min(seconds));
+                while Instant::now() < until {
+                    if !run.attempt(load.kind, client).await {
+                        tokio::time::sleep(RETRY_BACKOFF).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep_until(start + Duration::from_secs_f64(seconds)).await;
+    let end = Instant::now();
+    for task in &tasks {
+        task.abort();
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    end
+}
+
 /// Runs `scenario` against `controller`, with the server's random numbers seeded by `seed`.
 async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures {
     let start = Instant::now();
-    let (limit, arc, baseline) = limit_for(controller);
+    let Decided {
+        limit,
+        arc,
+        fleet,
+        baseline,
+    } = limit_for(controller);
+    let ticks = fleet.as_ref().map(Fleet::start).unwrap_or_default();
     let run = Arc::new(Run {
         server: Arc::new(Mutex::new(Server::new(scenario.model, seed, start))),
         capacity: Mutex::new(Capacity {
@@ -793,6 +1038,7 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
         }),
         limit,
         arc,
+        fleet,
         successes: AtomicU64::new(0),
         deferred: AtomicU64::new(0),
         timed_out: AtomicU64::new(0),
@@ -820,7 +1066,7 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
                     tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 * interval))
                         .await;
                 }
-                tasks.push(tokio::spawn(Arc::clone(&run).request()));
+                tasks.push(tokio::spawn(Arc::clone(&run).request(i)));
             }
             for task in tasks {
                 task.await.unwrap();
@@ -828,37 +1074,23 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
             start + Duration::from_nanos(run.last_success.load(Relaxed))
         }
         Demand::Closed { clients, seconds } => {
-            let done = Arc::new(AtomicUsize::new(0));
-            let tasks: Vec<_> = (0..clients)
-                .map(|_| {
-                    let (run, done) = (Arc::clone(&run), Arc::clone(&done));
-                    tokio::spawn(async move {
-                        while done.load(Relaxed) == 0 {
-                            if !run.attempt().await {
-                                tokio::time::sleep(RETRY_BACKOFF).await;
-                            }
-                        }
-                    })
-                })
-                .collect();
-            tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
-            done.store(1, Relaxed);
-            let end = Instant::now();
-            for task in &tasks {
-                task.abort();
-            }
-            for task in tasks {
-                let _ = task.await;
-            }
-            end
+            let load = Load {
+                kind: ONE_KIND,
+                clients,
+                from: 0.0,
+                until: seconds,
+            };
+            closed_loop(&run, &[load], seconds).await
         }
+        Demand::Mixed { loads, seconds } => closed_loop(&run, loads, seconds).await,
     };
-    for change in changes {
-        change.abort();
+    for task in changes.into_iter().chain(ticks) {
+        task.abort();
     }
     let seconds = end.saturating_duration_since(start).as_secs_f64();
     let mut server = run.server.lock().unwrap();
     let (in_flight_mean, in_flight_mode, in_flight_max) = server.in_flight.stats(end);
+    let in_flight = server.in_flight.trace.clone();
     let (rate_mean, _, rate_max) = server.rate.stats(end);
     let mut capacity = run.capacity.lock().unwrap();
     let (limit_mean, _, limit_max) = capacity.level.stats(end);
@@ -882,6 +1114,7 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
         limit_max,
         limits: capacity.changes.clone(),
         timeouts,
+        in_flight,
         baseline,
     }
 }
@@ -889,6 +1122,15 @@ async fn run(scenario: &Scenario, controller: Controller, seed: u64) -> Figures 
 /// Runs `scenario` against every controller and prints the table, with Vector's published
 /// ranges (`published`) under it.
 async fn compare(scenario: &Scenario, published: &str) -> BTreeMap<&'static str, Figures> {
+    compare_these(scenario, published, &Controller::ALL).await
+}
+
+/// [`compare`], for `controllers`.
+async fn compare_these(
+    scenario: &Scenario,
+    published: &str,
+    controllers: &[Controller],
+) -> BTreeMap<&'static str, Figures> {
     let mut figures = BTreeMap::new();
     let mut table = format!("\n== {}\n{HEADER}\n", scenario.name);
     // `ARC_SEED=<n>` runs with other random numbers (the assertions hold for the default).
@@ -896,7 +1138,7 @@ async fn compare(scenario: &Scenario, published: &str) -> BTreeMap<&'static str,
         .ok()
         .and_then(|seed| seed.parse().ok())
         .unwrap_or(0x5EED);
-    for controller in Controller::ALL {
+    for &controller in controllers {
         let run = run(scenario, controller, seed).await;
         table.push_str(&format!("{run}\n"));
         figures.insert(controller.name(), run);
@@ -908,9 +1150,17 @@ async fn compare(scenario: &Scenario, published: &str) -> BTreeMap<&'static str,
     figures
 }
 
-/// `value` passes `check`, or the test fails with `what` and why.
+/// `value` passes `check`, or the test fails with `what` and why. With `ARC_SOFT=1` in the
+/// environment a miss is printed (`MISS ...`) and the test goes on: every target of a run, on
+/// other random numbers (`ARC_SEED`), in one pass.
 #[track_caller]
 fn target(what: &str, value: f64, check: impl FnOnce(f64) -> bool, reason: &str) {
+    if std::env::var_os("ARC_SOFT").is_some() {
+        if !check(value) {
+            println!("MISS {what} = {value:.3}: {reason}");
+        }
+        return;
+    }
     assert!(check(value), "{what} = {value:.3}: {reason}");
 }
 
@@ -931,12 +1181,22 @@ fn requests(requests: usize) -> Demand {
     }
 }
 
+/// The algorithms the crate ships, as run here: each is held to the targets of the scenarios
+/// that failures reveal (a server that defers, drops or fails above its capacity; a link that
+/// nothing slows).
+const SHIPPED: [&str; 4] = ["vegas", "gradient", "aimd", "aimd+ratio"];
+
+/// Those that read the run time, held to the targets of the scenarios that only latency
+/// reveals too (a knee, a slow link, a steep knee, mixed work in front of a cliff): `Aimd` reacts
+/// to failures only unless given a ratio or a threshold, and is exempt from them (issue 33).
+const READ_LATENCY: [&str; 3] = ["vegas", "gradient", "aimd+ratio"];
+
 /// Every built-in algorithm's baseline reads the run time at low load (`low`, in seconds)
 /// within 10%: what its gauge tells an operator is normal. (It follows what it measures, and
 /// does not drift up with the load.)
 #[track_caller]
 fn baselines_read(runs: &BTreeMap<&str, Figures>, low: f64) {
-    for name in ["vegas", "gradient", "aimd"] {
+    for name in SHIPPED {
         let baseline = runs[name].baseline.expect("a baseline").as_secs_f64();
         target(
             &format!("{name} baseline (s)"),
@@ -965,19 +1225,21 @@ async fn constant_link() {
         "in flight mean 15-16, max 30-31; limit mean 16-18, max 22-32",
     )
     .await;
-    let (vegas, arc) = (&runs["vegas"], &runs["arc"]);
-    target(
-        "vegas mean in flight",
-        vegas.in_flight_mean,
-        |v| v >= 16.0,
-        "a link that never slows should be filled at least as well as ARC fills it (15-16)",
-    );
-    target(
-        "vegas seconds for 500",
-        vegas.seconds,
-        |s| s <= arc.seconds,
-        "500 requests at least as fast as ARC: a slow start that doubles, not +1 per RTT",
-    );
+    let arc = &runs["arc"];
+    for name in SHIPPED {
+        target(
+            &format!("{name} mean in flight"),
+            runs[name].in_flight_mean,
+            |v| v >= 16.0,
+            "a link that never slows should be filled at least as well as ARC fills it (15-16)",
+        );
+        target(
+            &format!("{name} seconds for 500"),
+            runs[name].seconds,
+            |s| s <= arc.seconds,
+            "500 requests at least as fast as ARC: a slow start, not +1 per RTT",
+        );
+    }
     baselines_read(&runs, 0.1);
 }
 
@@ -1032,19 +1294,21 @@ async fn drops_at_high_concurrency() {
 /// The targets of a server that turns away what is above `n`.
 #[track_caller]
 fn above_n(runs: &BTreeMap<&str, Figures>, n: f64) {
-    let (vegas, arc) = (&runs["vegas"], &runs["arc"]);
-    target(
-        "vegas mean in flight",
-        vegas.in_flight_mean,
-        |v| (v - n).abs() <= 1.0,
-        "the server serves N at once: the limit should hold N, give or take one",
-    );
-    target(
-        "vegas failures per success",
-        vegas.failures_per_success(),
-        |f| f <= arc.failures_per_success(),
-        "each probe above N costs a failure: no more of them than ARC's",
-    );
+    let arc = &runs["arc"];
+    for name in SHIPPED {
+        target(
+            &format!("{name} mean in flight"),
+            runs[name].in_flight_mean,
+            |v| (v - n).abs() <= 1.0,
+            "the server serves N at once: the limit should hold N, give or take one",
+        );
+        target(
+            &format!("{name} failures per success"),
+            runs[name].failures_per_success(),
+            |f| f <= arc.failures_per_success(),
+            "each probe above N costs a failure: no more of them than ARC's",
+        );
+    }
     baselines_read(runs, 0.1);
 }
 
@@ -1089,20 +1353,22 @@ async fn jittery_link_small() {
         "in flight mean 8-20, max 20-40; limit mean 9-20, max 20-40; rate mean 70-150",
     )
     .await;
-    let vegas = &runs["vegas"];
-    target(
-        "vegas mean in flight",
-        vegas.in_flight_mean,
-        |v| v >= 8.0,
-        "jitter is not load: the limit should climb as on a constant link (ARC: 8-20)",
-    );
-    let peaked = vegas.reaches(0.0, vegas.limit_max).unwrap_or(0.0);
-    target(
-        "vegas lowest limit after its peak",
-        vegas.lowest_limit(peaked, f64::INFINITY) as f64,
-        |l| l >= 0.5 * vegas.limit_max as f64,
-        "no collapse: once up, the limit should not fall below half its peak chasing noise",
-    );
+    for name in SHIPPED {
+        let figures = &runs[name];
+        target(
+            &format!("{name} mean in flight"),
+            figures.in_flight_mean,
+            |v| v >= 8.0,
+            "jitter is not load: the limit should climb as on a constant link (ARC: 8-20)",
+        );
+        let peaked = figures.reaches(0.0, figures.limit_max).unwrap_or(0.0);
+        target(
+            &format!("{name} lowest limit after its peak"),
+            figures.lowest_limit(peaked, f64::INFINITY) as f64,
+            |l| l >= 0.5 * figures.limit_max as f64,
+            "no collapse: once up, the limit should not fall below half its peak chasing noise",
+        );
+    }
     baselines_read(&runs, 0.11);
 }
 
@@ -1181,18 +1447,21 @@ async fn shallow_knee() {
         |m| m <= 12.0,
         "hold at the knee: past 12 every request costs more run time than it adds throughput",
     );
-    target(
-        "vegas mean in flight",
-        vegas.in_flight_mean,
-        |m| (9.0..=12.0).contains(&m),
-        "hold at the knee (10-11), as ARC does (9-11)",
-    );
-    target(
-        "vegas ok/s",
-        vegas.throughput,
-        |t| t >= arc.throughput.min(87.0),
-        "at ARC's rate or better (87/s published)",
-    );
+    for (name, most) in [("vegas", 12.0), ("gradient", 11.0), ("aimd+ratio", 12.0)] {
+        target(
+            &format!("{name} mean in flight"),
+            runs[name].in_flight_mean,
+            |m| (9.0..=most).contains(&m),
+            "hold at the knee (10-11), as ARC does (9-11); Gradient, by its tolerance of 10%, \
+             within ARC's range (issue 33)",
+        );
+        target(
+            &format!("{name} ok/s"),
+            runs[name].throughput,
+            |t| t >= arc.throughput.min(87.0),
+            "at ARC's rate or better (87/s published)",
+        );
+    }
     baselines_read(&runs, 0.1);
 }
 
@@ -1217,13 +1486,14 @@ async fn slow_link() {
         "in flight mean 1.5-5.0, max 2-7, mode 2-5; limit mean 1.7-5.0, mode 2-5",
     )
     .await;
-    let vegas = &runs["vegas"];
-    target(
-        "vegas mean in flight",
-        vegas.in_flight_mean,
-        |m| m <= 5.0,
-        "more in flight buys nothing here: keep it low, as ARC does (1.5-5)",
-    );
+    for name in READ_LATENCY {
+        target(
+            &format!("{name} mean in flight"),
+            runs[name].in_flight_mean,
+            |m| m <= 5.0,
+            "more in flight buys nothing here: keep it low, as ARC does (1.5-5)",
+        );
+    }
     baselines_read(&runs, 0.1);
 }
 
@@ -1250,29 +1520,44 @@ async fn capacity_24_to_8_to_24() {
         changes: vec![(5.0, 8), (10.0, 24)],
     };
     let runs = compare(&scenario, "not in Vector's set").await;
+    // In round trips of 100 ms (a deferral is answered in one too).
+    let round_trips = |at: Option<f64>, from: f64| at.map_or(f64::INFINITY, |at| (at - from) / 0.1);
     for figures in runs.values() {
         println!(
-            "{:<9} lowest limit 5-10 s: {}, first at 24 after 10 s: {:?}",
+            "{:<9} at or below 10 after 5 s: {:4.1} round trips, lowest 5-10 s: {:2}; 18 or more \
+             after 10 s: {:4.1} round trips, 24: {:4.1}",
             figures.controller.name(),
+            round_trips(figures.falls_to(5.0, 10), 5.0),
             figures.lowest_limit(5.0, 10.0),
-            figures.reaches(10.0, 24).map(|at| at - 10.0)
+            round_trips(figures.reaches(10.0, 18), 10.0),
+            round_trips(figures.reaches(10.0, 24), 10.0),
         );
     }
-    for name in ["vegas", "gradient", "aimd"] {
+    for name in SHIPPED {
+        let figures = &runs[name];
+        target(
+            &format!("{name} round trips to 10 or less at capacity 8"),
+            round_trips(figures.falls_to(5.0, 10), 5.0),
+            |r| r <= 5.0,
+            "a decrease goes toward what the backend served (8 per round trip), not one ×0.9 \
+             step per round trip: at or below 10 within 5 round trips (issue 33)",
+        );
         target(
             &format!("{name} lowest limit at capacity 8"),
-            runs[name].lowest_limit(5.0, 10.0) as f64,
+            figures.lowest_limit(5.0, 10.0) as f64,
             |l| l >= 4.0,
-            "one decrease per round trip, cuts that never compound: never below half the new \
-             capacity",
+            "cuts that never compound, by half at most: never below half the new capacity",
+        );
+        target(
+            &format!("{name} round trips back to 18"),
+            round_trips(figures.reaches(10.0, 18), 10.0),
+            |r| r <= 10.0,
+            "the capacity came back: slow start again, not +1 per round trip (issue 33)",
         );
     }
-    let vegas = &runs["vegas"];
     target(
         "vegas round trips back to 24",
-        vegas
-            .reaches(10.0, 24)
-            .map_or(f64::INFINITY, |at| (at - 10.0) / 0.1),
+        round_trips(runs["vegas"].reaches(10.0, 24), 10.0),
         |r| r <= 10.0,
         "the capacity came back: find it within 10 round trips",
     );
@@ -1311,19 +1596,294 @@ async fn steep_knee() {
                 .collect::<Vec<_>>()
         );
     }
-    let (vegas, arc) = (&runs["vegas"], &runs["arc"]);
-    let late = vegas.timeouts.iter().filter(|&&t| t >= 3.0).count();
-    target(
-        "vegas timeouts after 3 s",
-        late as f64,
-        |n| n == 0.0,
-        "no cycling into timeouts: once the knee is found the limit stays out of them",
-    );
-    target(
-        "vegas ok/s",
-        vegas.throughput,
-        |t| t >= 0.9 * arc.throughput,
-        "at least 90% of ARC's throughput",
-    );
+    let arc = &runs["arc"];
+    for name in READ_LATENCY {
+        let figures = &runs[name];
+        let late = figures.timeouts.iter().filter(|&&t| t >= 3.0).count();
+        target(
+            &format!("{name} timeouts after 3 s"),
+            late as f64,
+            |n| n == 0.0,
+            "no cycling into timeouts: once the knee is found the limit stays out of them",
+        );
+        target(
+            &format!("{name} ok/s"),
+            figures.throughput,
+            |t| t >= 0.9 * arc.throughput,
+            "at least 90% of ARC's throughput",
+        );
+    }
     baselines_read(&runs, 0.1);
+}
+
+// -------------------------------------------------------------------------------------------------
+// Mixed work: one limit shared by operations whose run times differ tenfold (issue 33).
+
+/// What the mixed scenarios send: a verify of 100 ms (on a model of 100 ms), a tool call of
+/// 300 ms and a judge of 1 s, each given up by its caller after three times its run time.
+const VERIFY: Kind = Kind {
+    operation: Operation::Verify,
+    executor: Executor::Subprocess,
+    factor: 1.0,
+    timeout: Duration::from_millis(300),
+};
+const TOOL: Kind = Kind {
+    operation: Operation::Tool,
+    executor: Executor::Thread,
+    factor: 3.0,
+    timeout: Duration::from_millis(900),
+};
+const JUDGE: Kind = Kind {
+    operation: Operation::Judge,
+    executor: Executor::Inline,
+    factor: 10.0,
+    timeout: Duration::from_secs(3),
+};
+
+/// The backend of the mixed scenarios: it serves `K` at once at its kinds' run times (give or
+/// take an exponential 10%); past `K`, each more in flight doubles every run time, so that at
+/// `K + 2` every caller gives up.
+const K: usize = 12;
+
+fn knee_at_k() -> Model {
+    Model {
+        jitter: 0.1,
+        concurrency: Params {
+            knee_start: Some(K),
+            knee_exp: Some(2.0),
+            ..Params::NONE
+        },
+        ..link(0.1)
+    }
+}
+
+/// A group of `clients` closed-loop clients of `kind` from `from` until `until` seconds.
+const fn load(kind: Kind, clients: usize, from: f64, until: f64) -> Load {
+    Load {
+        kind,
+        clients,
+        from,
+        until,
+    }
+}
+
+/// Runs a mixed scenario of `loads` for 90 s, prints each controller's mean in flight (against
+/// `K`) over each of `phases` (seconds), its share of timeouts, whether it went back to 1, and
+/// its limit every second; returns the runs.
+async fn mixed(
+    name: &'static str,
+    loads: &'static [Load],
+    phases: &[(f64, f64)],
+) -> BTreeMap<&'static str, Figures> {
+    let scenario = Scenario {
+        name,
+        model: knee_at_k(),
+        demand: Demand::Mixed {
+            loads,
+            seconds: 90.0,
+        },
+        changes: Vec::new(),
+    };
+    let runs = compare(&scenario, "not in Vector's set").await;
+    for figures in runs.values() {
+        let phases: Vec<String> = phases
+            .iter()
+            .map(|&(from, to)| {
+                let k = figures.in_flight_between(from, to) / K as f64;
+                format!("{from:.0}-{to:.0} s {k:.2} K")
+            })
+            .collect();
+        println!(
+            "{:<15} in flight {} | timed out {:4.1}% | back to 1: {:<5} | limit every 1 s: {}",
+            figures.controller.name(),
+            phases.join(", "),
+            100.0 * figures.timed_out_share(),
+            figures.back_to_one(),
+            figures.trace(1.0),
+        );
+        if std::env::var("ARC_TIMEOUTS").is_ok() {
+            let at: Vec<String> = figures.timeouts.iter().map(|t| format!("{t:.1}")).collect();
+            println!(
+                "{:<15} timeouts at {}",
+                figures.controller.name(),
+                at.join(" ")
+            );
+        }
+    }
+    for name in SHIPPED {
+        let figures = &runs[name];
+        for &(from, to) in phases {
+            target(
+                &format!("{name} in flight {from:.0}-{to:.0} s, in K"),
+                figures.in_flight_between(from, to) / K as f64,
+                |k| (0.75..=1.15).contains(&k),
+                "each kind read against what is normal for it: the backend's K filled, not \
+                 collapsed by a slow kind read as a queue, whichever came first (issue 33)",
+            );
+        }
+        target(
+            &format!("{name} back to a capacity of 1"),
+            f64::from(u8::from(figures.back_to_one())),
+            |back| back == 0.0,
+            "once work flows, a slow kind's first run times are no queue (issue 33)",
+        );
+    }
+    for name in READ_LATENCY {
+        let figures = &runs[name];
+        target(
+            &format!("{name} share of operations timed out"),
+            figures.timed_out_share(),
+            |share| share < 0.02,
+            "fewer than 2% (issue 33); a slow start that steps past the cliff costs one \
+             capacity of them, once",
+        );
+    }
+    runs
+}
+
+impl Figures {
+    /// The capacity every `every` seconds.
+    fn trace(&self, every: f64) -> String {
+        let mut values = Vec::new();
+        let (mut at, mut current, mut changes) = (0.0, 1, self.limits.iter().peekable());
+        while at < self.seconds {
+            while let Some(&&(when, capacity)) = changes.peek() {
+                if when > at {
+                    break;
+                }
+                current = capacity;
+                changes.next();
+            }
+            values.push(current.to_string());
+            at += every;
+        }
+        values.join(" ")
+    }
+}
+
+/// Verifies and judges from the start.
+#[tokio::test(start_paused = true)]
+async fn mixed_work_two_kinds() {
+    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 90.0), load(JUDGE, 24, 0.0, 90.0)];
+    mixed(
+        "mixed: verify 100 ms + judge 1 s from the start, knee at 12",
+        LOADS,
+        &[(10.0, 90.0)],
+    )
+    .await;
+}
+
+/// Verifies alone for 20 s, then judges too: the judges' first run times are not a queue.
+#[tokio::test(start_paused = true)]
+async fn mixed_work_fast_kind_first() {
+    const LOADS: &[Load] = &[load(VERIFY, 24, 0.0, 90.0), load(JUDGE, 24, 20.0, 90.0)];
+    mixed(
+        "mixed: verify 100 ms from 0 s, judge 1 s from 20 s, knee at 12",
+        LOADS,
+        &[(10.0, 20.0), (30.0, 90.0)],
+    )
+    .await;
+}
+
+/// Judges alone for 20 s, then verifies too (a slow start of judges takes a few seconds).
+#[tokio::test(start_paused = true)]
+async fn mixed_work_slow_kind_first() {
+    const LOADS: &[Load] = &[load(JUDGE, 24, 0.0, 90.0), load(VERIFY, 24, 20.0, 90.0)];
+    mixed(
+        "mixed: judge 1 s from 0 s, verify 100 ms from 20 s, knee at 12",
+        LOADS,
+        &[(10.0, 20.0), (30.0, 90.0)],
+    )
+    .await;
+}
+
+/// Three kinds from the start.
+#[tokio::test(start_paused = true)]
+async fn mixed_work_three_kinds() {
+    const LOADS: &[Load] = &[
+        load(VERIFY, 16, 0.0, 90.0),
+        load(TOOL, 16, 0.0, 90.0),
+        load(JUDGE, 16, 0.0, 90.0),
+    ];
+    mixed(
+        "mixed: verify 100 ms + tool 300 ms + judge 1 s, knee at 12",
+        LOADS,
+        &[(10.0, 90.0)],
+    )
+    .await;
+}
+
+/// The mix changes while the limit serves: mostly verifies, then mostly judges, then mostly
+/// verifies with tool calls too.
+#[tokio::test(start_paused = true)]
+async fn mixed_work_whose_mix_changes() {
+    const LOADS: &[Load] = &[
+        load(VERIFY, 8, 0.0, 90.0),
+        load(VERIFY, 24, 0.0, 30.0),
+        load(VERIFY, 24, 60.0, 90.0),
+        load(JUDGE, 8, 0.0, 90.0),
+        load(JUDGE, 24, 30.0, 60.0),
+        load(TOOL, 16, 60.0, 90.0),
+    ];
+    mixed(
+        "mixed: 32 verify + 8 judge, then 8 + 32 (30 s), then 32 + 8 + 16 tool (60 s)",
+        LOADS,
+        &[(10.0, 30.0), (40.0, 60.0), (70.0, 90.0)],
+    )
+    .await;
+}
+
+// -------------------------------------------------------------------------------------------------
+// A slow, steady rise is not a queue (issue 33).
+
+/// A backend whose run time rises 1% for each other call in flight (50 ms, plus 0.5 ms a call),
+/// without jitter, and that answers an error above K: 12, then 6 from 10 s, then 12 from 20 s.
+#[tokio::test(start_paused = true)]
+async fn a_slow_steady_rise_is_not_a_queue() {
+    let scenario = Scenario {
+        name: "slow rise: 50 ms + 1% per call in flight, defers above K = 12, 6 (10 s), 12 (20 s)",
+        model: Model {
+            concurrency: Params {
+                scale: 0.01,
+                limit: Some(12),
+                action: Action::Defer,
+                ..Params::NONE
+            },
+            ..link(0.05)
+        },
+        demand: Demand::Closed {
+            clients: 40,
+            seconds: 30.0,
+        },
+        changes: vec![(10.0, 6), (20.0, 12)],
+    };
+    let controllers = [&Controller::ALL[..], &Controller::FLEET[..]].concat();
+    let runs = compare_these(&scenario, "not in Vector's set", &controllers).await;
+    for figures in runs.values() {
+        let phases: Vec<String> = [(5.0, 10.0, 12.0), (15.0, 20.0, 6.0), (25.0, 30.0, 12.0)]
+            .iter()
+            .map(|&(from, to, k)| {
+                let share = figures.in_flight_between(from, to) / k;
+                format!("{from:.0}-{to:.0} s {share:.2} K")
+            })
+            .collect();
+        println!(
+            "{:<15} in flight {} | limit every 1 s: {}",
+            figures.controller.name(),
+            phases.join(", "),
+            figures.trace(1.0)
+        );
+    }
+    let shipped = controllers.iter().map(|c| c.name()).filter(|n| *n != "arc");
+    for name in shipped {
+        for (from, to, k) in [(5.0, 10.0, 12.0), (15.0, 20.0, 6.0), (25.0, 30.0, 12.0)] {
+            target(
+                &format!("{name} in flight {from:.0}-{to:.0} s, in K"),
+                runs[name].in_flight_between(from, to) / k,
+                |share| share >= 0.8,
+                "a rise of 1% per call in flight is no queue: fill at least 0.8 K, in one \
+                 process and in a fleet (issue 33)",
+            );
+        }
+    }
 }

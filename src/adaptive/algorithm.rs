@@ -1,9 +1,11 @@
 //! [`Algorithm`]: how a controller decides, and the [`Sample`] of a window it decides from.
 
+use std::fmt;
 use std::time::Duration;
 
 #[cfg(doc)]
 use super::Adaptive;
+use crate::attributes::{Executor, Operation, SeriesKey};
 
 /// What one window of operations showed: what an [`Algorithm`] decides from.
 ///
@@ -15,6 +17,11 @@ use super::Adaptive;
 /// A busy limit's controller hears a sample of its operations (see the
 /// [module docs](super#cost)): its counts are then estimates, the sample's counts scaled up, and
 /// the run times and loads are the sample's.
+///
+/// Its run times are given for all the window's `ok` operations together
+/// ([`mean_run_time`](Self::mean_run_time)) and for each series apart
+/// ([`series`](Self::series)): a limit shared by work of several kinds (a verify of 100 ms, a
+/// judge of 1 s) is read series by series, each against what is normal for it.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct Sample {
@@ -44,6 +51,13 @@ pub struct Sample {
     /// The standard deviation of the run times of the operations that ended `ok`; `None` with
     /// fewer than 2 of them. How much of a change in the mean run time is noise.
     pub run_time_deviation: Option<Duration>,
+    /// The same, series by series (an [`Operation`] on an [`Executor`]): every series with an
+    /// end in the window, each with its own operations' run times.
+    pub series: BySeries,
+    /// The run times of every operation that ended `ok` in the window, whenever it was
+    /// admitted, summed: over [`elapsed`](Self::elapsed), how many operations the backend
+    /// served at once (Little's law; see [`served_in_flight`](Self::served_in_flight)).
+    pub served: Duration,
     /// The most operations of the limit that ran at once during the window, as their ends saw
     /// it: whether the limit was used, or the load stayed below it.
     pub peak_in_flight: usize,
@@ -53,7 +67,9 @@ pub struct Sample {
     /// Operations admitted before the window opened and still running when it closed, a
     /// round trip or more later: places held by operations that are slow or never answer (a
     /// server that drops what is above its capacity), which deliver nothing until they time
-    /// out. 0 for a window cut short, of a fixed count, or heard in a sample.
+    /// out, or by a kind of work that runs longer than a window lasts (a judge of 1 s among
+    /// verifies of 100 ms: [`series`](Self::series) says how many of each kind ended, and what
+    /// they served). 0 for a window cut short, of a fixed count, or heard in a sample.
     pub overdue: u64,
     /// Whether the window ran its course (a round trip, or its count of operations), rather
     /// than being closed early by congestion: only then are its run times and rate those of a
@@ -95,6 +111,8 @@ impl Sample {
             mean_run_time: None,
             min_run_time: None,
             run_time_deviation: None,
+            series: BySeries::default(),
+            served: Duration::ZERO,
             peak_in_flight: 0,
             in_flight: 0.0,
             overdue: 0,
@@ -113,6 +131,112 @@ impl Sample {
     /// algorithms back off for.
     pub fn is_congested(&self) -> bool {
         self.congested as f64 > self.tolerance * self.ended as f64
+    }
+
+    /// How many operations the backend served at once during the window, on average: the run
+    /// times of the operations that ended `ok` ([`served`](Self::served)) over the window's
+    /// length. `None` for a window of no length.
+    ///
+    /// A backend that serves 8 at once answers 8 operations `ok` per round trip, however many
+    /// more the limit lets through and whatever it does with them (fails them at once, or
+    /// keeps them until their callers give up): what a decrease goes toward.
+    pub fn served_in_flight(&self) -> Option<f64> {
+        (!self.elapsed.is_zero()).then(|| self.served.as_secs_f64() / self.elapsed.as_secs_f64())
+    }
+}
+
+/// What one series' operations showed in a window: a [`Sample`] of one kind of work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SeriesSample {
+    /// What kind of work.
+    pub operation: Operation,
+    /// Where it ran.
+    pub executor: Executor,
+    /// Its operations that ended in the window, whenever admitted, whatever their outcome.
+    pub ended: u64,
+    /// Those of them that ended `ok`.
+    pub ok: u64,
+    /// Their run times, summed: what the backend served of this series.
+    pub served: Duration,
+    /// Those of them admitted in the window that ended `ok`: the ones its run times are of.
+    pub timed: u64,
+    /// Their mean run time; `None` if there are none.
+    pub mean_run_time: Option<Duration>,
+    /// The shortest.
+    pub min_run_time: Option<Duration>,
+    /// The standard deviation of their run times; `None` with fewer than 2.
+    pub run_time_deviation: Option<Duration>,
+}
+
+impl SeriesSample {
+    /// A series with nothing in it yet, to fill in: for a controller outside this crate, or a
+    /// test.
+    pub fn new(operation: Operation, executor: Executor) -> Self {
+        Self {
+            operation,
+            executor,
+            ended: 0,
+            ok: 0,
+            served: Duration::ZERO,
+            timed: 0,
+            mean_run_time: None,
+            min_run_time: None,
+            run_time_deviation: None,
+        }
+    }
+
+    /// The mean run time of its operations that ended `ok` in the window, whenever admitted:
+    /// what one of them takes, even when none was admitted in the window (a kind of work
+    /// slower than a window lasts).
+    pub fn served_run_time(&self) -> Option<Duration> {
+        let ok = u32::try_from(self.ok).unwrap_or(u32::MAX);
+        (ok > 0).then(|| self.served / ok)
+    }
+
+    /// Its place in a [`BySeries`].
+    pub(super) fn key(&self) -> SeriesKey {
+        SeriesKey::new(self.operation, self.executor)
+    }
+}
+
+/// A window's [`SeriesSample`]s, one per series with an end in it: a table of fixed size (an
+/// [`Operation`] on an [`Executor`], 20 at most), so that making a sample allocates nothing.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct BySeries {
+    entries: [Option<SeriesSample>; SeriesKey::COUNT],
+}
+
+impl BySeries {
+    /// Every series in it, in a fixed order.
+    pub fn iter(&self) -> impl Iterator<Item = &SeriesSample> + '_ {
+        self.entries.iter().flatten()
+    }
+
+    /// The series of `operation` on `executor`, if it is in it.
+    pub fn get(&self, operation: Operation, executor: Executor) -> Option<&SeriesSample> {
+        self.entries[SeriesKey::new(operation, executor).index()].as_ref()
+    }
+
+    /// Puts `series` in, in place of what it had of the same series.
+    pub fn insert(&mut self, series: SeriesSample) {
+        self.entries[series.key().index()] = Some(series);
+    }
+
+    /// How many series are in it.
+    pub fn len(&self) -> usize {
+        self.iter().count()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl fmt::Debug for BySeries {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
     }
 }
 

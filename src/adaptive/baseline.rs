@@ -1,6 +1,8 @@
-//! [`Baseline`]: the run time at low load, the load it holds up to, and how much it varies.
+//! [`Baseline`]: the run time at low load, the load it holds up to, and how much it varies; and
+//! [`Baselines`]: one per series, and what a round trip of mixed work measured against them.
 
-use super::Sample;
+use super::{Sample, SeriesSample};
+use crate::attributes::{Executor, Operation, SeriesKey};
 
 /// The run time an algorithm takes as normal: the mean run time of a round trip at low load,
 /// with the load (operations in flight) it holds up to.
@@ -30,7 +32,19 @@ pub(super) struct Baseline {
     support: f64,
 }
 
-/// What a round trip measured, against the baseline.
+/// What a round trip of one series measured, against its baseline.
+#[derive(Clone, Copy, Debug, Default)]
+struct SeriesMeasured {
+    /// Its mean run time, in seconds.
+    run_time: f64,
+    /// The baseline, in seconds.
+    baseline: f64,
+    /// The standard error of their difference, if the spread of the run times is known.
+    error: Option<f64>,
+}
+
+/// What a round trip measured, against the baseline: of one series, or of a window's mix of
+/// series (each against its own).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Measured {
     /// Its mean run time, in seconds.
@@ -55,8 +69,16 @@ impl Baseline {
     /// operations in flight (and as many ended); returns the baseline.
     #[cfg(test)]
     fn add(&mut self, run_time: f64, level: f64) -> f64 {
-        self.add_round_trip(run_time, None, level, level.ceil() as u64)
+        self.add_round_trip(run_time, None, level, level.ceil() as u64, true)
             .baseline
+    }
+
+    /// [`add_round_trip`](Self::add_round_trip), with whether the rise is more than chance.
+    #[cfg(test)]
+    fn measured(&mut self, run_time: f64, deviation: Option<f64>, level: f64, n: u64) -> Measured {
+        let whole = n as f64 + 0.5 >= level;
+        let measured = self.add_round_trip(run_time, deviation, level, n, whole);
+        Measured::of(&[(n as f64, measured)])
     }
 
     /// The standard deviation of one run time to judge a round trip of `deviation` by: the
@@ -89,22 +111,28 @@ impl Baseline {
     }
 
     /// Takes in a round trip of `n` operations whose run times have a mean of `run_time` and a
-    /// standard deviation of `deviation` (if known), with `level` operations in flight.
+    /// standard deviation of `deviation` (if known), with `level` operations in flight; `whole`
+    /// if the round trip measured as many operations as its load (one closed on the first of
+    /// them to come back measured those that did not wait).
     fn add_round_trip(
         &mut self,
         run_time: f64,
         deviation: Option<f64>,
         level: f64,
         n: u64,
-    ) -> Measured {
+        whole: bool,
+    ) -> SeriesMeasured {
         let n_f = n.max(1) as f64;
-        // How far a mean of these `n` may be from the baseline by chance: twice the standard
-        // error of their difference, and at least half a percent (0 without a spread yet).
+        // The standard error of the difference between a mean of these `n` and the baseline
+        // (`None` without a spread yet).
+        let error = |support: f64| {
+            self.spread(deviation)
+                .map(|spread| spread * (1.0 / n_f + 1.0 / support.max(1.0)).sqrt())
+        };
+        // How far it may be from the baseline by chance: twice that, and at least half a
+        // percent.
         let chance = |baseline: f64, support: f64| {
-            self.spread(deviation).map(|spread| {
-                let error = 2.0 * spread * (1.0 / n_f + 1.0 / support.max(1.0)).sqrt();
-                error.max(0.005 * baseline)
-            })
+            error(support).map(|error| (2.0 * error).max(0.005 * baseline))
         };
         let rose = |baseline: f64, support: f64| {
             chance(baseline, support).is_some_and(|c| run_time - baseline > c)
@@ -124,51 +152,164 @@ impl Baseline {
                 (run_time, level, true, n_f)
             }
             // No slower than chance, and less than half an operation waiting: it holds up to
-            // here, if the round trip measured as many operations as its load (one closed on
-            // the first of them to come back measured those that did not wait).
+            // here, if the round trip measured as many operations as its load; and the round
+            // trip measured the run time at low load too, so it is taken in, by the operations
+            // each rests on (a first round trip of one operation, on a jittery link, is no
+            // baseline to hold to). Not with a queue, however slight: a baseline taken in with
+            // a queue drifts up with the load.
             Some(baseline)
                 if !rose(baseline, support) && level * (1.0 - baseline / run_time) < 0.5 =>
             {
-                let whole = n_f + 0.5 >= level;
+                let merged = baseline + n_f / (support + n_f) * (run_time - baseline);
                 (
-                    baseline,
+                    merged,
                     if whole { level } else { self.level },
                     true,
-                    support,
+                    (support + n_f).min(Self::POOLED),
                 )
             }
             Some(baseline) => (baseline, self.level, false, support),
         };
-        let rose = rose(baseline, support);
+        let error = error(support);
         self.support = support;
         if pool {
             self.pool(deviation, n);
         }
         self.run_time = Some(baseline);
         self.level = level;
-        Measured {
+        SeriesMeasured {
             run_time,
             baseline,
-            rose,
+            error,
         }
     }
+}
 
-    /// Takes in a round trip, if `sample` is one with a run time. Its load is the most
-    /// operations its ends saw in flight: an operation's run time reflects the load when it
-    /// was admitted, which the load at its end may be below (the demand falling off).
+impl Measured {
+    /// What a round trip of several series measured, each of `(n, measured)`: `n` operations
+    /// measured so against its own baseline. Its run time is their mean, its baseline the
+    /// mean of theirs (what the same operations would take at low load), and it rose if their
+    /// difference is more than chance: twice its standard error, and at least half a percent.
+    ///
+    /// So the queue a window shows is each series' share of it (Little's law: the operations
+    /// waiting are the sum of the time each spent above its own baseline, over the window),
+    /// and a verify of 100 ms and a judge of 1 s are each compared with their own.
+    fn of(series: &[(f64, SeriesMeasured)]) -> Self {
+        let n: f64 = series.iter().map(|(n, _)| n).sum::<f64>().max(1.0);
+        let mean = |value: fn(&SeriesMeasured) -> f64| {
+            series.iter().map(|(n, m)| n * value(m)).sum::<f64>() / n
+        };
+        let (run_time, baseline) = (mean(|m| m.run_time), mean(|m| m.baseline));
+        let variance = series
+            .iter()
+            .filter_map(|(n, m)| m.error.map(|error| (n * error).powi(2)))
+            .reduce(|a, b| a + b);
+        let chance = variance.map(|variance| (2.0 * variance.sqrt() / n).max(0.005 * baseline));
+        Self {
+            run_time,
+            baseline,
+            rose: chance.is_some_and(|chance| run_time - baseline > chance),
+        }
+    }
+}
+
+/// A [`Baseline`] per series: the run time at low load of each kind of work a limit admits,
+/// and what a window measured against them all.
+///
+/// A series measured for the first time has no baseline to compare with: its first round trip
+/// sets it, and counts as no queue. So does a series not measured for
+/// [`STALE`](Self::STALE) windows (one seen rarely): its old baseline may be of a server that
+/// has changed since, and its few operations say little. Neither reads as congestion.
+#[derive(Clone, Debug)]
+pub(super) struct Baselines {
+    table: [Baseline; SeriesKey::COUNT],
+    /// The window in which each was last measured.
+    measured: [u64; SeriesKey::COUNT],
+    /// Windows taken in.
+    windows: u64,
+    /// The last round trip's baseline, in seconds.
+    last: Option<f64>,
+}
+
+impl Default for Baselines {
+    fn default() -> Self {
+        Self {
+            table: [Baseline::default(); SeriesKey::COUNT],
+            measured: [0; SeriesKey::COUNT],
+            windows: 0,
+            last: None,
+        }
+    }
+}
+
+impl Baselines {
+    /// Windows after which a series' baseline is measured anew.
+    const STALE: u64 = 64;
+
+    /// Takes in a round trip, if `sample` is one with a run time: each series' run times
+    /// against its own baseline. Its load is the most operations its ends saw in flight: an
+    /// operation's run time reflects the load when it was admitted, which the load at its end
+    /// may be below (the demand falling off).
     pub(super) fn measure(&mut self, sample: &Sample) -> Option<Measured> {
-        let run_time = sample.mean_run_time.filter(|_| sample.round_trip)?;
-        let run_time = run_time.as_secs_f64().max(1e-9);
-        let deviation = sample.run_time_deviation.map(|d| d.as_secs_f64());
+        if !sample.round_trip {
+            return None;
+        }
+        self.windows += 1;
         let level = (sample.peak_in_flight as f64)
             .max(sample.in_flight)
             .max(1.0);
-        Some(self.add_round_trip(run_time, deviation, level, sample.ended))
+        let whole = sample.ended as f64 + 0.5 >= level;
+        // A table of fixed size: a window's close allocates nothing.
+        let mut measured = [(0.0, SeriesMeasured::default()); SeriesKey::COUNT];
+        let mut len = 0;
+        // A sample made by hand without series (a controller of its own) is one series.
+        let alone = match sample.series.is_empty() {
+            true => sample.mean_run_time.map(|mean| {
+                let mut alone = SeriesSample::new(Operation::Other, Executor::Other);
+                (alone.timed, alone.mean_run_time) = (sample.ended.max(1), Some(mean));
+                alone.run_time_deviation = sample.run_time_deviation;
+                alone
+            }),
+            false => None,
+        };
+        for series in sample.series.iter().chain(&alone) {
+            let Some(run_time) = series.mean_run_time.filter(|_| series.timed > 0) else {
+                continue;
+            };
+            let index = series.key().index();
+            let baseline = &mut self.table[index];
+            let stale = self.windows - self.measured[index] > Self::STALE;
+            if stale {
+                *baseline = Baseline::default();
+            }
+            let new = baseline.run_time.is_none();
+            self.measured[index] = self.windows;
+            let run_time = run_time.as_secs_f64().max(1e-9);
+            let deviation = series.run_time_deviation.map(|d| d.as_secs_f64());
+            let mut one = baseline.add_round_trip(run_time, deviation, level, series.timed, whole);
+            if new {
+                // No baseline to compare with yet: no queue, whatever the run time.
+                one = SeriesMeasured {
+                    baseline: run_time,
+                    error: None,
+                    ..one
+                };
+            }
+            measured[len] = (series.timed as f64, one);
+            len += 1;
+        }
+        if len == 0 {
+            return None;
+        }
+        let mix = Measured::of(&measured[..len]);
+        self.last = Some(mix.baseline);
+        Some(mix)
     }
 
-    /// The baseline, in seconds.
-    pub(super) fn get(self) -> Option<f64> {
-        self.run_time
+    /// The last round trip's baseline (what its operations would take at low load), in
+    /// seconds.
+    pub(super) fn get(&self) -> Option<f64> {
+        self.last
     }
 }
 
@@ -202,7 +343,7 @@ mod tests {
         baseline.add(0.04, 1.0);
         // 6 of 8 came back at 40 ms (6 servers; the other 2 waited): not a load of 8 without a
         // queue.
-        baseline.add_round_trip(0.04, Some(0.0), 8.0, 6);
+        baseline.add_round_trip(0.04, Some(0.0), 8.0, 6, false);
         // So a whole round trip at 8, with its queue, does not measure it again.
         assert_eq!(baseline.add(0.053, 8.0), 0.04);
     }
@@ -217,13 +358,32 @@ mod tests {
     #[test]
     fn a_rise_counts_once_it_is_more_than_the_spread_explains() {
         let mut still = Baseline::default();
-        still.add_round_trip(0.1, Some(0.0), 1.0, 20);
+        still.measured(0.1, Some(0.0), 1.0, 20);
         // No jitter: 1% slower is a rise.
-        assert!(still.add_round_trip(0.101, Some(0.0), 8.0, 20).rose);
+        assert!(still.measured(0.101, Some(0.0), 8.0, 20).rose);
         let mut jittery = Baseline::default();
-        jittery.add_round_trip(0.1, Some(0.01), 1.0, 20);
+        jittery.measured(0.1, Some(0.01), 1.0, 20);
         // 10 ms of spread: two means of 20 may be 6.3 ms apart by chance, not 7.
-        assert!(!jittery.add_round_trip(0.106, Some(0.01), 8.0, 20).rose);
-        assert!(jittery.add_round_trip(0.107, Some(0.01), 12.0, 20).rose);
+        assert!(!jittery.clone().measured(0.106, Some(0.01), 8.0, 20).rose);
+        assert!(jittery.measured(0.107, Some(0.01), 12.0, 20).rose);
+    }
+
+    #[test]
+    fn a_round_trip_at_more_load_without_a_queue_refines_it() {
+        // A first round trip of one operation that happened to be fast (a jitter of ±10%).
+        let mut baseline = Baseline::default();
+        baseline.measured(0.091, Some(0.0058), 1.0, 1);
+        // The slow start's next round trips, at 100 ms on average: within what chance explains
+        // of a baseline resting on one operation, and less than half an operation waiting.
+        for level in [2.0, 3.0, 5.0, 8.0, 12.0] {
+            baseline.measured(0.100, Some(0.0058), level, level as u64);
+        }
+        let value = baseline.run_time.unwrap();
+        assert!((value - 0.1).abs() < 0.002, "{value}");
+        // On a link without jitter, a rise of 1% is more than chance: not taken in.
+        let mut still = Baseline::default();
+        still.measured(0.05, Some(0.0), 1.0, 1);
+        assert!(still.measured(0.0505, Some(0.0), 2.0, 2).rose);
+        assert_eq!(still.run_time, Some(0.05));
     }
 }

@@ -10,7 +10,23 @@ use super::algorithm::Algorithm;
 /// The controller of an adaptive [`Limit`](crate::Limit): its algorithm, the bounds of its capacity, and
 /// how long its windows are. Give it to [`LimitBuilder::adaptive`](crate::limit::LimitBuilder::adaptive).
 ///
-/// Each limit built gets its own copy of the algorithm, in its initial state.
+/// Each limit built gets its own copy of the algorithm, in its initial state. Its settings can
+/// be read back ([`bounds`](Self::bounds), [`tolerated_share`](Self::tolerated_share),
+/// [`windows`](Self::windows), [`interval`](Self::interval), and a fresh algorithm from
+/// [`new_algorithm`](Self::new_algorithm)), so that a controller outside this crate (a fleet's)
+/// decides as a `Limit`'s does from the same value.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_resources_operation::adaptive::{Adaptive, Vegas, Windows};
+///
+/// let adaptive = Adaptive::new(Vegas::default(), 1..=64).tolerance(0.05);
+/// assert_eq!(adaptive.bounds(), 1..=64);
+/// assert_eq!(adaptive.tolerated_share(), 0.05);
+/// assert_eq!(adaptive.windows(), Windows::RoundTrip { operations: 1 });
+/// assert_eq!(adaptive.interval(), Duration::from_secs(1));
+/// let _fresh = adaptive.new_algorithm();
+/// ```
 #[derive(Clone)]
 pub struct Adaptive {
     pub(super) make: Arc<dyn Fn() -> Box<dyn Algorithm> + Send + Sync>,
@@ -22,15 +38,22 @@ pub struct Adaptive {
     pub(super) tolerance: f64,
 }
 
-/// How a controller's windows are measured.
+/// How a controller's windows are measured (see [`Adaptive::window`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Windows {
+#[non_exhaustive]
+pub enum Windows {
     /// One round trip: the operations admitted after the window opened, at least `operations`
-    /// of them and as many as the capacity.
-    RoundTrip { operations: usize },
+    /// of them and as many as the capacity (the default, with `operations` 1).
+    RoundTrip {
+        /// The fewest that close a window.
+        operations: usize,
+    },
     /// A count of ends, whenever their operations were admitted: `max(operations, 2 ×
     /// capacity)` ([`Adaptive::window`]).
-    Fixed { operations: usize },
+    Fixed {
+        /// The fewest that close a window.
+        operations: usize,
+    },
 }
 
 impl Adaptive {
@@ -114,6 +137,30 @@ impl Adaptive {
     /// The bounds of the capacity.
     pub fn bounds(&self) -> RangeInclusive<usize> {
         self.min..=self.max
+    }
+
+    /// The share of a window's operations that may be signs of congestion before it counts as
+    /// congested ([`tolerance`](Self::tolerance)).
+    pub fn tolerated_share(&self) -> f64 {
+        self.tolerance
+    }
+
+    /// How its windows are measured: round trips, or fixed counts ([`window`](Self::window)).
+    pub fn windows(&self) -> Windows {
+        self.windows
+    }
+
+    /// How old a round trip's window may grow with one of its operations ended before it
+    /// closes anyway; for fixed windows, how old one must be to close on the capacity's count.
+    /// 1 second unless [`window`](Self::window) said otherwise.
+    pub fn interval(&self) -> Duration {
+        self.interval
+    }
+
+    /// A new copy of the algorithm, in its initial state: what each limit decides with, and
+    /// what a fleet's leader starts from each time it takes the lead.
+    pub fn new_algorithm(&self) -> Box<dyn Algorithm> {
+        (self.make)()
     }
 }
 

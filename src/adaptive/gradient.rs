@@ -2,36 +2,45 @@
 
 use std::time::Duration;
 
-use super::baseline::Baseline;
+use super::baseline::Baselines;
+use super::served::{decrease, Occupancy, Retiring, Served};
 use super::{in_range, working, Algorithm, Average, Sample};
 
 /// A latency gradient, in the manner of Netflix's Gradient2 and Envoy's adaptive concurrency:
-/// the capacity follows the ratio of the run time at low load (the *baseline*) to the recent
-/// run time (the *estimate*).
+/// the capacity follows the ratio of the recent run time to the run time at low load (the
+/// *baseline*), each kind of work compared with its own.
 ///
 /// After each round trip (see [`Adaptive::window`](super::Adaptive::window)) in which the limit
 /// was used:
 ///
-/// - while the estimate stays within `tolerance` × the baseline, the capacity grows by a
-///   headroom of `√capacity`, less as the estimate nears the tolerance (so that it slows down
-///   before a knee rather than past it);
-/// - once it climbs past that, the capacity is multiplied by `tolerance × baseline / estimate`
-///   (at least 0.5): a server whose run time doubled under the load gets about half of it;
-/// - each of these steps is smoothed: the capacity moves `smoothing` of the way to where the
-///   step points;
-/// - a window with congestion (`timeout`, `error`, `crashed`) multiplies it by `backoff` at
-///   once (and takes at least one place away); the controller does so at most once per round
-///   trip.
+/// - **Slow start.** The capacity grows by half each round trip, as [`Vegas`](super::Vegas)'s
+///   does, until the run time rises by more than chance (it is then judged a round trip later,
+///   where it is) or past the tolerance (it then shrinks by the ratio), or an operation fails.
+/// - **Gradient.** While the run time, averaged over the last round trips, stays within
+///   `tolerance` × the baseline, the capacity grows by a headroom of `√capacity`, less as the run
+///   time nears the tolerance (so that it slows down before a knee rather than past it); once it
+///   climbs past it, the capacity is multiplied by `tolerance × baseline / run time` (at least
+///   0.5). Each of these steps is smoothed: the capacity moves `smoothing` of the way to where the
+///   step points.
+/// - **Decrease.** A window with congestion (`timeout`, `error`, `crashed`) takes `backoff`
+///   times the capacity at once (at least one place), and further toward what the backend served
+///   over the last round trip, by half at most, as the operations admitted before the decrease
+///   fail; the controller does so at most once per round trip. It then approaches where it
+///   failed one place at a time, each probe judged a round trip later.
+/// - **Recovery.** Back where it had to shrink without a failure or a climb: the backend has
+///   room again, and it slow-starts again.
 ///
-/// The estimate is a moving average of the round trips' mean run times, so one slow operation,
-/// or a jittery link, does not move it much. The baseline follows what it measures (see
-/// [`Vegas`](super::Vegas)): a round trip at no more load than the baseline was taken at
-/// measures it again, up or down, so a server that became slower is found out once the load
-/// falls back, and the baseline is never a lagging average.
+/// The run time is compared with the baseline window by window, each kind of work with its own
+/// (a verify of 100 ms and a judge of 1 s on one limit are each measured against their own), and
+/// the ratio is averaged over the round trips, so one slow operation, or a jittery link, does not
+/// move it much. The baseline follows what it measures (see [`Vegas`](super::Vegas)): a round
+/// trip at no more load than the baseline was taken at measures it again, up or down.
 ///
-/// It grows toward `max` on a server whose run time does not depend on the load, settles a
-/// little below the load at which the run time passes the tolerance, and follows that load
-/// down and up as it changes. [`Vegas`](super::Vegas) holds closer to a knee.
+/// It grows toward `max` on a server whose run time does not depend on the load, settles where
+/// the run time reaches the tolerance (10% above the baseline by default: at the top of a shallow
+/// knee, and at 11 on a backend whose run time rises 1% per operation), and follows that load
+/// down and up as it changes. [`Vegas`](super::Vegas) reads the queue itself, and holds a knee
+/// however shallow without a tolerance to choose.
 ///
 /// ```
 /// use tower_resources_operation::adaptive::{Adaptive, Gradient};
@@ -48,31 +57,47 @@ pub struct Gradient {
     tolerance: f64,
     smoothing: f64,
     backoff: f64,
-    /// How far a window's mean run time moves the estimate.
+    /// How far a round trip's ratio moves the average.
     weight: f64,
-    estimate: Average,
-    baseline: Baseline,
+    /// The recent run time over the baseline, averaged over the round trips.
+    ratio: Average,
+    /// The last baseline times that: the gauge's estimate, in seconds.
+    estimate: Option<f64>,
+    baseline: Baselines,
+    served: Served,
+    occupancy: Occupancy,
+    retiring: Retiring,
     /// The fractional capacity, kept between windows.
     limit: Option<f64>,
-    /// The capacity at the last congestion: approached one place at a time, each probe up to
-    /// it judged a round trip later.
+    /// Until the first rise, climb or congestion; again once back at the ceiling without one.
+    slow_start: bool,
+    /// The capacity where it last had to shrink: approached one place at a time, each probe up
+    /// to it judged a round trip later.
     ceiling: Option<f64>,
     probed: bool,
+    /// What the backend served at the last decrease: above it, one place at a time.
+    careful: Option<f64>,
 }
 
 impl Default for Gradient {
-    /// A tolerance of 1.25, smoothing 0.5, a backoff of 0.9 on congestion.
+    /// A tolerance of 1.1, smoothing 0.5, a backoff of 0.9 on congestion.
     fn default() -> Self {
         Self {
-            tolerance: 1.25,
+            tolerance: 1.1,
             smoothing: 0.5,
             backoff: 0.9,
             weight: 0.3,
-            estimate: Average::default(),
-            baseline: Baseline::default(),
+            ratio: Average::default(),
+            estimate: None,
+            baseline: Baselines::default(),
+            served: Served::default(),
+            occupancy: Occupancy::default(),
+            retiring: Retiring::default(),
             limit: None,
+            slow_start: true,
             ceiling: None,
             probed: false,
+            careful: None,
         }
     }
 }
@@ -80,7 +105,7 @@ impl Default for Gradient {
 impl Gradient {
     /// How much above its baseline the run time may climb before the limit shrinks, as a
     /// ratio (at least 1). Higher lets more run at once on a server whose run time grows
-    /// slowly with load, and rides out more jitter. Defaults to 1.25.
+    /// slowly with load, and rides out more jitter. Defaults to 1.1.
     ///
     /// # Panics
     ///
@@ -103,8 +128,8 @@ impl Gradient {
         self
     }
 
-    /// What the capacity is multiplied by after a window with congestion, in `(0, 1]`.
-    /// Defaults to 0.9.
+    /// What the capacity is multiplied by after a window with congestion, in `(0, 1]`; it
+    /// drops by at least one place. Defaults to 0.9.
     ///
     /// # Panics
     ///
@@ -114,40 +139,34 @@ impl Gradient {
         self.backoff = in_range("Gradient::backoff", backoff, f64::MIN_POSITIVE..=1.0);
         self
     }
-}
 
-impl Algorithm for Gradient {
-    fn update(&mut self, sample: &Sample) -> usize {
-        let limit = working(&mut self.limit, sample.capacity);
-        let measured = self
-            .baseline
-            .measure(sample)
-            .map(|m| (m.baseline, self.estimate.add(m.run_time, self.weight)));
-        if sample.is_congested() {
-            // Not smoothed: a server that fails wants less at once.
+    /// The capacity after a round trip at `limit` whose run times were `ratio` times their
+    /// baseline, on average over the last round trips (`now` in this one), that `rose` by more
+    /// than chance, and whether something `held` it (see [`Algorithm::update`]).
+    fn step(&mut self, limit: f64, now: f64, ratio: f64, rose: bool, held: bool) -> f64 {
+        if self.slow_start {
+            if now <= self.tolerance && !rose && !held {
+                return limit + (limit / 2.0).round().max(1.0);
+            }
+            self.slow_start = false;
             self.ceiling = Some(limit.round());
-            self.probed = false;
-            let next = (limit * self.backoff).min(limit - 1.0);
-            let next = next.clamp(sample.min_capacity as f64, sample.max_capacity as f64);
-            self.limit = Some(next);
-            return next.round() as usize;
+            if now > self.tolerance {
+                // Past the knee: back by the ratio, as the gradient does.
+                return limit * (self.tolerance / now).max(0.5);
+            }
+            // A rise, not past the tolerance: the round trip after a step still mixes
+            // operations admitted at the lower capacity; this one is judged on the next.
+            return limit;
         }
-        let Some((baseline, estimate)) = measured.filter(|_| sample.is_used()) else {
-            // Cut short, or the load did not come near the limit: nothing to learn about what
-            // it can take.
-            return sample.capacity;
-        };
-        let allowed = self.tolerance * baseline;
-        let target = if estimate > allowed {
-            limit * (allowed / estimate).max(0.5)
-        } else if sample.stale_congested > 0 {
-            // Operations from before the last decrease still failed: no room to grow into.
+        let target = if ratio > self.tolerance {
+            limit * (self.tolerance / ratio).max(0.5)
+        } else if held {
             limit
         } else {
             // The share of the tolerance still unused: all of it at the baseline, none at the
             // tolerance.
             let slack = if self.tolerance > 1.0 {
-                ((allowed - estimate) / (allowed - baseline)).clamp(0.0, 1.0)
+                ((self.tolerance - ratio) / (self.tolerance - 1.0)).clamp(0.0, 1.0)
             } else {
                 1.0
             };
@@ -159,27 +178,78 @@ impl Algorithm for Gradient {
                 // The last step probed up to the ceiling: judge it first.
                 next = limit;
             } else if limit.round() >= ceiling {
-                // Back at the ceiling without a failure: the server has room again.
-                self.ceiling = None;
+                // Back at the ceiling without a failure or a climb: the backend has room again.
+                (self.ceiling, self.careful, self.slow_start) = (None, None, true);
             } else if next.round() >= ceiling - 1.0 {
-                // Near where it failed: one place at a time.
+                // Near where it had to shrink: one place at a time.
                 next = next.min(limit.round() + 1.0);
                 self.probed = next.round() >= ceiling;
+            } else if self.careful.is_some_and(|careful| next.round() > careful) {
+                next = next.min(limit.round() + 1.0);
             }
         }
+        next
+    }
+}
+
+impl Algorithm for Gradient {
+    fn update(&mut self, sample: &Sample) -> usize {
+        let mut limit = working(&mut self.limit, sample.capacity);
+        self.served.add(sample);
+        let unanswered = self.occupancy.unanswered(sample);
+        // The rest of the last decrease, as the operations from before it fail.
+        limit -= self.retiring.retire(sample.stale_congested);
+        let measured = self.baseline.measure(sample);
+        let averaged = measured.map(|m| {
+            let ratio = self.ratio.add(m.run_time / m.baseline, self.weight);
+            self.estimate = Some(m.baseline * ratio);
+            ratio
+        });
+        let next = if sample.is_congested() && self.retiring.covers(sample.congested) {
+            // Operations admitted while the last decrease was under way: their places go.
+            limit - self.retiring.retire(sample.congested)
+        } else if sample.is_congested() {
+            // Not smoothed: a server that fails wants less at once.
+            self.slow_start = false;
+            self.probed = false;
+            let (next, rest) = decrease(limit, self.backoff, self.served.in_flight());
+            self.retiring = rest;
+            self.ceiling = Some(limit.round());
+            // Above what the backend served, one place at a time: a slow start that went past a
+            // cliff failed well above where the cliff is.
+            self.careful = Some(next - rest.0);
+            next
+        } else {
+            match (measured, averaged) {
+                (Some(measured), Some(ratio)) if sample.is_used() => {
+                    let now = measured.run_time / measured.baseline;
+                    if sample.stale_congested == 0 {
+                        self.retiring = Retiring::default();
+                    }
+                    // Operations from before the last decrease still failed, or places are held
+                    // by operations that do not answer (a backend that drops what is above its
+                    // capacity): no room to grow into.
+                    let held = sample.stale_congested > 0 || unanswered > 0.0;
+                    self.step(limit, now, ratio, measured.rose, held)
+                }
+                // Cut short, or the load did not come near the limit: nothing to learn about
+                // what it can take.
+                _ => limit,
+            }
+        };
         let next = next.clamp(sample.min_capacity as f64, sample.max_capacity as f64);
         self.limit = Some(next);
         next.round() as usize
     }
 
-    /// The run time at low load.
+    /// The run time at low load of the last round trip's operations.
     fn baseline(&self) -> Option<Duration> {
         self.baseline.get().map(Duration::from_secs_f64)
     }
 
-    /// A moving average of the round trips' mean run times.
+    /// The baseline times the recent ratio to it: the run time it compares with the baseline.
     fn estimate(&self) -> Option<Duration> {
-        self.estimate.duration()
+        self.estimate.map(Duration::from_secs_f64)
     }
 }
 
@@ -192,21 +262,91 @@ mod tests {
         Some(Duration::from_millis(ms))
     }
 
+    /// A gradient past its slow start: a window at 16 with a failure, served 16 at once.
+    fn past_slow_start(gradient: Gradient) -> Gradient {
+        let mut gradient = gradient;
+        let mut failed = sample(16);
+        failed.congested = 1;
+        assert_eq!(gradient.update(&failed), 14);
+        gradient
+    }
+
     #[test]
-    fn grows_by_its_headroom_while_the_run_time_holds() {
-        let mut gradient = Gradient::default().smoothing(1.0);
-        assert_eq!(gradient.update(&sample(16)), 20);
-        assert_eq!(gradient.update(&sample(20)), 24);
+    fn slow_starts_by_half_until_the_run_time_rises() {
+        let mut gradient = Gradient::default();
+        let mut capacities = Vec::new();
+        let mut capacity = 1;
+        for _ in 0..6 {
+            capacity = gradient.update(&sample(capacity));
+            capacities.push(capacity);
+        }
+        assert_eq!(capacities, [2, 3, 5, 8, 12, 18]);
+        // 3% slower at 18, without jitter: more than chance, within the tolerance. The round
+        // trip after a step still mixes operations admitted at 12: 18 is judged on the next.
+        let mut rose = sample(18);
+        (rose.mean_run_time, rose.in_flight) = (ms(103), 18.0);
+        assert_eq!(gradient.update(&rose), 18);
+    }
+
+    #[test]
+    fn a_slow_start_past_the_tolerance_goes_back_by_the_ratio() {
+        let mut gradient = Gradient::default();
+        for capacity in [1, 2, 3, 5, 8] {
+            gradient.update(&sample(capacity));
+        }
+        // At 12, 21% slower (a shallow knee: ×1.1 for each one past 10): back to where the
+        // tolerance of 10% is, 12 × 1.1 / 1.21.
+        let mut knee = sample(12);
+        knee.mean_run_time = ms(121);
+        assert_eq!(gradient.update(&knee), 11);
+    }
+
+    #[test]
+    fn grows_by_its_headroom_less_as_the_run_time_nears_the_tolerance() {
+        // At the baseline, well above where it failed: √30, half of it (the smoothing).
+        let mut gradient = past_slow_start(Gradient::default());
+        assert_eq!(gradient.update(&sample(30)), 33);
+        // 8% above it (the average moves 0.3 of the way: 2.4%): a quarter of the tolerance
+        // used, three quarters of the headroom.
+        let mut gradient = past_slow_start(Gradient::default());
+        let mut nearer = sample(30);
+        nearer.mean_run_time = ms(108);
+        assert_eq!(gradient.update(&nearer), 32);
+        // Near where it failed (16; it served 14): one place at a time.
+        let mut gradient = past_slow_start(Gradient::default());
+        assert_eq!(gradient.update(&sample(14)), 15);
     }
 
     #[test]
     fn shrinks_by_the_ratio_once_the_run_time_climbs_past_the_tolerance() {
-        let mut gradient = Gradient::default().smoothing(1.0).tolerance(1.0);
-        gradient.update(&sample(16));
+        let mut gradient = past_slow_start(Gradient::default().smoothing(1.0).tolerance(1.0));
         let mut slow = sample(20);
         slow.mean_run_time = ms(200);
-        // The estimate moves 0.3 of the way: 130 ms against a baseline of 100 ms.
+        // The average moves 0.3 of the way: 1.3 times the baseline of 100 ms.
         assert_eq!(gradient.update(&slow), 15);
+    }
+
+    #[test]
+    fn after_a_decrease_it_probes_one_place_at_a_time_above_what_was_served() {
+        let mut gradient = Gradient::default();
+        for capacity in [1, 2, 3, 5, 8, 12] {
+            gradient.update(&sample(capacity));
+        }
+        // A slow start to 18 went past a cliff: everything above 12 fails.
+        let mut failed = sample(18);
+        failed.congested = 1;
+        (failed.served, failed.elapsed) = (Duration::from_millis(1_200), ms(100).unwrap());
+        assert_eq!(
+            gradient.update(&failed),
+            16,
+            "0.9 now, toward 12 as they fail"
+        );
+        let mut stale = sample(16);
+        (stale.stale_congested, stale.round_trip) = (4, false);
+        assert_eq!(gradient.update(&stale), 12);
+        // Then one place at a time, however much headroom the gradient sees.
+        assert_eq!(gradient.update(&sample(12)), 13);
+        assert_eq!(gradient.update(&sample(13)), 14);
     }
 
     #[test]
@@ -231,17 +371,6 @@ mod tests {
     }
 
     #[test]
-    fn slows_its_growth_as_the_run_time_nears_the_tolerance() {
-        let mut gradient = Gradient::default().smoothing(1.0).tolerance(1.5);
-        gradient.update(&sample(16));
-        let mut nearer = sample(20);
-        nearer.in_flight = 20.0;
-        nearer.mean_run_time = ms(200);
-        // The estimate moves 0.3 of the way: 130 ms, 60% of the tolerance used.
-        assert_eq!(gradient.update(&nearer), 22);
-    }
-
-    #[test]
     fn leaves_a_limit_the_load_never_came_near() {
         let mut gradient = Gradient::default();
         let mut idle = sample(16);
@@ -251,8 +380,7 @@ mod tests {
 
     #[test]
     fn follows_a_capacity_set_from_outside() {
-        let mut gradient = Gradient::default().smoothing(1.0);
-        gradient.update(&sample(16));
+        let mut gradient = past_slow_start(Gradient::default().smoothing(1.0));
         // Someone set 4.
         assert_eq!(gradient.update(&sample(4)), 6);
     }

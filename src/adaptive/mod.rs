@@ -24,9 +24,10 @@
 //! # How it decides
 //!
 //! Each operation that ends feeds the controller its run time, when it ended (so when it was
-//! admitted), and whether its outcome is a sign of congestion (`timeout`, `error`, `crashed`; not
-//! `ok`, nor `cancelled`, whose caller went away). The controller adds them to the current
-//! *window*, which lasts about one round trip:
+//! admitted), its series (its [`Operation`](crate::Operation) and
+//! [`Executor`](crate::Executor)), and whether its outcome is a sign of congestion
+//! ([`is_congestion`]: `timeout`, `error`, `crashed`; not `ok`, nor `cancelled`, whose caller went
+//! away). The controller adds them to the current *window*, which lasts about one round trip:
 //!
 //! - it measures the operations admitted after it opened, which ran at the capacity it set;
 //! - it closes once as many of them as the capacity have ended (about two run times after it
@@ -39,10 +40,11 @@
 //! operations a second or fewer is not affected; a busier one decides at most 500 times a
 //! second, on a sample (see [Cost](#cost)).
 //!
-//! A failure of an operation admitted before the capacity was last lowered, within a round trip
-//! of that decrease, is not news: the decrease answered it. So a server that fails everything
-//! above its capacity gets one decrease per round trip, however many operations it fails, and
-//! cuts never compound.
+//! A failure of an operation admitted before the capacity was last lowered is not news
+//! ([`News`]): the decrease answered it, however late the failure comes (a judge given up after
+//! three seconds, seconds after a decrease decided on verifies of 100 ms). So a server that fails
+//! everything above its capacity gets one decrease per round trip, however many operations it
+//! fails, and cuts never compound.
 //!
 //! The [`Algorithm`] then reads what the window saw (a [`Sample`]) and names the next capacity,
 //! which the controller clamps to `[min, max]` and sets with [`Limit::set_capacity`]. Lowering
@@ -52,18 +54,37 @@
 //! - [`Vegas`]: estimates how many operations wait at the server rather than run (from the run
 //!   time against the run time at low load, and the places held by operations that do not
 //!   answer) and keeps that between 1 and 3; a slow start that ends at the first sign of a
-//!   queue; probes where it last failed one place at a time.
-//! - [`Aimd`]: additive increase, multiplicative decrease, after a slow start, on failures and
-//!   on a run time twice the baseline (or above a threshold you give).
-//! - [`Gradient`]: compares the recent run time with a baseline and shrinks the limit by their
-//!   ratio when the run time climbs past a tolerance; grows by a headroom of `√capacity` while
-//!   it does not.
+//!   rise; probes where it last failed one place at a time.
+//! - [`Aimd`]: additive increase, multiplicative decrease, after a slow start, on failures only,
+//!   unless given a run-time ratio or threshold; slow-starts again once back where it last
+//!   failed.
+//! - [`Gradient`]: a slow start, then compares the recent run time with a baseline and shrinks
+//!   the limit by their ratio when the run time climbs past a tolerance (10%); grows by a
+//!   headroom of `√capacity` while it does not.
 //! - [`Algorithm`]: your own.
+//!
+//! Every built-in algorithm decreases the same way: `backoff` times the capacity at once, and on
+//! toward what the backend served over the last round trip (the run times of the operations
+//! that ended `ok`, over the time they ended in), by half at most, taking the rest out as the
+//! operations admitted before the decrease fail. A capacity that falls from 24 to 8 is followed to
+//! 10 or less within 3 round trips, not six decreases of ×0.9.
+//!
+//! # Mixed work
+//!
+//! Routes that share a limit often do work of several kinds: a verify of 100 ms and a judge of
+//! 1 s. The limit hears each operation's series, and the controller keeps each series' run
+//! times apart ([`Sample::series`]): each algorithm compares every kind of work with what is
+//! normal for it (a baseline per series, a queue estimate that adds up each series' share of the
+//! wait), so a judge's first second is no queue measured against the verifies' 100 ms. A series
+//! measured for the first time, or not for a while, counts as no queue. A kind that runs longer
+//! than a window lasts is not taken for places that do not answer.
 //!
 //! Against the scenarios Vector publishes for its adaptive request concurrency (ARC), and ARC's
 //! controller run beside them on the same simulated links, `Vegas` holds a knee where ARC does
 //! at ARC's rate or better, fills a constant link sooner, and fails fewer requests on a server
-//! that defers or drops what is above its capacity (`tests/arc_scenarios.rs`).
+//! that defers or drops what is above its capacity; each algorithm meets the targets of what it
+//! reacts to, on those and on mixed work, a falling capacity and a slow rise
+//! (`tests/arc_scenarios.rs`).
 //!
 //! The limit's own rejections (a full queue, a queue timeout) are counted in the sample, but the
 //! built-in algorithms do not shrink for them: they say the limit is too small for the demand,
@@ -81,6 +102,54 @@
 //! [`Resize`](crate::limit::Resize) is adapted the same way: [`Adaptive`] is a
 //! [`MakeControl`](crate::limit::MakeControl).
 //!
+//! # A controller of your own, or a fleet's
+//!
+//! The controller of a [`Limit`] is made of public pieces, so that a controller that keeps its
+//! window elsewhere (the companion crate `tower-resources-operation-redis` keeps a fleet's in
+//! Redis) decides as a `Limit`'s does, from the same [`Adaptive`]:
+//!
+//! - [`Tally`]: what each end adds to a window, lock-free and store-agnostic, per series; its
+//!   [`Counts`] are plain numbers, added up across processes (`+=`), and turned into the
+//!   [`Sample`] an algorithm reads by [`Counts::sample`].
+//! - [`News`]: whether a failure is news, on marks of your choosing (a clock, or a fleet's window
+//!   numbers).
+//! - [`Adaptive`]'s settings, read back: [`bounds`](Adaptive::bounds),
+//!   [`tolerated_share`](Adaptive::tolerated_share), [`windows`](Adaptive::windows),
+//!   [`interval`](Adaptive::interval), and a fresh algorithm from
+//!   [`new_algorithm`](Adaptive::new_algorithm).
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_resources_operation::adaptive::{Adaptive, Counted, Counts, News, Tally, Vegas};
+//! use tower_resources_operation::limit::Ended;
+//! use tower_resources_operation::{Executor, Operation, Outcome};
+//!
+//! let adaptive = Adaptive::new(Vegas::default(), 1..=64);
+//! let mut algorithm = adaptive.new_algorithm();
+//! // One tally and one rule per process; marks are the fleet's window numbers.
+//! let (tally, news, window) = (Tally::new(), News::new(), 7);
+//! for ms in [100, 104, 98, 102] {
+//!     let admitted_in = window;
+//!     let ended = Ended::new(Outcome::Ok, Duration::from_millis(ms), None)
+//!         .with_series(Operation::Verify, Executor::Subprocess);
+//!     let counted = Counted {
+//!         own: admitted_in == window,
+//!         news: news.is_news(admitted_in),
+//!         in_flight: 0,
+//!     };
+//!     tally.add(&ended, counted);
+//! }
+//! // Every process's counts, added up where the fleet keeps its window.
+//! let mut fleet = Counts::default();
+//! fleet += tally.take();
+//! // The leader decides on the whole fleet's window.
+//! let mut sample = fleet.sample(4, &adaptive);
+//! (sample.in_flight, sample.peak_in_flight) = (4.0, 4);
+//! sample.elapsed = Duration::from_millis(210);
+//! let next = algorithm.update(&sample);
+//! assert!(next > 4, "no queue yet: a slow start");
+//! ```
+//!
 //! # What it decided, in the metrics
 //!
 //! `gym.resources.operation.limit` and, for a named limit, `gym.resources.limit.capacity`
@@ -93,9 +162,9 @@
 //! # Cost
 //!
 //! No lock on an operation's path: an end adds to a handful of relaxed atomics of the window
-//! (its counts, the sum and the sum of squares of the run times, the operations in flight it
-//! saw), and the operation reads the clock twice for its run time (which it reads anyway with
-//! metrics on). The thread whose operation closes a window wins an atomic flag and runs the
+//! (its counts, and its series' counts, run time sum, sum of squares and what it served, the
+//! operations in flight it saw), and the operation reads the clock twice for its run time (which
+//! it reads anyway with metrics on). The thread whose operation closes a window wins an atomic flag and runs the
 //! algorithm, once per window, before that operation's place goes back. A limit without a
 //! controller pays one `Option` check per end.
 //!
@@ -117,13 +186,17 @@ mod baseline;
 mod config;
 mod controller;
 mod gradient;
+mod news;
+mod served;
+mod tally;
 mod vegas;
-mod window;
 
 pub use aimd::Aimd;
-pub use algorithm::{Algorithm, Sample};
-pub use config::Adaptive;
+pub use algorithm::{Algorithm, BySeries, Sample, SeriesSample};
+pub use config::{Adaptive, Windows};
 pub use gradient::Gradient;
+pub use news::{is_congestion, News};
+pub use tally::{Counted, Counts, Running, SeriesCounts, Tally};
 pub use vegas::Vegas;
 
 #[cfg(doc)]
@@ -215,6 +288,9 @@ mod tests {
             mean_run_time: Some(Duration::from_millis(100)),
             min_run_time: Some(Duration::from_millis(90)),
             run_time_deviation: Some(Duration::ZERO),
+            series: BySeries::default(),
+            // The backend served the whole capacity.
+            served: Duration::from_secs(capacity as u64),
             peak_in_flight: capacity,
             in_flight: capacity as f64,
             overdue: 0,

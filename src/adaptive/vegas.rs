@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use super::baseline::Baseline;
+use super::baseline::Baselines;
+use super::served::{decrease, Occupancy, Served};
 use super::{in_range, working, Algorithm, Average, Sample};
 
 #[cfg(doc)]
@@ -17,18 +18,23 @@ use super::Adaptive;
 /// After each round trip (see [`Adaptive::window`]) in which the limit was used, with `L`
 /// operations in flight, a mean run time `r` and a baseline `b` (the run time at low load):
 ///
-/// - `L × (1 − b / r)` of them wait rather than run (Vegas's *diff*);
+/// - `L × (1 − b / r)` of them wait rather than run (Vegas's *diff*); with several kinds of work
+///   on the limit, `r` and `b` are their means over the window's operations, each kind against
+///   its own baseline, so the wait is each kind's share of it;
 /// - the operations admitted before the round trip and still running after it
-///   ([`Sample::overdue`]) hold a place without delivering: a server that drops requests never
-///   answers them;
-/// - below `alpha` in all, and with a run time no higher than chance explains (on a link
-///   without jitter, any rise counts), the capacity grows; with more than `beta` waiting it
-///   shrinks to bring them back between the two; otherwise it holds.
+///   ([`Sample::overdue`]), beyond those a kind of work slower than a round trip explains, hold
+///   a place without delivering: a server that drops requests never answers them;
+/// - below `alpha` in all, the capacity grows; with more than `beta` waiting it shrinks to bring
+///   them back between the two; otherwise it holds. A run time that rises with the load without
+///   a queue (1% per operation in flight) is no reason to stop: the estimate decides.
 ///
 /// **Slow start.** The capacity grows by half each round trip until the first sign of a queue
 /// or of congestion, so a link that takes 200 at once gets there in a dozen round trips, and a
-/// knee is overshot by half at most before it is seen; a slow start that ends on the run time
-/// steps an eighth back, as TCP Vegas does.
+/// knee is overshot by half at most before it is seen. A slow start that ends on a queue steps
+/// an eighth back, as TCP Vegas does; one that ends on a run time risen by more than chance (on
+/// a link without jitter, any rise), but no queue yet, holds, to judge the capacity on the next
+/// round trip (the round trip after a step still mixes operations admitted at the capacity
+/// before).
 ///
 /// **Probing.** After that it grows by one place a round trip up to where it last had to shrink
 /// (its *ceiling*), judges a probe up to the ceiling a round trip later (the round trip after a
@@ -39,11 +45,12 @@ use super::Adaptive;
 /// before the next one, as CUBIC plateaus.
 ///
 /// **Congestion.** A window with congestion (`timeout`, `error`, `crashed`, news to the
-/// controller) multiplies the capacity by `backoff` at once, at least one place less. The
-/// controller does not count as news the failures of operations admitted before the last
-/// decrease, within a round trip of it, so cuts never compound. The places of overdue
-/// operations are not cut (that would take them from the operations still delivering): they
-/// are taken out one by one as those operations fail.
+/// controller) multiplies the capacity by `backoff` at once, at least one place less, and goes
+/// on toward what the backend served over the last round trip (the operations that ended
+/// `ok`), by half at most, as the operations admitted before the decrease fail. The controller
+/// does not count as news the failures of operations admitted before the last decrease, so cuts
+/// never compound. The places of overdue operations are not cut (that would take them from the
+/// operations still delivering): they are taken out one by one as those operations fail.
 ///
 /// **Baseline.** It follows what it measures: a round trip at no more load than the one the
 /// baseline was taken at measures it again, up or down; a faster one at more load, by more than
@@ -91,7 +98,9 @@ pub struct Vegas {
     /// them): taken out one by one as those fail, rather than at once (which would take them
     /// from the operations that still deliver).
     retiring: f64,
-    baseline: Baseline,
+    baseline: Baselines,
+    served: Served,
+    occupancy: Occupancy,
     estimate: Average,
     /// The capacity, kept between windows.
     limit: Option<f64>,
@@ -113,7 +122,9 @@ impl Default for Vegas {
             echo: None,
             cutting: false,
             retiring: 0.0,
-            baseline: Baseline::default(),
+            baseline: Baselines::default(),
+            served: Served::default(),
+            occupancy: Occupancy::default(),
             estimate: Average::default(),
             limit: None,
         }
@@ -157,18 +168,26 @@ impl Vegas {
     /// at the server rather than running and `overdue` holding a place without answering, and
     /// whether the run time `rose` above the baseline by more than chance.
     fn step(&mut self, limit: f64, waiting: f64, overdue: f64, rose: bool) -> f64 {
-        let room = waiting + overdue < self.alpha && !rose;
+        let room = waiting + overdue < self.alpha;
         let probed = std::mem::take(&mut self.probed);
         if self.slow_start {
-            if room {
+            if room && !rose {
                 return limit + (limit / 2.0).round().max(1.0);
             }
             self.slow_start = false;
-            if (waiting >= self.alpha || rose) && waiting <= self.beta {
+            if waiting >= self.alpha && waiting <= self.beta {
                 // The run time says the last step went past the knee: an eighth back, as
                 // TCP Vegas leaves its slow start.
                 self.ceiling = Some(limit);
                 return (limit * 7.0 / 8.0).round().min(limit - 1.0).max(1.0);
+            }
+            if room {
+                // The run time rose by more than chance, but no queue shows yet: the round
+                // trip after a step still mixes operations admitted at the lower capacity, so
+                // it is judged at this one, on the next round trip. (A backend whose run time
+                // rises slowly with its load has no queue to hold back for.)
+                self.ceiling = Some(limit);
+                return limit;
             }
         }
         if waiting > self.beta {
@@ -212,6 +231,8 @@ impl Vegas {
 impl Algorithm for Vegas {
     fn update(&mut self, sample: &Sample) -> usize {
         let mut limit = working(&mut self.limit, sample.capacity);
+        self.served.add(sample);
+        let unanswered = self.occupancy.unanswered(sample);
         let (min, max) = (sample.min_capacity as f64, sample.max_capacity as f64);
         // Operations it knew would fail did: their places go.
         let retired = self.retiring.min(sample.stale_congested as f64);
@@ -238,8 +259,11 @@ impl Algorithm for Vegas {
                 self.retiring -= failed;
                 limit - failed
             } else {
-                self.retiring = 0.0;
-                (limit * self.backoff).floor().min(limit - 1.0)
+                // Toward what the backend served: the rest as the operations admitted before
+                // the decrease fail.
+                let (now, rest) = decrease(limit, self.backoff, self.served.in_flight());
+                self.retiring = rest.0;
+                now
             }
         } else if let Some(measured) = self.baseline.measure(sample) {
             self.cutting = false;
@@ -247,8 +271,14 @@ impl Algorithm for Vegas {
             self.estimate.add(run_time, 0.5);
             let level = sample.in_flight.max(1.0);
             let waiting = level * (1.0 - baseline / run_time).max(0.0);
-            let overdue = sample.overdue as f64;
-            self.retiring = self.retiring.max(overdue);
+            // Places held by operations from before the window that do not answer.
+            let overdue = unanswered;
+            self.retiring = match sample.stale_congested {
+                // No operation from before the last decrease fails any more: what is left of
+                // it is not owed.
+                0 => overdue,
+                _ => self.retiring.max(overdue),
+            };
             if !sample.is_used() {
                 // The load stayed below the limit: nothing to learn about what it can take.
                 limit
@@ -308,15 +338,30 @@ mod tests {
     }
 
     #[test]
-    fn any_rise_of_a_run_time_without_jitter_is_a_sign_of_a_queue() {
+    fn a_rise_more_than_chance_ends_the_slow_start_and_a_queue_stops_growth() {
         let mut vegas = Vegas::default();
         assert_eq!(vegas.update(&sample(1)), 2);
-        // 2% slower with 8 in flight: not a queue of 1 by Vegas's count, but a link without
-        // jitter does not slow down by chance.
+        // 2% slower with 8 in flight: a link without jitter does not slow down by chance, but
+        // 8 × (1 − 100/102) = 0.16 wait, no queue of 1: the slow start ends where it is, and
+        // 8 is judged on its next round trip (which no longer mixes operations admitted at 5).
         let mut slower = sample(8);
         slower.mean_run_time = ms(102);
-        assert_eq!(vegas.update(&slower), 7);
-        // With a spread of 10 ms per operation, 20 operations' mean may be 4 ms off by chance.
+        assert_eq!(vegas.update(&slower), 8);
+        // Still no queue: the server has room (a backend whose run time rises 1% for each
+        // operation is not queueing): on, by half.
+        assert_eq!(vegas.update(&slower), 12);
+        // 12 × (1 − 100/112) = 1.3 wait: a queue between alpha and beta, held.
+        let mut queue = sample(12);
+        queue.mean_run_time = ms(112);
+        assert_eq!(
+            vegas.update(&queue),
+            11,
+            "the slow start ends an eighth back"
+        );
+        queue.capacity = 11;
+        assert_eq!(vegas.update(&queue), 11);
+        // With a spread of 10 ms per operation, 20 operations' mean may be 4 ms off by chance:
+        // 2% is not a rise.
         let mut vegas = Vegas::default();
         let mut jittery = sample(1);
         jittery.run_time_deviation = ms(10);

@@ -11,6 +11,7 @@ use tower_service::Service;
 use super::body::{AtHead, End};
 use super::future::ResponseFuture;
 use super::Config;
+use crate::attributes::SeriesKey;
 use crate::classify::{ClassifyOutcome, DefaultClassifier};
 use crate::diagnostics::{self, Mistake};
 use crate::guard::guarded;
@@ -127,6 +128,7 @@ where
                     &mut asking,
                     recording.series.as_ref(),
                     recording.records,
+                    SeriesKey::new(config.operation, config.executor),
                     deadline,
                     cx
                 ))

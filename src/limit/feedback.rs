@@ -15,25 +15,87 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::attributes::Outcome;
+use crate::attributes::{Executor, Operation, Outcome, SeriesKey};
 
 /// How an admitted operation ended: what a limit hears, before its permit goes back.
+///
+/// It says which series the operation is of (its [`Operation`] and [`Executor`], whatever the
+/// metrics), so that a controller can compare its run time with what is normal for its kind: a
+/// limit shared by a verify of 100 ms and a judge of 1 s sees both.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Ended {
     outcome: Outcome,
+    series: SeriesKey,
     ran: Duration,
     at: Option<Instant>,
 }
 
 impl Ended {
-    /// An operation that ended `outcome` at `at` (on tokio's clock), after running `ran`.
+    /// An operation that ended `outcome` at `at` (on tokio's clock), after running `ran`, of the
+    /// series ([`Operation::Other`], [`Executor::Other`]) until
+    /// [`with_series`](Self::with_series) says otherwise.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_resources_operation::limit::Ended;
+    /// use tower_resources_operation::{Executor, Operation, Outcome};
+    ///
+    /// let ended = Ended::new(Outcome::Ok, Duration::from_millis(90), None)
+    ///     .with_series(Operation::Verify, Executor::Subprocess);
+    /// assert_eq!((ended.operation(), ended.executor()), (Operation::Verify, Executor::Subprocess));
+    /// ```
     pub fn new(outcome: Outcome, ran: Duration, at: Option<Instant>) -> Self {
-        Self { outcome, ran, at }
+        Self::of(
+            SeriesKey::new(Operation::Other, Executor::Other),
+            outcome,
+            ran,
+            at,
+        )
+    }
+
+    /// An operation of `series` that ended so.
+    #[inline]
+    pub(crate) fn of(
+        series: SeriesKey,
+        outcome: Outcome,
+        ran: Duration,
+        at: Option<Instant>,
+    ) -> Self {
+        Self {
+            outcome,
+            series,
+            ran,
+            at,
+        }
+    }
+
+    /// The same end, of an operation of `operation` on `executor`.
+    pub fn with_series(self, operation: Operation, executor: Executor) -> Self {
+        Self {
+            series: SeriesKey::new(operation, executor),
+            ..self
+        }
     }
 
     /// How it ended, as the metrics record it.
     pub fn outcome(&self) -> Outcome {
         self.outcome
+    }
+
+    /// What kind of work it was.
+    pub fn operation(&self) -> Operation {
+        self.series.operation()
+    }
+
+    /// Where it ran.
+    pub fn executor(&self) -> Executor {
+        self.series.executor()
+    }
+
+    /// Its series, as one small number.
+    #[inline]
+    pub(crate) fn series(&self) -> SeriesKey {
+        self.series
     }
 
     /// How long it ran, from its permit to its end (0 if the clock could not be read).

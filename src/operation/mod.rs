@@ -34,7 +34,7 @@ use tokio::time::Instant;
 pub use scope::set_outcome;
 
 use self::scope::{Holding, Slot};
-use crate::attributes::{Outcome, Rejection};
+use crate::attributes::{Outcome, Rejection, SeriesKey};
 use crate::guard::guarded;
 use crate::limit::{Acquire, AcquireError, Asking, Ended};
 use crate::metrics::Series;
@@ -74,6 +74,8 @@ struct Record<K> {
     chosen: Option<Outcome>,
     /// Whether its limit hears its end ([`Acquire::hears_end`]), asked as it was admitted.
     heard: bool,
+    /// Its operation and executor, as its limit hears them (in what would be padding).
+    key: SeriesKey,
 }
 
 /// When something happened, on tokio's clock (so that a paused clock is followed), in one word:
@@ -417,13 +419,15 @@ impl<A: Acquire> Lifecycle<A> {
     /// a limit that [hears ends](Acquire::hears_ends) (it is then timed for the limit alone,
     /// if the limit [hears its end](Acquire::hears_end)). `deadline` is how long the server lets the
     /// request take, if the layer knows: a wait dropped past it is
-    /// [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not abandoned.
+    /// [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not abandoned. `key`
+    /// is its operation and executor, for its limit to hear with its end.
     #[inline(always)]
     pub(crate) fn poll_admit(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
         records: bool,
+        key: SeriesKey,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
@@ -435,7 +439,7 @@ impl<A: Acquire> Lifecycle<A> {
         };
         let acquired = match now {
             Some(now) => now,
-            None => std::task::ready!(self.poll_wait(asking, series, deadline, cx)),
+            None => std::task::ready!(self.poll_wait(asking, series, key, deadline, cx)),
         };
         let permit = match acquired {
             Ok(permit) => permit,
@@ -450,7 +454,7 @@ impl<A: Acquire> Lifecycle<A> {
             held_twice(permit);
         }
         if records && (heard || series.is_some()) {
-            self.record_admission(series, heard);
+            self.record_admission(series, heard, key);
         }
         Poll::Ready(Ok(()))
     }
@@ -461,20 +465,21 @@ impl<A: Acquire> Lifecycle<A> {
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
+        key: SeriesKey,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<A::Permit, AcquireError>> {
         let polled = asking.poll_wait(cx);
         if polled.is_pending() && self.record.is_none() {
             if let Some(series) = series {
-                self.start_waiting(series, guarded(deadline).flatten());
+                self.start_waiting(series, key, guarded(deadline).flatten());
             }
         }
         polled
     }
 
     #[cold]
-    fn start_waiting(&mut self, series: &Series, deadline: Option<Duration>) {
+    fn start_waiting(&mut self, series: &Series, key: SeriesKey, deadline: Option<Duration>) {
         series.start_waiting();
         self.record = Some(Record {
             series: Some(series.clone()),
@@ -484,12 +489,13 @@ impl<A: Acquire> Lifecycle<A> {
             },
             chosen: None,
             heard: false,
+            key,
         });
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
     #[inline(never)]
-    fn record_admission(&mut self, series: Option<&Series>, heard: bool) {
+    fn record_admission(&mut self, series: Option<&Series>, heard: bool, key: SeriesKey) {
         match &mut self.record {
             Some(waited) => waited.admit(true, heard),
             None => {
@@ -501,6 +507,7 @@ impl<A: Acquire> Lifecycle<A> {
                     stage: Stage::Ended,
                     chosen: None,
                     heard: false,
+                    key,
                 };
                 record.admit(false, heard);
                 self.record = Some(record);
@@ -625,6 +632,7 @@ impl<K> Record<K> {
             },
             chosen: self.chosen,
             heard: self.heard,
+            key: self.key,
         })
     }
 
@@ -649,6 +657,7 @@ impl<K> Record<K> {
             stage,
             chosen: self.chosen,
             heard: self.heard,
+            key: self.key,
         }
     }
 
@@ -671,7 +680,7 @@ impl<K> Record<K> {
         if let Some(series) = &self.series {
             series.end(outcome, ran);
         }
-        Some((Ended::new(outcome, ran, instant), heard))
+        Some((Ended::of(self.key, outcome, ran, instant), heard))
     }
 }
 
@@ -765,6 +774,7 @@ mod tests {
             },
             chosen: None,
             heard: false,
+            key: SeriesKey::new(crate::Operation::Other, crate::Executor::Other),
         }
     }
 

@@ -1,0 +1,77 @@
+//! [`News`]: whether a sign of congestion is news to the controller, or was answered by its
+//! last decrease; and which outcomes are signs of congestion ([`is_congestion`]).
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use crate::attributes::Outcome;
+
+/// Whether an operation's outcome is a sign of congestion for an adaptive limit: `timeout`,
+/// `error` and `crashed`. Not `ok`, and not `cancelled`: its caller went away.
+///
+/// A rejection from *downstream* (a `503`, RESOURCE_EXHAUSTED) is the `error` the classifier
+/// makes of it.
+pub fn is_congestion(outcome: Outcome) -> bool {
+    matches!(
+        outcome,
+        Outcome::Error | Outcome::Timeout | Outcome::Crashed
+    )
+}
+
+/// The rule that keeps decreases from compounding: a failure of an operation admitted before
+/// the capacity was last lowered is not news, since that decrease answered it. So a server that
+/// fails everything above its capacity costs one decrease per round trip, however many
+/// operations it fails: those admitted after the decrease ran at the new capacity, and their
+/// failures say it was not enough.
+///
+/// It reads *marks* that only go up, which a controller chooses: a
+/// [`Limit`](crate::Limit)'s controller marks an operation with when it was admitted, and a
+/// decrease with when it was decided, on its own clock; a fleet whose processes do not share a
+/// clock marks both with the number of the fleet's window (an operation with the window its
+/// process knew when it was admitted, a decrease with the window it was decided in), which
+/// every process hears. Lock-free: one relaxed atomic.
+///
+/// ```
+/// use tower_resources_operation::adaptive::News;
+///
+/// // A fleet's windows: the capacity was lowered as window 7 closed.
+/// let news = News::new();
+/// assert!(news.is_news(3), "nothing was lowered yet");
+/// news.decreased(7);
+/// assert!(!news.is_news(7), "admitted before the decrease: answered by it");
+/// assert!(news.is_news(8), "admitted at the lowered capacity, and still failed");
+/// ```
+#[derive(Debug, Default)]
+pub struct News {
+    /// The mark of the last decrease; 0 for none.
+    decreased: AtomicU64,
+}
+
+impl News {
+    /// A rule for a limit whose capacity was never lowered: every sign of congestion is news.
+    pub const fn new() -> Self {
+        Self {
+            decreased: AtomicU64::new(0),
+        }
+    }
+
+    /// The capacity was lowered at `mark`: operations admitted at or before it were admitted
+    /// before the decrease. A mark lower than the last one is ignored.
+    pub fn decreased(&self, mark: u64) {
+        self.decreased.fetch_max(mark, Relaxed);
+    }
+
+    /// Whether the failure of an operation admitted at `admitted` is news: whether it was
+    /// admitted after the last decrease.
+    #[inline]
+    pub fn is_news(&self, admitted: u64) -> bool {
+        admitted > self.decreased.load(Relaxed)
+    }
+
+    /// The mark of the last decrease, if there was one.
+    pub fn last_decrease(&self) -> Option<u64> {
+        match self.decreased.load(Relaxed) {
+            0 => None,
+            mark => Some(mark),
+        }
+    }
+}
