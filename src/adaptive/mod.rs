@@ -299,6 +299,51 @@ mod tests {
         }
     }
 
+    /// Every shipped algorithm, resumed at a capacity another instance set (a fleet's new
+    /// leader), grows by at most its additive step per window while nothing shows a queue,
+    /// where a fresh one slow-starts by half.
+    #[test]
+    fn a_resumed_algorithm_grows_one_step_at_a_time_where_a_fresh_one_slow_starts() {
+        let shipped: [(&str, Box<dyn Algorithm>, usize); 4] = [
+            ("vegas", Box::new(Vegas::default()), 1),
+            ("gradient", Box::new(Gradient::default()), 3),
+            ("aimd", Box::new(Aimd::default()), 1),
+            (
+                "aimd+ratio",
+                Box::new(Aimd::default().run_time_ratio(2.0)),
+                1,
+            ),
+        ];
+        for (name, algorithm, step) in shipped {
+            let mut fresh = dyn_clone(&*algorithm, name);
+            let mut resumed = algorithm;
+            resumed.resume(20);
+            let mut capacity = 20;
+            for window in 0..3 {
+                let next = resumed.update(&sample(capacity));
+                assert!(
+                    next <= capacity + step,
+                    "{name}, window {window}: {capacity} -> {next}, more than one step"
+                );
+                capacity = next;
+            }
+            assert!(
+                fresh.update(&sample(20)) >= 30,
+                "{name}: a fresh one slow-starts"
+            );
+        }
+    }
+
+    /// A fresh algorithm of the kind `name` names.
+    fn dyn_clone(_: &dyn Algorithm, name: &str) -> Box<dyn Algorithm> {
+        match name {
+            "vegas" => Box::new(Vegas::default()),
+            "gradient" => Box::new(Gradient::default()),
+            "aimd" => Box::new(Aimd::default()),
+            _ => Box::new(Aimd::default().run_time_ratio(2.0)),
+        }
+    }
+
     #[test]
     fn a_sample_is_used_from_half_its_capacity() {
         let mut s = sample(10);

@@ -307,6 +307,17 @@ impl Algorithm for Vegas {
     fn estimate(&self) -> Option<Duration> {
         self.estimate.duration()
     }
+
+    /// Past the slow start, below a ceiling one place above `capacity`, with its most
+    /// patience: as a limit that settled there, it holds while it learns the baseline, probes
+    /// one place up, and holds again before it looks for more room.
+    fn resume(&mut self, capacity: usize) {
+        let capacity = capacity as f64;
+        self.limit = Some(capacity);
+        self.slow_start = false;
+        self.ceiling = Some(capacity + 1.0);
+        (self.patience, self.waited) = (Self::PATIENCE, 0);
+    }
 }
 
 #[cfg(test)]

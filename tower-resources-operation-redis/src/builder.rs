@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
 use tokio::sync::mpsc::unbounded_channel;
-use tower_resources_operation::adaptive::Algorithm;
+use tower_resources_operation::adaptive::{Adaptive, Algorithm};
 use tower_resources_operation::limit::{check_name, Capacity};
 
 use crate::error::Error;
@@ -266,11 +266,36 @@ impl RedisLimitBuilder {
     /// If the bounds are empty or start at 0.
     #[track_caller]
     pub fn adaptive<A: Algorithm + Clone + Sync>(
-        mut self,
+        self,
         algorithm: A,
         bounds: RangeInclusive<usize>,
     ) -> Self {
-        self.adaptive = Some(AdaptiveSettings::new(algorithm, bounds));
+        self.adaptive_with(Adaptive::new(algorithm, bounds))
+    }
+
+    /// Makes the fleet's capacity adaptive as `adaptive` says: [`adaptive`](Self::adaptive)
+    /// with the core's settings in full (its tolerance of failures, and its longest window; a
+    /// fleet's windows are always of a round trip, so `Adaptive::window`'s count is not
+    /// read). The fleet's leader runs the same controller pieces as a `Limit` in one process.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_resources_operation::adaptive::{Adaptive, Vegas};
+    /// use tower_resources_operation_redis::RedisLimit;
+    ///
+    /// let adaptive = Adaptive::new(Vegas::default(), 1..=64).tolerance(0.05);
+    /// let (judges, background) = RedisLimit::builder("judges", 1)
+    ///     .adaptive_with(adaptive)
+    ///     .build_pair("redis://127.0.0.1:6379/")
+    ///     .unwrap();
+    /// assert_eq!(judges.adaptive_bounds(), Some(1..=64));
+    /// # drop((judges, background));
+    /// ```
+    pub fn adaptive_with(mut self, adaptive: Adaptive) -> Self {
+        self.adaptive = Some(AdaptiveSettings {
+            adaptive,
+            tick: self.adaptive_tick,
+        });
         self
     }
 

@@ -208,12 +208,19 @@
 //! # }
 //! ```
 //!
+//! - **The same controller as one process's.** Each replica counts its ends in the core's
+//!   `adaptive::Tally`, with the core's `News` rule, and the leader turns the fleet's summed
+//!   `adaptive::Counts` into the [`Sample`] with `Counts::sample`, as a `Limit`'s controller
+//!   does; [`adaptive_with`](RedisLimitBuilder::adaptive_with) takes the core's `Adaptive`.
+//!   So mixed work is read kind by kind in a fleet too: each operation's series (its operation
+//!   and executor) has its counts in the fleet's window, and its run times are compared with
+//!   what is normal for its kind.
 //! - **What each replica counts.** The limit [hears each end](Acquire::hears_ends) and adds it
-//!   to a handful of relaxed atomics of its process: ends, ends `ok`, the sum and the sum of
-//!   squares of their run times, the shortest, failures (`timeout`, `error`, `crashed`) that
-//!   are news and those that are not, and its queue's rejections. Nothing on an operation's
-//!   path talks to Redis for the controller: an uncontended operation costs the same two round
-//!   trips as with a fixed capacity.
+//!   to the tally, a handful of relaxed atomics of its process: per series, ends, ends `ok`,
+//!   what was served, the sum and the sum of squares of the run times, the shortest; failures
+//!   (`timeout`, `error`, `crashed`) that are news and those that are not, and its queue's
+//!   rejections. Nothing on an operation's path talks to Redis for the controller: an
+//!   uncontended operation costs the same two round trips as with a fixed capacity.
 //! - **One call per process per tick.** Every [`adaptive_tick`](RedisLimitBuilder::adaptive_tick)
 //!   (50 ms), the background task sends those counts in one script call, which adds them into
 //!   the fleet's window (a hash in Redis), samples the fleet's leases held (the load the window
@@ -229,25 +236,32 @@
 //!   meanwhile, or another took the window: no window is decided twice.
 //! - **When a window is due**, as for one process: once as many of the operations admitted in
 //!   it as the capacity have ended (and it is at least two ticks and 100 ms old), or once it is
-//!   more than twice the last round trip old with half of them, or a second old with one; or at
+//!   more than twice the last round trip old with half of them, or a second old with half of
+//!   them (a second and a half with one: the first to end are the fastest); or at
 //!   once at the first sign of congestion that is news: the replica that sees it ticks at once,
 //!   and its tick tells the leader (on the limit's channel) to tick at once too.
 //! - **What a window measures, and cuts that never compound.** Each permit carries the
 //!   window its process knew when it was admitted (every process hears each decision on the
 //!   channel, and each tick's answer). Only the operations admitted in the current window give
-//!   it run times (they ran at the capacity it opened with); earlier ones count only as
-//!   failures. A failure of an operation admitted before the fleet's last decrease is not news
-//!   ([`Sample::stale_congested`]), unless it comes more than two round trips after it: so a
-//!   backend that fails everything above its capacity gets one decrease per window, however
-//!   many replicas see its failures.
+//!   it run times (they ran at the capacity it opened with); earlier ones count only as ends,
+//!   what was served, and failures. A failure of an operation admitted before the fleet's last decrease is not news
+//!   ([`Sample::stale_congested`]; the core's `News` rule, its marks the fleet's window
+//!   numbers): so a backend that fails everything above its capacity gets one decrease per
+//!   window, however many replicas see its failures.
 //! - **A replica that dies takes no decision with it.** What it counted since its last tick is
 //!   lost (part of one window's sample), nothing more. If it led, its lease expires and the
 //!   next process to tick takes it (within about 0.6 s with a call timeout of 200 ms); the
-//!   capacity it set stays in Redis, and the new leader's algorithm starts from that stored
-//!   capacity, with a state of its own made anew (its baseline measured again: `Vegas`
-//!   slow-starts from the stored capacity, so a failover costs at most one overshoot, answered
-//!   by one decrease). [`set_capacity`](RedisLimit::set_capacity) works as for a fixed limit:
-//!   the algorithm goes on from the capacity set.
+//!   capacity it set stays in Redis. The new leader's algorithm is made anew and
+//!   [resumed](Algorithm::resume) at that capacity: no slow start (0.4's new leader
+//!   slow-started from it: 8 → 12 → 18 with a backend of 8), and for one lease TTL after it
+//!   takes over (while the dead leader's places lapse, and the fleet looks busier than its
+//!   backend is) at most one place above it. A window in which fewer operations ended than
+//!   half the capacity, whenever admitted, raises nothing: it measured too little. Measured
+//!   with each shipped algorithm (`fleet_adaptive`'s leader-kill test): at most one place above
+//!   where the fleet stood, and fewer failures per success in the 3 s after the hand-over than
+//!   settled. The fleet's baseline and estimate are kept in Redis for the gauges until the new
+//!   leader measured its own. [`set_capacity`](RedisLimit::set_capacity) works as for a fixed
+//!   limit: the algorithm goes on from the capacity set.
 //! - **Redis errors in the controller's path reach no request.** Its calls are not counted in
 //!   the limit's [health](RedisLimit::is_reachable); a tick that fails drops its counts, and
 //!   while Redis is down there is none.
@@ -271,7 +285,7 @@
 //! Redis up to a tick late, so the operations still running from before the window cannot be
 //! told from the window's own, and counting them would show places overdue that are not. A
 //! backend that drops what is above its capacity is found by the timeouts of the requests it
-//! dropped instead. The tolerance is 0.
+//! dropped instead. The tolerance is `Adaptive::tolerance`'s (0 unless set).
 //!
 //! **How it does** (`tests/fleet_adaptive.rs`): three replica processes, 16 clients each, on one
 //! `redis-server`, against a backend that serves K requests at once in 50 ms and defers (an

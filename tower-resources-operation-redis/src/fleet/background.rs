@@ -228,9 +228,15 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
         return;
     };
     let settings = &control.settings;
-    // The leader's algorithm: made anew each time this process takes the lease, from the
-    // fleet's stored capacity.
+    let adaptive = &settings.adaptive;
+    // The leader's algorithm: made anew each time this process takes the lease, resumed at
+    // the fleet's capacity if the fleet was decided before (a hand-over: no slow start from a
+    // capacity that is not new).
     let mut algorithm: Option<Box<dyn Algorithm>> = None;
+    // A hand-over's capacity, and until when it is held to one place above it: the dead
+    // leader's places lapse within a lease TTL, and until they do the fleet looks busier than
+    // its backend is.
+    let mut handed_over: Option<(usize, Instant)> = None;
     loop {
         let _ = tokio::time::timeout(settings.tick, control.doorbell.notified()).await;
         if member.health.is_down() {
@@ -245,8 +251,8 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
             seen,
             counts: control.tally.take(),
             shortest: (settings.tick * 2).max(std::time::Duration::from_millis(100)),
-            longest: std::time::Duration::from_secs(1),
-            tolerance: 0.0,
+            longest: adaptive.interval(),
+            tolerance: adaptive.tolerated_share(),
         };
         let Ok(ticked) = member.store.tick(&tick).await else {
             continue;
@@ -255,17 +261,38 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
         control.learn(&ticked.known);
         control.leads.store(ticked.leads, Relaxed);
         if !ticked.leads {
-            algorithm = None;
+            (algorithm, handed_over) = (None, None);
             continue;
         }
         let Some(taken) = ticked.taken else {
             continue;
         };
-        let algorithm = algorithm.get_or_insert_with(|| (settings.make)());
-        let sample = taken.sample(ticked.capacity, settings, ticked.age_ms);
-        let next = guarded(|| algorithm.update(&sample))
+        let algorithm = algorithm.get_or_insert_with(|| {
+            let mut algorithm = adaptive.new_algorithm();
+            // Windows were decided before this one (the first the fleet ever closed opens
+            // window 2): by a leader that is gone.
+            if ticked.known.epoch > 2 {
+                let capacity = ticked.capacity;
+                let _ = guarded(|| algorithm.resume(capacity));
+                handed_over = Some((capacity, Instant::now() + member.settings.lease_ttl));
+            }
+            algorithm
+        });
+        let sample = taken.sample(ticked.capacity, adaptive, ticked.age_ms);
+        let bounds = adaptive.bounds();
+        let mut next = guarded(|| algorithm.update(&sample))
             .unwrap_or(ticked.capacity)
-            .clamp(settings.min, settings.max);
+            .clamp(*bounds.start(), *bounds.end());
+        if next > ticked.capacity && taken.is_thin(ticked.capacity) {
+            // Few ended, whenever admitted: the window measured too little to grow on (a
+            // hand-over, a stall while a dead process's places lapse).
+            next = ticked.capacity;
+        }
+        match handed_over {
+            Some((capacity, until)) if Instant::now() < until => next = next.min(capacity + 1),
+            Some(_) => handed_over = None,
+            None => {}
+        }
         let (baseline, estimate) =
             guarded(|| (algorithm.baseline(), algorithm.estimate())).unwrap_or_default();
         let rtt_us = sample.mean_run_time.map(micros).or(ticked.known.rtt_us);
@@ -276,8 +303,8 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
                 false => ticked.known.decreased,
             },
             rtt_us,
-            baseline_us: baseline.map(micros),
-            estimate_us: estimate.map(micros),
+            baseline_us: baseline.map(micros).or(ticked.known.baseline_us),
+            estimate_us: estimate.map(micros).or(ticked.known.estimate_us),
         };
         let decision = Decision {
             leader: &control.id,

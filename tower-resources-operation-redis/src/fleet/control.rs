@@ -1,127 +1,32 @@
-//! An adaptive fleet limit's controller in one process ([`FleetControl`]): what its operations'
-//! ends add to (a handful of relaxed atomics, nothing that reaches the store), and what the
-//! process knows of the fleet's window and decisions. The background task flushes the counts
-//! to the store every tick and, in the one process that holds the leader's lease, runs the
-//! algorithm once per window of the fleet.
+//! An adaptive fleet limit's controller in one process ([`FleetControl`]), made of the core's
+//! pieces: each end goes to a [`Tally`] (relaxed atomics, nothing that reaches the store), with
+//! the [`News`] rule's verdict on marks that are the fleet's window numbers. The background
+//! task flushes the tally's [`Counts`] to the store every tick and, in the one process that
+//! holds the leader's lease, turns the fleet's window into the [`Sample`] the core's algorithm
+//! reads ([`Counts::sample`]), as a `Limit`'s controller does in one process.
 
 use std::fmt;
 use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tokio::time::Instant;
-use tower_resources_operation::adaptive::{Algorithm, Sample};
+use tower_resources_operation::adaptive::{
+    is_congestion, Adaptive, Counted, Counts, News, Sample, Tally,
+};
 use tower_resources_operation::limit::Ended;
-use tower_resources_operation::Outcome;
 
 use super::books::next_id;
 
 /// An atomic duration's "none".
 const NONE: u64 = u64::MAX;
 
-/// How an adaptive fleet limit decides, as the builder was told.
-#[derive(Clone)]
+/// How an adaptive fleet limit decides, as the builder was told: the core's [`Adaptive`]
+/// (algorithm, bounds, tolerance, longest window), and how often each process ticks.
+#[derive(Clone, Debug)]
 pub(crate) struct AdaptiveSettings {
-    pub(crate) make: Arc<dyn Fn() -> Box<dyn Algorithm> + Send + Sync>,
-    pub(crate) algorithm: &'static str,
-    pub(crate) min: usize,
-    pub(crate) max: usize,
+    pub(crate) adaptive: Adaptive,
     pub(crate) tick: Duration,
-}
-
-impl AdaptiveSettings {
-    #[track_caller]
-    pub(crate) fn new<A: Algorithm + Clone + Sync>(
-        algorithm: A,
-        bounds: RangeInclusive<usize>,
-    ) -> Self {
-        let (min, max) = bounds.into_inner();
-        assert!(
-            min >= 1 && min <= max,
-            "tower-resources-operation-redis: an adaptive limit's bounds must be a non-empty \
-             range starting at 1 or more; got {min}..={max}"
-        );
-        Self {
-            make: Arc::new(move || Box::new(algorithm.clone())),
-            algorithm: std::any::type_name::<A>(),
-            min,
-            max,
-            tick: Duration::from_millis(50),
-        }
-    }
-}
-
-impl fmt::Debug for AdaptiveSettings {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Adaptive")
-            .field("algorithm", &self.algorithm)
-            .field("bounds", &(self.min..=self.max))
-            .field("tick", &self.tick)
-            .finish()
-    }
-}
-
-/// What this process's operations added up to since the last tick.
-#[derive(Debug)]
-pub(crate) struct Tally {
-    /// Of the operations admitted in the window this process knows of: ended, ended `ok`, the
-    /// sum of their run times (µs), of their squares (µs² / 1024), the shortest (`NONE`).
-    ended: AtomicU64,
-    timed: AtomicU64,
-    sum_us: AtomicU64,
-    squares: AtomicU64,
-    min_us: AtomicU64,
-    /// Of every end: signs of congestion that are news, and those that are not.
-    congested: AtomicU64,
-    stale: AtomicU64,
-    /// Operations turned away by the limit (a full queue).
-    rejected: AtomicU64,
-}
-
-/// What a tick takes of the tally, and what the fleet's window adds up to.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Counts {
-    pub(crate) ended: u64,
-    pub(crate) timed: u64,
-    pub(crate) sum_us: u64,
-    pub(crate) squares: u64,
-    pub(crate) min_us: Option<u64>,
-    pub(crate) congested: u64,
-    pub(crate) stale: u64,
-    pub(crate) rejected: u64,
-}
-
-impl Tally {
-    fn new() -> Self {
-        Self {
-            ended: AtomicU64::new(0),
-            timed: AtomicU64::new(0),
-            sum_us: AtomicU64::new(0),
-            squares: AtomicU64::new(0),
-            min_us: AtomicU64::new(NONE),
-            congested: AtomicU64::new(0),
-            stale: AtomicU64::new(0),
-            rejected: AtomicU64::new(0),
-        }
-    }
-
-    pub(crate) fn take(&self) -> Counts {
-        Counts {
-            ended: self.ended.swap(0, Relaxed),
-            timed: self.timed.swap(0, Relaxed),
-            sum_us: self.sum_us.swap(0, Relaxed),
-            squares: self.squares.swap(0, Relaxed),
-            min_us: match self.min_us.swap(NONE, Relaxed) {
-                NONE => None,
-                us => Some(us),
-            },
-            congested: self.congested.swap(0, Relaxed),
-            stale: self.stale.swap(0, Relaxed),
-            rejected: self.rejected.swap(0, Relaxed),
-        }
-    }
 }
 
 /// An adaptive fleet limit's controller in this process.
@@ -131,22 +36,20 @@ pub(crate) struct FleetControl {
     pub(crate) id: String,
     /// How long the leader's lease lasts without a tick that extends it.
     pub(crate) leader_ttl: Duration,
+    /// This process's ends since its last tick.
     pub(crate) tally: Tally,
+    /// Marks are the fleet's window numbers: an operation's, the window this process knew as
+    /// it was admitted; a decrease's, the window it was decided in.
+    news: News,
     /// The fleet's window, as this process last heard (0 before it heard any).
     epoch: AtomicU64,
-    /// The first window after the fleet's last decrease (0 for none), and when this process
-    /// heard of it (ns since `origin`).
-    decreased: AtomicU64,
-    decreased_at: AtomicU64,
-    /// The fleet's last round trip (mean run time), baseline and estimate, in µs (`NONE`).
-    rtt_us: AtomicU64,
+    /// The fleet's baseline and estimate, in µs (`NONE`).
     baseline_us: AtomicU64,
     estimate_us: AtomicU64,
     /// Whether this process held the leader's lease at its last tick.
     pub(crate) leads: AtomicBool,
     /// Windows this process decided.
     pub(crate) decisions: AtomicU64,
-    origin: Instant,
     /// Tick now: a first sign of congestion, or the leader hears that the window is due.
     pub(crate) doorbell: Notify,
 }
@@ -163,15 +66,12 @@ impl FleetControl {
             id: next_id(),
             leader_ttl,
             tally: Tally::new(),
+            news: News::new(),
             epoch: AtomicU64::new(0),
-            decreased: AtomicU64::new(0),
-            decreased_at: AtomicU64::new(0),
-            rtt_us: AtomicU64::new(NONE),
             baseline_us: AtomicU64::new(NONE),
             estimate_us: AtomicU64::new(NONE),
             leads: AtomicBool::new(false),
             decisions: AtomicU64::new(0),
-            origin: Instant::now(),
             doorbell: Notify::new(),
         }
     }
@@ -192,7 +92,7 @@ impl FleetControl {
     }
 
     pub(crate) fn bounds(&self) -> RangeInclusive<usize> {
-        self.settings.min..=self.settings.max
+        self.settings.adaptive.bounds()
     }
 
     /// The fleet's baseline and estimate, as last heard.
@@ -204,78 +104,36 @@ impl FleetControl {
         (read(&self.baseline_us), read(&self.estimate_us))
     }
 
-    /// An operation admitted in window `admitted` ended: a few relaxed atomics, and the
-    /// doorbell at the first sign of congestion that is news since the last tick.
+    /// An operation admitted in window `admitted` ended: into the tally, and the doorbell at
+    /// the first sign of congestion that is news since the last tick.
     #[inline]
     pub(crate) fn ended(&self, admitted: u64, ended: &Ended) {
-        let tally = &self.tally;
-        let outcome = ended.outcome();
-        if admitted == self.epoch.load(Relaxed) {
-            tally.ended.fetch_add(1, Relaxed);
-            if outcome == Outcome::Ok {
-                let us = u64::try_from(ended.run_time().as_micros()).unwrap_or(NONE - 1);
-                tally.timed.fetch_add(1, Relaxed);
-                tally.sum_us.fetch_add(us, Relaxed);
-                tally
-                    .squares
-                    .fetch_add(us.saturating_mul(us) >> 10, Relaxed);
-                tally.min_us.fetch_min(us, Relaxed);
-            }
-        }
-        if matches!(
-            outcome,
-            Outcome::Error | Outcome::Timeout | Outcome::Crashed
-        ) {
-            if self.is_news(admitted, ended) {
-                if tally.congested.fetch_add(1, Relaxed) == 0 {
-                    self.doorbell.notify_one();
-                }
-            } else {
-                tally.stale.fetch_add(1, Relaxed);
-            }
-        }
-    }
-
-    /// Whether the failure of an operation admitted in window `admitted` is news: admitted
-    /// after the fleet's last decrease, or failing more than two round trips after it (the
-    /// decrease had its time to take effect, and was not enough).
-    #[cold]
-    fn is_news(&self, admitted: u64, ended: &Ended) -> bool {
-        if admitted >= self.decreased.load(Relaxed) {
-            return true;
-        }
-        let rtt_ns = match self.rtt_us.load(Relaxed) {
-            NONE => return false,
-            us => us.saturating_mul(1000),
+        let news = self.news.is_news(admitted);
+        let counted = Counted {
+            own: admitted == self.epoch(),
+            news,
+            // The fleet's load is sampled in the store, not seen by one process's ends.
+            in_flight: 0,
         };
-        let shadow = self
-            .decreased_at
-            .load(Relaxed)
-            .saturating_add(rtt_ns.saturating_mul(2));
-        ended.at().is_some_and(|at| self.nanos(at) > shadow)
-    }
-
-    fn nanos(&self, at: Instant) -> u64 {
-        u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX)
+        let running = self.tally.add(ended, counted);
+        if news && is_congestion(ended.outcome()) && running.congested == 1 {
+            self.doorbell.notify_one();
+        }
     }
 
     /// The limit turned an operation away (a full queue).
     pub(crate) fn rejected(&self) {
-        self.tally.rejected.fetch_add(1, Relaxed);
+        self.tally.rejected();
     }
 
-    /// What Redis said of the fleet's window and its last decision.
+    /// What the store said of the fleet's window and its last decision.
     pub(crate) fn learn(&self, known: &Known) {
         self.epoch.store(known.epoch, Relaxed);
-        if self.decreased.swap(known.decreased, Relaxed) != known.decreased {
-            self.decreased_at.store(self.nanos(Instant::now()), Relaxed);
+        // `decreased` is the first window after the decrease: it was decided in the one
+        // before, and what was admitted in that one ran at the capacity it lowered.
+        if known.decreased > 0 {
+            self.news.decreased(known.decreased - 1);
         }
-        let store = |atomic: &AtomicU64, us: Option<u64>| {
-            if let Some(us) = us {
-                atomic.store(us, Relaxed);
-            }
-        };
-        store(&self.rtt_us, known.rtt_us);
         self.baseline_us
             .store(known.baseline_us.unwrap_or(NONE), Relaxed);
         self.estimate_us
@@ -300,6 +158,7 @@ impl fmt::Debug for FleetControl {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Known {
     pub(crate) epoch: u64,
+    /// The first window after the fleet's last decrease (0 for none).
     pub(crate) decreased: u64,
     pub(crate) rtt_us: Option<u64>,
     pub(crate) baseline_us: Option<u64>,
@@ -322,42 +181,35 @@ pub(crate) struct Ticked {
 pub(crate) struct Taken {
     /// The fleet's counts, every process's ticks added up.
     pub(crate) counts: Counts,
+    /// The fleet's places held, sampled at each tick: how many samples, their sum, the most.
     pub(crate) samples: u64,
     pub(crate) active_sum: u64,
     pub(crate) peak: u64,
 }
 
 impl Taken {
-    /// The sample the algorithm decides from, at `capacity`.
-    pub(crate) fn sample(
-        &self,
-        capacity: usize,
-        settings: &AdaptiveSettings,
-        age_ms: u64,
-    ) -> Sample {
-        let counts = &self.counts;
-        let mut sample = Sample::new(capacity, settings.min, settings.max);
-        sample.ended = counts.ended;
-        sample.congested = counts.congested;
-        sample.stale_congested = counts.stale;
-        sample.rejected = counts.rejected;
-        if counts.timed > 0 {
-            let mean = counts.sum_us as f64 / counts.timed as f64;
-            sample.mean_run_time = Some(Duration::from_secs_f64(mean / 1e6));
-            sample.min_run_time = counts.min_us.map(Duration::from_micros);
-            if counts.timed >= 2 {
-                let mean_square = counts.squares as f64 * 1024.0 / counts.timed as f64;
-                let variance = (mean_square - mean * mean).max(0.0);
-                sample.run_time_deviation = Some(Duration::from_secs_f64(variance.sqrt() / 1e6));
-            }
-        }
+    /// The sample the algorithm decides from, at `capacity`: the core's, with the fleet's
+    /// load as the store sampled it and the window's length.
+    pub(crate) fn sample(&self, capacity: usize, adaptive: &Adaptive, age_ms: u64) -> Sample {
+        let mut sample = self.counts.sample(capacity, adaptive);
         sample.peak_in_flight = usize::try_from(self.peak).unwrap_or(usize::MAX);
         if self.samples > 0 {
             sample.in_flight = self.active_sum as f64 / self.samples as f64;
         }
-        sample.round_trip = counts.congested == 0;
         sample.elapsed = Duration::from_millis(age_ms);
         sample
+    }
+
+    /// Whether few operations ended in the window, whenever admitted: fewer than half its
+    /// capacity. Such a window (a hand-over, or a stall while a dead process's places lapse)
+    /// measured too little to grow on.
+    pub(crate) fn is_thin(&self, capacity: usize) -> bool {
+        let ended: u64 = self
+            .counts
+            .series()
+            .map(|(_, _, series)| series.ended)
+            .sum();
+        ended.saturating_mul(2) < capacity as u64
     }
 }
 

@@ -44,7 +44,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::control::{Counts, Known, Ticked};
+use tower_resources_operation::adaptive::Counts;
+
+use super::control::{Known, Ticked};
 use crate::error::Error;
 
 /// What a fleet limit asks of its store. See [the module](self).

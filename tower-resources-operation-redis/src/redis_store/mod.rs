@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::{FromRedisValue, Script, ScriptInvocation};
+use tower_resources_operation::{Executor, Operation};
 
 use crate::error::Error;
-use crate::fleet::control::{Counts, Known, Taken as TakenWindow, Ticked};
+use crate::fleet::control::{Known, Taken as TakenWindow, Ticked};
 use crate::fleet::store::{
     Answer, Decision, Event, Refresh, Refreshed, State, Status, Store, Taken, Tick,
 };
@@ -257,20 +258,29 @@ impl Store for RedisStore {
             .arg(ms(tick.leader_ttl))
             .arg(tick.seen)
             .arg(counts.ended)
-            .arg(counts.timed)
-            .arg(counts.sum_us)
-            .arg(counts.squares)
-            .arg(
-                counts
-                    .min_us
-                    .map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX)),
-            )
             .arg(counts.congested)
             .arg(counts.stale)
             .arg(counts.rejected)
             .arg(ms(tick.shortest))
             .arg(ms(tick.longest))
             .arg(tick.tolerance);
+        let series: Vec<_> = counts.series().collect();
+        invocation.arg(series.len());
+        for (operation, executor, counts) in series {
+            invocation
+                .arg(series_field(operation, executor))
+                .arg(counts.ended)
+                .arg(counts.ok)
+                .arg(counts.served_us)
+                .arg(counts.timed)
+                .arg(counts.sum_us)
+                .arg(counts.squares)
+                .arg(
+                    counts
+                        .min_us
+                        .map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX)),
+                );
+        }
         let fields: Vec<String> = self.run(&invocation).await?;
         parse_ticked(&fields).ok_or_else(|| self.malformed("a malformed tick"))
     }
@@ -324,7 +334,13 @@ fn parse_message(message: &str) -> Option<Event> {
     }))
 }
 
-/// The tick script's strings.
+/// A series' prefix in the window's hash: `<operation>/<executor>/`, NeMo Gym's values.
+fn series_field(operation: Operation, executor: Executor) -> String {
+    format!("{operation}/{executor}/")
+}
+
+/// The tick script's strings: the known state, then, if the window was taken, the window's
+/// hash as field, value pairs (each series' counts under its [`series_field`] prefix).
 fn parse_ticked(fields: &[String]) -> Option<Ticked> {
     let number = |index: usize| -> Option<u64> {
         fields
@@ -340,24 +356,7 @@ fn parse_ticked(fields: &[String]) -> Option<Ticked> {
         baseline_us: number(7),
         estimate_us: number(8),
     };
-    let taken = taken.then(|| {
-        let count = |index: usize| number(9 + index).unwrap_or(0);
-        TakenWindow {
-            counts: Counts {
-                ended: count(0),
-                timed: count(1),
-                sum_us: count(2),
-                squares: count(3),
-                min_us: number(9 + 4),
-                congested: count(5),
-                stale: count(6),
-                rejected: count(7),
-            },
-            samples: count(8),
-            active_sum: count(9),
-            peak: count(10),
-        }
-    });
+    let taken = taken.then(|| parse_window(fields.get(9..).unwrap_or_default()));
     Some(Ticked {
         capacity: usize::try_from(number(1)?).unwrap_or(usize::MAX),
         leads: number(3)? == 1,
@@ -365,6 +364,49 @@ fn parse_ticked(fields: &[String]) -> Option<Ticked> {
         known,
         taken,
     })
+}
+
+/// A window's hash, as `HGETALL` lists it. A field this crate did not write is skipped.
+fn parse_window(pairs: &[String]) -> TakenWindow {
+    let mut window = TakenWindow::default();
+    for pair in pairs.chunks_exact(2) {
+        let Ok(value) = pair[1].parse::<i64>() else {
+            continue;
+        };
+        let value = u64::try_from(value).unwrap_or(0);
+        let counts = &mut window.counts;
+        match pair[0].as_str() {
+            "ended" => counts.ended = value,
+            "congested" => counts.congested = value,
+            "stale" => counts.stale = value,
+            "rejected" => counts.rejected = value,
+            "samples" => window.samples = value,
+            "active_sum" => window.active_sum = value,
+            "peak" => window.peak = value,
+            name => {
+                let mut parts = name.splitn(3, '/');
+                let (Some(Ok(operation)), Some(Ok(executor)), Some(field)) = (
+                    parts.next().map(str::parse::<Operation>),
+                    parts.next().map(str::parse::<Executor>),
+                    parts.next(),
+                ) else {
+                    continue;
+                };
+                let series = counts.series_mut(operation, executor);
+                match field {
+                    "e" => series.ended = value,
+                    "o" => series.ok = value,
+                    "v" => series.served_us = value,
+                    "t" => series.timed = value,
+                    "s" => series.sum_us = value,
+                    "q" => series.squares = value,
+                    "m" => series.min_us = Some(value),
+                    _ => {}
+                }
+            }
+        }
+    }
+    window
 }
 
 #[cfg(test)]
@@ -388,30 +430,96 @@ mod tests {
     }
 
     #[test]
-    fn a_taken_window_makes_the_fleets_sample() {
+    fn a_taken_window_makes_the_fleets_sample_series_by_series() {
         let fields = strings(&[
-            "1", "8", "5", "1", "150", "3", "50000", "51000", "52000", // known
-            "8", "6", "300000", "14648437", "49000", "1", "2", "0", "4", "30", "9",
+            "1",
+            "8",
+            "5",
+            "1",
+            "150",
+            "3",
+            "50000",
+            "51000",
+            "52000", // known
+            "ended",
+            "8",
+            "congested",
+            "1",
+            "stale",
+            "2",
+            "rejected",
+            "0", // counts
+            "samples",
+            "4",
+            "active_sum",
+            "30",
+            "peak",
+            "9",
+            "announced",
+            "1",
+            "verify/subprocess/e",
+            "9",
+            "verify/subprocess/o",
+            "6",
+            "verify/subprocess/v",
+            "300000",
+            "verify/subprocess/t",
+            "6",
+            "verify/subprocess/s",
+            "300000",
+            "verify/subprocess/q",
+            "14648437",
+            "verify/subprocess/m",
+            "49000",
+            "judge/inline/e",
+            "2",
+            "judge/inline/o",
+            "2",
+            "judge/inline/v",
+            "2000000",
+            "judge/inline/t",
+            "2",
+            "judge/inline/s",
+            "2000000",
+            "judge/inline/q",
+            "1953125",
+            "judge/inline/m",
+            "1000000",
+            "nobody/knows/e",
+            "5",
+            "verify/subprocess/zz",
+            "1", // not ours: skipped
         ]);
         let ticked = parse_ticked(&fields).unwrap();
         assert!(ticked.leads);
         assert_eq!(ticked.known.baseline_us, Some(51_000));
-        let settings = crate::fleet::control::AdaptiveSettings::new(
+        let adaptive = tower_resources_operation::adaptive::Adaptive::new(
             tower_resources_operation::adaptive::Vegas::default(),
             1..=64,
         );
-        let sample = ticked.taken.unwrap().sample(8, &settings, ticked.age_ms);
+        let taken = ticked.taken.unwrap();
+        assert!(!taken.is_thin(8), "11 ended of 8 places");
+        assert!(taken.is_thin(23), "11 ended of 23 places");
+        let sample = taken.sample(8, &adaptive, ticked.age_ms);
         assert_eq!(
             (sample.ended, sample.congested, sample.stale_congested),
             (8, 1, 2)
         );
-        assert_eq!(sample.mean_run_time, Some(Duration::from_millis(50)));
-        assert_eq!(sample.min_run_time, Some(Duration::from_millis(49)));
+        let verify = sample
+            .series
+            .get(Operation::Verify, Executor::Subprocess)
+            .expect("the verifies, read by kind");
+        assert_eq!(verify.mean_run_time, Some(Duration::from_millis(50)));
+        assert_eq!(verify.min_run_time, Some(Duration::from_millis(49)));
+        let judge = sample
+            .series
+            .get(Operation::Judge, Executor::Inline)
+            .unwrap();
+        assert_eq!(judge.mean_run_time, Some(Duration::from_secs(1)));
+        assert_eq!(sample.series.len(), 2, "{:?}", sample.series);
         assert_eq!((sample.peak_in_flight, sample.in_flight), (9, 7.5));
         assert!(!sample.round_trip, "congested");
         assert_eq!(sample.elapsed, Duration::from_millis(150));
-        let deviation = sample.run_time_deviation.unwrap();
-        assert!(deviation < Duration::from_millis(1), "{deviation:?}");
     }
 
     #[test]

@@ -199,40 +199,53 @@ return {cap, redis.call('ZCARD', holders), redis.call('ZCARD', queue),
 /// (a string: the leader's id, with a TTL).
 ///
 /// `ARGV[6]` the replica's id, `ARGV[7]` the leader's lease in ms, `ARGV[8]` the window the
-/// replica's counts were taken in; `ARGV[9..13]` of the operations admitted in it: ended,
-/// ended `ok`, the sum of their run times (µs), of their squares (µs² / 1024), the shortest
-/// (`-1` for none); `ARGV[14..16]` of every end: congested (news), stale, rejected;
-/// `ARGV[17]` the shortest window (ms), `ARGV[18]` the longest (ms), `ARGV[19]` the tolerance.
+/// replica's counts were taken in; `ARGV[9]` its own operations (admitted in that window) that
+/// ended; `ARGV[10..12]` of every end: congested (news), stale, rejected; `ARGV[13]` the
+/// shortest window (ms), `ARGV[14]` the longest (ms), `ARGV[15]` the tolerance; `ARGV[16]` how
+/// many series follow, each as 8 arguments: its prefix (`<operation>/<executor>/`), then of
+/// every end `e` ended, `o` ended `ok`, `v` their run times summed (µs), and of its own
+/// operations `t` ended `ok`, `s` their run times summed (µs), `q` their squares (µs² / 1024),
+/// `m` the shortest (`-1` for none). A replica's counts taken in an earlier window add only
+/// what any window counts (the core's `Counts::into_next_window`).
 ///
 /// Returns strings: `{taken, capacity, epoch, leads, age_ms, decreased, rtt_us, baseline_us,
-/// estimate_us}`, then, if the window was taken (`taken` = 1), its `ended, timed, sum_us,
-/// squares, min_us, congested, stale, rejected, samples, active_sum, peak` (`''` for none).
+/// estimate_us}`, then, if the window was taken (`taken` = 1), the window's hash as field,
+/// value pairs.
 ///
 /// [`adaptive_tick`]: crate::RedisLimitBuilder::adaptive_tick
 const FLEET_TICK: &str = r#"
 local state, window, leader_key = KEYS[8], KEYS[9], KEYS[10]
 local id, leader_ttl, seen = ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
-local floor_ms, interval_ms, tolerance = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
+local floor_ms, interval_ms, tolerance = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
 local epoch = tonumber(redis.call('HGET', state, 'epoch'))
 if not epoch then
   epoch = 1
   redis.call('HSET', state, 'epoch', epoch, 'opened', now)
 end
 redis.call('HSET', state, 'ticked', now)
-if seen == epoch then
-  redis.call('HINCRBY', window, 'ended', ARGV[9])
-  redis.call('HINCRBY', window, 'timed', ARGV[10])
-  redis.call('HINCRBY', window, 'sum_us', ARGV[11])
-  redis.call('HINCRBY', window, 'squares', ARGV[12])
-  local min_us = tonumber(ARGV[13])
-  if min_us >= 0 then
-    local old = tonumber(redis.call('HGET', window, 'min_us'))
-    if not old or min_us < old then redis.call('HSET', window, 'min_us', min_us) end
+local own = seen == epoch
+if own then redis.call('HINCRBY', window, 'ended', ARGV[9]) end
+redis.call('HINCRBY', window, 'congested', ARGV[10])
+redis.call('HINCRBY', window, 'stale', ARGV[11])
+redis.call('HINCRBY', window, 'rejected', ARGV[12])
+local series = tonumber(ARGV[16])
+for i = 0, series - 1 do
+  local at = 17 + i * 8
+  local prefix = ARGV[at]
+  redis.call('HINCRBY', window, prefix .. 'e', ARGV[at + 1])
+  redis.call('HINCRBY', window, prefix .. 'o', ARGV[at + 2])
+  redis.call('HINCRBY', window, prefix .. 'v', ARGV[at + 3])
+  if own then
+    redis.call('HINCRBY', window, prefix .. 't', ARGV[at + 4])
+    redis.call('HINCRBY', window, prefix .. 's', ARGV[at + 5])
+    redis.call('HINCRBY', window, prefix .. 'q', ARGV[at + 6])
+    local min_us = tonumber(ARGV[at + 7])
+    if min_us >= 0 then
+      local old = tonumber(redis.call('HGET', window, prefix .. 'm'))
+      if not old or min_us < old then redis.call('HSET', window, prefix .. 'm', min_us) end
+    end
   end
 end
-redis.call('HINCRBY', window, 'congested', ARGV[14])
-redis.call('HINCRBY', window, 'stale', ARGV[15])
-redis.call('HINCRBY', window, 'rejected', ARGV[16])
 local active = redis.call('ZCARD', holders)
 redis.call('HINCRBY', window, 'samples', 1)
 redis.call('HINCRBY', window, 'active_sum', active)
@@ -255,13 +268,12 @@ local rtt_ms = tonumber(redis.call('HGET', state, 'rtt_us') or '0') / 1000
 local due = congested > math.floor(tolerance * cap)
   or (age >= floor_ms and ended >= cap)
   or (rtt_ms > 0 and age >= math.max(floor_ms, 2 * rtt_ms) and ended * 2 >= cap)
-  or (age >= interval_ms and ended >= 1)
+  or (age >= interval_ms and ended >= 1 and (ended * 2 >= cap or age >= interval_ms * 1.5))
 local taken = 0
 local fields = {}
 if due and leads == 1 then
   taken = 1
-  fields = redis.call('HMGET', window, 'ended', 'timed', 'sum_us', 'squares', 'min_us',
-    'congested', 'stale', 'rejected', 'samples', 'active_sum', 'peak')
+  fields = redis.call('HGETALL', window)
   redis.call('DEL', window)
   epoch = epoch + 1
   redis.call('HSET', state, 'epoch', epoch, 'opened', now)
