@@ -733,23 +733,38 @@ async fn killing_the_leader_hands_the_decisions_to_another_replica_and_keeps_the
     }
 }
 
-/// Three replicas of an adaptive fleet limit run by `algorithm` settle on a backend of K = 8;
-/// the leader is killed (`kill -9`): another takes over, starting from the fleet's capacity.
-async fn leader_killed(redis: &RedisServer, algorithm: &str) {
-    const K: usize = 8;
-    let name: &'static str =
-        Box::leak(format!("adaptive-failover-{}", algorithm.replace('+', "-")).into_boxed_str());
+/// A fleet limit's name for a test of `algorithm` (a name has no `+`).
+fn limit_name(test: &str, algorithm: &str) -> &'static str {
+    Box::leak(format!("{test}-{}", algorithm.replace('+', "-")).into_boxed_str())
+}
+
+/// Three replicas of the fleet limit `name`, run by `algorithm`, their clients calling
+/// `backend`: started, and told to go.
+async fn fleet_going(
+    algorithm: &str,
+    name: &str,
+    redis: &RedisServer,
+    backend: SocketAddr,
+) -> Vec<Replica> {
     let mode = format!("fleet/{algorithm}");
-    let (backend, address) = Backend::start(K).await;
     let mut replicas: Vec<Replica> = (0..3)
-        .map(|_| Replica::start(&mode, name, redis, address))
+        .map(|_| Replica::start(&mode, name, redis, backend))
         .collect();
-    let mut replicas = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         go(&mut replicas);
         replicas
     })
     .await
-    .unwrap();
+    .unwrap()
+}
+
+/// Three replicas of an adaptive fleet limit run by `algorithm` settle on a backend of K = 8;
+/// the leader is killed (`kill -9`): another takes over, starting from the fleet's capacity.
+async fn leader_killed(redis: &RedisServer, algorithm: &str) {
+    const K: usize = 8;
+    let name = limit_name("adaptive-failover", algorithm);
+    let (backend, address) = Backend::start(K).await;
+    let mut replicas = fleet_going(algorithm, name, redis, address).await;
     // Settled: the highest capacity in the 3 s before the kill is where the fleet stood.
     let mut stood = 0;
     let settling = Instant::now();
@@ -905,20 +920,10 @@ async fn a_slow_steady_rise_is_not_a_queue_for_a_fleet() {
 /// Three replicas of a fleet limit run by `algorithm` on the steady rise, for 8 s.
 async fn steady_rise(redis: &RedisServer, algorithm: &str) {
     const K: usize = 12;
-    let name: &'static str =
-        Box::leak(format!("adaptive-steady-rise-{}", algorithm.replace('+', "-")).into_boxed_str());
-    let mode = format!("fleet/{algorithm}");
+    let name = limit_name("adaptive-steady-rise", algorithm);
     let (backend, address) = Backend::start(K).await;
     backend.rise_per_mille.store(10, Relaxed);
-    let mut replicas: Vec<Replica> = (0..3)
-        .map(|_| Replica::start(&mode, name, redis, address))
-        .collect();
-    let mut replicas = tokio::task::spawn_blocking(move || {
-        go(&mut replicas);
-        replicas
-    })
-    .await
-    .unwrap();
+    let mut replicas = fleet_going(algorithm, name, redis, address).await;
     let started = backend.now();
     tokio::time::sleep(Duration::from_secs(8)).await;
     let tail = backend.figures(started + 4.0, started + 8.0);
