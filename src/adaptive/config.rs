@@ -94,7 +94,8 @@ impl Adaptive {
     /// By default a window lasts one *round trip*: it measures the operations admitted after it
     /// opened (which ran at the capacity it set), and closes once as many of them as the
     /// capacity have ended, or once it is more than twice the last round trip old with half of
-    /// them, or 1 second old with one: about two run times, whatever the run time, so that an
+    /// them, or `interval` (1 second) old with half of them, or half as old again with one (the
+    /// first to end are the fastest): about two run times, whatever the run time, so that an
     /// algorithm steps once per round trip. Fixed windows smooth out noisy run times over more
     /// operations, mix in the operations admitted at the capacity before, and step once per
     /// `2 × capacity` operations; their samples have no

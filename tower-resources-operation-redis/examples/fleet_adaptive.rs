@@ -43,7 +43,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tower::{service_fn, Layer as _, ServiceExt as _};
-use tower_resources_operation::adaptive::Vegas;
+use tower_resources_operation::adaptive::{Adaptive, Vegas};
 use tower_resources_operation::metrics::{
     LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT, LIMIT_ESTIMATE_INSTRUMENT,
     LIMIT_INSTRUMENT, REJECTED_INSTRUMENT,
@@ -695,7 +695,7 @@ async fn run_replica(index: &str, redis: &str, backend: SocketAddr) -> Result<()
     let t = Telemetry::new("fleet-adaptive-replica");
     let mut commands = commands();
     let limit = RedisLimit::builder(NAME, *BOUNDS.start())
-        .adaptive(Vegas::default(), BOUNDS)
+        .adaptive(Adaptive::new(Vegas::default(), BOUNDS))
         .lease_ttl(Duration::from_millis(1_500))
         .call_timeout(Duration::from_millis(200))
         .fallback_poll(Duration::from_millis(200))

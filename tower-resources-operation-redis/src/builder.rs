@@ -1,13 +1,12 @@
 //! [`RedisLimitBuilder`]: a fleet limit's settings, and where its background work runs.
 
 use std::borrow::Cow;
-use std::ops::RangeInclusive;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
 use tokio::sync::mpsc::unbounded_channel;
-use tower_resources_operation::adaptive::{Adaptive, Algorithm};
+use tower_resources_operation::adaptive::Adaptive;
 use tower_resources_operation::limit::{check_name, Capacity};
 
 use crate::error::Error;
@@ -239,59 +238,30 @@ impl RedisLimitBuilder {
         self
     }
 
-    /// Makes the fleet's capacity adaptive: `algorithm` sets it, within `bounds`, from what
-    /// every replica observes, once per window of the fleet, in whichever replica leads (see
-    /// [an adaptive fleet limit](crate#an-adaptive-fleet-limit)). The fleet limit's
-    /// counterpart of `LimitBuilder::adaptive` of `tower-resources-operation`, with the
-    /// algorithm and its bounds given as to `Adaptive::new`.
+    /// Makes the fleet's capacity adaptive, as `LimitBuilder::adaptive` of
+    /// `tower-resources-operation` makes one process's: the same [`Adaptive`] (its algorithm,
+    /// bounds and tolerance; its interval is the longest window), run by the same controller
+    /// pieces, once per window of the fleet, in whichever replica leads (see [an adaptive fleet
+    /// limit](crate#an-adaptive-fleet-limit)). A fleet's windows are always of a round trip:
+    /// the operation count of `Adaptive::window` is not read.
     ///
     /// Start at the bottom of the bounds (the builder's capacity is the fleet's only if the
     /// fleet has none yet): the algorithms take their baseline at low load. Give every replica
-    /// the same algorithm and bounds: the leader's are the fleet's.
+    /// the same settings: the leader's are the fleet's.
     ///
     /// ```
-    /// use tower_resources_operation::adaptive::Vegas;
-    /// use tower_resources_operation_redis::RedisLimit;
-    ///
-    /// let (judges, background) = RedisLimit::builder("judges", 1)
-    ///     .adaptive(Vegas::default(), 1..=64)
-    ///     .build_pair("redis://127.0.0.1:6379/")
-    ///     .unwrap();
-    /// assert!(judges.is_adaptive());
-    /// # drop((judges, background));
-    /// ```
-    ///
-    /// # Panics
-    ///
-    /// If the bounds are empty or start at 0.
-    #[track_caller]
-    pub fn adaptive<A: Algorithm + Clone + Sync>(
-        self,
-        algorithm: A,
-        bounds: RangeInclusive<usize>,
-    ) -> Self {
-        self.adaptive_with(Adaptive::new(algorithm, bounds))
-    }
-
-    /// Makes the fleet's capacity adaptive as `adaptive` says: [`adaptive`](Self::adaptive)
-    /// with the core's settings in full (its tolerance of failures, and its longest window; a
-    /// fleet's windows are always of a round trip, so `Adaptive::window`'s count is not
-    /// read). The fleet's leader runs the same controller pieces as a `Limit` in one process.
-    ///
-    /// ```
-    /// use std::time::Duration;
     /// use tower_resources_operation::adaptive::{Adaptive, Vegas};
     /// use tower_resources_operation_redis::RedisLimit;
     ///
-    /// let adaptive = Adaptive::new(Vegas::default(), 1..=64).tolerance(0.05);
     /// let (judges, background) = RedisLimit::builder("judges", 1)
-    ///     .adaptive_with(adaptive)
+    ///     .adaptive(Adaptive::new(Vegas::default(), 1..=64).tolerance(0.05))
     ///     .build_pair("redis://127.0.0.1:6379/")
     ///     .unwrap();
+    /// assert!(judges.is_adaptive());
     /// assert_eq!(judges.adaptive_bounds(), Some(1..=64));
     /// # drop((judges, background));
     /// ```
-    pub fn adaptive_with(mut self, adaptive: Adaptive) -> Self {
+    pub fn adaptive(mut self, adaptive: Adaptive) -> Self {
         self.adaptive = Some(AdaptiveSettings {
             adaptive,
             tick: self.adaptive_tick,

@@ -194,14 +194,14 @@
 //! observes, as `LimitBuilder::adaptive` of `tower-resources-operation` does for one process:
 //!
 //! ```no_run
-//! use tower_resources_operation::adaptive::Vegas;
+//! use tower_resources_operation::adaptive::{Adaptive, Vegas};
 //! use tower_resources_operation_redis::RedisLimit;
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! // From 1, where the run times and the failures of the whole fleet say, up to 64.
 //! let judges = RedisLimit::builder("judges", 1)
-//!     .adaptive(Vegas::default(), 1..=64)
+//!     .adaptive(Adaptive::new(Vegas::default(), 1..=64))
 //!     .build("redis://redis.internal:6379/")?;
 //! # drop(judges);
 //! # Ok(())
@@ -211,7 +211,7 @@
 //! - **The same controller as one process's.** Each replica counts its ends in the core's
 //!   `adaptive::Tally`, with the core's `News` rule, and the leader turns the fleet's summed
 //!   `adaptive::Counts` into the [`Sample`] with `Counts::sample`, as a `Limit`'s controller
-//!   does; [`adaptive_with`](RedisLimitBuilder::adaptive_with) takes the core's `Adaptive`.
+//!   does; [`adaptive`](RedisLimitBuilder::adaptive) takes the core's `Adaptive`.
 //!   So mixed work is read kind by kind in a fleet too: each operation's series (its operation
 //!   and executor) has its counts in the fleet's window, and its run times are compared with
 //!   what is normal for its kind.

@@ -105,7 +105,7 @@ async fn run_replica(mode: &str, name: &'static str, redis: &str, backend: Socke
     match mode.split_once('/').unwrap_or((mode, "vegas")) {
         ("fleet", algorithm) => {
             let limit = RedisLimit::builder(name, 1)
-                .adaptive_with(shipped(algorithm))
+                .adaptive(shipped(algorithm))
                 .lease_ttl(Duration::from_millis(TTL_MS))
                 .call_timeout(Duration::from_millis(200))
                 .fallback_poll(Duration::from_millis(200))
@@ -965,7 +965,7 @@ async fn an_uncontended_operation_of_an_adaptive_fleet_limit_costs_two_round_tri
     // Its ticks an hour apart, and its leases refreshed every 20 minutes: every call is an
     // operation's.
     let limit = RedisLimit::builder("uncontended", 4)
-        .adaptive(Vegas::default(), 1..=64)
+        .adaptive(Adaptive::new(Vegas::default(), 1..=64))
         .adaptive_tick(Duration::from_secs(3600))
         .lease_ttl(Duration::from_secs(3600))
         .build(redis.url())
@@ -993,7 +993,7 @@ async fn an_uncontended_operation_of_an_adaptive_fleet_limit_costs_two_round_tri
     // With its ticks 100 ms apart: at most two calls per tick (the tick, and the leader's
     // decision), whatever the operations.
     let ticking = RedisLimit::builder("ticking", 4)
-        .adaptive(Vegas::default(), 1..=64)
+        .adaptive(Adaptive::new(Vegas::default(), 1..=64))
         .adaptive_tick(Duration::from_millis(100))
         .build(redis.url())
         .unwrap();

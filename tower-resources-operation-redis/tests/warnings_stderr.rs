@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use support::redis_server::RedisServer;
 use support::replicas::{replica_or, this_test, REPLICA};
-use tower_resources_operation::adaptive::Vegas;
+use tower_resources_operation::adaptive::{Adaptive, Vegas};
 use tower_resources_operation::Acquire;
 use tower_resources_operation_redis::RedisLimit;
 
@@ -48,7 +48,7 @@ fn child(_: support::replicas::Settings) {
             }
             // A controller sets this fleet's capacity: a fixed replica joining it is told.
             let adaptive = build(ADAPTIVE, 1)
-                .adaptive(Vegas::default(), 1..=8)
+                .adaptive(Adaptive::new(Vegas::default(), 1..=8))
                 .build(redis.url())
                 .unwrap();
             adaptive.ready().await.unwrap();
