@@ -237,25 +237,25 @@ impl Resize for State {
 }
 
 /// Whether to hear the operation being admitted, given a sampling `mask` (one in `mask + 1`):
-/// from a random number of the thread's own (xorshift: a few instructions, nothing shared).
+/// from a golden-ratio (Weyl) sequence of the thread's own, heard where it falls in the first
+/// `1 / (mask + 1)` of its circle. One add and one multiply, nothing shared, and the ops heard
+/// are spread as evenly as such a sequence spreads (no period for a workload to fall in step
+/// with); an xorshift's six dependent steps cost a limit with metrics off about 2 ns, 15% of
+/// the operation.
 #[inline]
 fn heard(mask: u32) -> bool {
     thread_local! {
-        static STATE: Cell<u64> = const { Cell::new(0x9E37_79B9_7F4A_7C15) };
+        static STEP: Cell<u32> = const { Cell::new(0) };
     }
     if mask == 0 {
         return true;
     }
-    STATE
-        .try_with(|state| {
-            let mut x = state.get();
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            state.set(x);
-            ((x >> 32) as u32) & mask == 0
-        })
-        .unwrap_or(true)
+    STEP.try_with(|step| {
+        let x = step.get().wrapping_add(0x9E37_79B9);
+        step.set(x);
+        (u64::from(x) * (u64::from(mask) + 1)) >> 32 == 0
+    })
+    .unwrap_or(true)
 }
 
 /// Makes a [`Limit`] with a bound on its queue, a name, or a controller: the things that are
