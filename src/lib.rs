@@ -513,6 +513,7 @@ mod operation;
 pub mod per_request;
 pub mod protocol;
 mod scoped;
+pub mod trace;
 
 pub use attributes::{Executor, Operation, Outcome, ParseAttributeError, Rejection};
 pub use layer::{GrpcLayer, HttpLayer, ResourcesOperation, ResourcesOperationLayer};

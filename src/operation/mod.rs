@@ -23,6 +23,7 @@
 //! ([`scope::holds`]).
 
 pub(crate) mod scope;
+mod trace;
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -34,9 +35,10 @@ use tokio::time::Instant;
 pub use scope::set_outcome;
 
 use self::scope::{Holding, Slot};
+use self::trace::Trace;
 use crate::attributes::{Outcome, Rejection, SeriesKey};
 use crate::guard::guarded;
-use crate::limit::{Acquire, AcquireError, Asking, Ended};
+use crate::limit::{Acquire, AcquireError, Asking, Capacity, Ended};
 use crate::metrics::Series;
 
 /// A drop of an operation that had a deadline counts as `timeout` when it comes this close to
@@ -76,6 +78,9 @@ struct Record<K> {
     heard: bool,
     /// Its operation and executor, as its limit hears them (in what would be padding).
     key: SeriesKey,
+    /// Its spans in its request's trace, if they are enabled (one null word otherwise; none
+    /// without the `tracing` feature).
+    trace: Trace,
 }
 
 /// When something happened, on tokio's clock (so that a paused clock is followed), in one word:
@@ -353,9 +358,9 @@ impl<A: Acquire, K> Lifecycle<A, K> {
             false => None,
         };
         let _holding = Holding::enter(held);
-        let previous = match &self.record {
-            Some(record) => scope::enter(record.chosen()),
-            None => None,
+        let (previous, _in_run) = match &self.record {
+            Some(record) => (scope::enter(record.chosen()), record.trace.enter_run()),
+            None => (None, Default::default()),
         };
         let mut running = Running {
             operation: self,
@@ -379,7 +384,14 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         match record.stage {
             Stage::Waiting { deadline } => {
                 record.stage = Stage::Ended;
-                let past_deadline = deadline.is_past(record.at.until(Stamp::now().0));
+                let waited = record.at.until(Stamp::now().0);
+                let past_deadline = deadline.is_past(waited);
+                if record.trace.is_some() {
+                    let rejection = past_deadline.then_some(Rejection::Deadline);
+                    record
+                        .trace
+                        .refused(record.key, None, rejection, Some(waited));
+                }
                 if let Some(series) = &record.series {
                     match past_deadline {
                         // The server gave up on it while the limit kept it waiting.
@@ -420,7 +432,9 @@ impl<A: Acquire> Lifecycle<A> {
     /// if the limit [hears its end](Acquire::hears_end)). `deadline` is how long the server lets the
     /// request take, if the layer knows: a wait dropped past it is
     /// [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not abandoned. `key`
-    /// is its operation and executor, for its limit to hear with its end.
+    /// is its operation and executor, for its limit to hear with its end. `limit` describes the
+    /// limit (its name, its queue) to the operation's spans.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     pub(crate) fn poll_admit(
         &mut self,
@@ -428,6 +442,7 @@ impl<A: Acquire> Lifecycle<A> {
         series: Option<&Series>,
         records: bool,
         key: SeriesKey,
+        limit: Option<&Capacity>,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
@@ -439,11 +454,11 @@ impl<A: Acquire> Lifecycle<A> {
         };
         let acquired = match now {
             Some(now) => now,
-            None => std::task::ready!(self.poll_wait(asking, series, key, deadline, cx)),
+            None => std::task::ready!(self.poll_wait(asking, series, key, limit, deadline, cx)),
         };
         let permit = match acquired {
             Ok(permit) => permit,
-            Err(error) => return Poll::Ready(self.refused(error, series)),
+            Err(error) => return Poll::Ready(self.refused(error, series, key, limit)),
         };
         // Asked only where the limit could hear it: a limit that samples its operations
         // leaves the others unrecorded, with metrics off.
@@ -454,9 +469,32 @@ impl<A: Acquire> Lifecycle<A> {
             held_twice(permit);
         }
         if records && (heard || series.is_some()) {
-            self.record_admission(series, heard, key);
+            self.record_admission(series, heard, key, limit);
+        } else {
+            self.trace_admission(key, limit);
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// Admitted with nothing else to record: its spans, if they are enabled (a record made
+    /// for them alone).
+    #[inline]
+    fn trace_admission(&mut self, key: SeriesKey, limit: Option<&Capacity>) {
+        if cfg!(not(feature = "tracing")) {
+            return;
+        }
+        match &mut self.record {
+            // It waited, traced.
+            Some(waited) => waited.admit(true, false, limit),
+            None => {
+                let trace = Trace::at_once(key, limit);
+                if trace.is_some() {
+                    let mut record = Record::at_once(None, key, trace);
+                    record.admit(false, false, limit);
+                    self.record = Some(record);
+                }
+            }
+        }
     }
 
     /// Waits for the permit: the operation counts as queued from the first `Pending`.
@@ -466,50 +504,62 @@ impl<A: Acquire> Lifecycle<A> {
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
         key: SeriesKey,
+        limit: Option<&Capacity>,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<A::Permit, AcquireError>> {
         let polled = asking.poll_wait(cx);
         if polled.is_pending() && self.record.is_none() {
-            if let Some(series) = series {
-                self.start_waiting(series, key, guarded(deadline).flatten());
-            }
+            self.start_waiting(series, key, limit, deadline);
         }
         polled
     }
 
+    /// It starts to wait: recorded with metrics on, or with its wait span enabled.
     #[cold]
-    fn start_waiting(&mut self, series: &Series, key: SeriesKey, deadline: Option<Duration>) {
-        series.start_waiting();
+    fn start_waiting(
+        &mut self,
+        series: Option<&Series>,
+        key: SeriesKey,
+        limit: Option<&Capacity>,
+        deadline: impl FnOnce() -> Option<Duration>,
+    ) {
+        let trace = Trace::waiting(key, limit);
+        if series.is_none() && !trace.is_some() {
+            return;
+        }
+        if let Some(series) = series {
+            series.start_waiting();
+        }
         self.record = Some(Record {
-            series: Some(series.clone()),
+            series: series.cloned(),
             at: Stamp::now().0,
             stage: Stage::Waiting {
-                deadline: Budget::new(deadline),
+                deadline: Budget::new(guarded(deadline).flatten()),
             },
             chosen: None,
             heard: false,
             key,
+            trace,
         });
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
     #[inline(never)]
-    fn record_admission(&mut self, series: Option<&Series>, heard: bool, key: SeriesKey) {
+    fn record_admission(
+        &mut self,
+        series: Option<&Series>,
+        heard: bool,
+        key: SeriesKey,
+        limit: Option<&Capacity>,
+    ) {
         match &mut self.record {
-            Some(waited) => waited.admit(true, heard),
+            Some(waited) => waited.admit(true, heard, limit),
             None => {
                 // It never waited (or waited unrecorded, for a limit that hears ends with
                 // metrics off): its queue sample is 0, and needs no clock.
-                let mut record = Record {
-                    series: series.cloned(),
-                    at: Stamp::UNKNOWN,
-                    stage: Stage::Ended,
-                    chosen: None,
-                    heard: false,
-                    key,
-                };
-                record.admit(false, heard);
+                let mut record = Record::at_once(series.cloned(), key, Trace::NONE);
+                record.admit(false, heard, limit);
                 self.record = Some(record);
             }
         }
@@ -522,15 +572,20 @@ impl<A: Acquire> Lifecycle<A> {
         &mut self,
         error: AcquireError,
         series: Option<&Series>,
+        key: SeriesKey,
+        limit: Option<&Capacity>,
     ) -> Result<(), AcquireError> {
         // Counted in `queued` only if its wait was recorded.
-        let (series, queued) = match self.record.take() {
+        let (series, queued, mut trace, waited) = match self.record.take() {
             Some(mut record) => {
                 record.stage = Stage::Ended;
-                (record.series.clone(), true)
+                let waited = record.at.until(Stamp::now().0);
+                (record.series.clone(), true, record.trace, Some(waited))
             }
-            None => (series.cloned(), false),
+            None => (series.cloned(), false, Trace::NONE, None),
         };
+        // Its wait span, or one made now for an operation turned away at once.
+        trace.refused(key, limit, Some(error.rejection()), waited);
         if let Some(series) = series {
             series.reject(error.rejection(), queued);
         }
@@ -580,6 +635,23 @@ impl<A: Acquire, K> fmt::Debug for Lifecycle<A, K> {
     }
 }
 
+impl Record<()> {
+    /// The record of an operation admitted without waiting (or after a wait nothing recorded):
+    /// its queue sample is 0, and needs no clock.
+    #[inline]
+    fn at_once(series: Option<Series>, key: SeriesKey, trace: Trace) -> Self {
+        Record {
+            series,
+            at: Stamp::UNKNOWN,
+            stage: Stage::Ended,
+            chosen: None,
+            heard: false,
+            key,
+            trace,
+        }
+    }
+}
+
 impl<K> Record<K> {
     /// The outcome [`set_outcome`] chose so far, if it did.
     #[inline]
@@ -595,17 +667,21 @@ impl<K> Record<K> {
 
     /// Admitted, after waiting since `self.at` if it `waited`: records the queue sample (0 if it
     /// did not wait) and counts it as active. `heard`: whether its limit hears its end.
+    /// The queue time is recorded inside the operation's span, if it has one.
     #[inline]
-    fn admit(&mut self, waited: bool, heard: bool) {
+    fn admit(&mut self, waited: bool, heard: bool, limit: Option<&Capacity>) {
         let now = Stamp::now().0;
         let queued = if waited {
             self.at.until(now)
         } else {
             Duration::ZERO
         };
-        if let Some(series) = &self.series {
-            series.admit(waited, queued);
-        }
+        let series = &self.series;
+        self.trace.admitted(self.key, limit, queued, || {
+            if let Some(series) = series {
+                series.admit(waited, queued);
+            }
+        });
         self.at = now;
         self.heard = heard;
         self.stage = Stage::Admitted {
@@ -633,6 +709,7 @@ impl<K> Record<K> {
             chosen: self.chosen,
             heard: self.heard,
             key: self.key,
+            trace: self.trace,
         })
     }
 
@@ -658,6 +735,7 @@ impl<K> Record<K> {
             chosen: self.chosen,
             heard: self.heard,
             key: self.key,
+            trace: self.trace,
         }
     }
 
@@ -677,9 +755,13 @@ impl<K> Record<K> {
         let outcome = decide(self, end, classify, now);
         self.stage = Stage::Ended;
         let ran = self.at.until(now);
-        if let Some(series) = &self.series {
-            series.end(outcome, ran);
-        }
+        // Recorded inside the run span, if there is one, which then ends.
+        let series = &self.series;
+        self.trace.ended(outcome, ran, || {
+            if let Some(series) = series {
+                series.end(outcome, ran);
+            }
+        });
         Some((Ended::of(self.key, outcome, ran, instant), heard))
     }
 }
@@ -775,6 +857,7 @@ mod tests {
             chosen: None,
             heard: false,
             key: SeriesKey::new(crate::Operation::Other, crate::Executor::Other),
+            trace: Trace::NONE,
         }
     }
 
