@@ -5,19 +5,22 @@
 //! ```text
 //! cargo bench --bench instructions --no-run        # prints the binary's path
 //! valgrind --tool=callgrind --callgrind-out-file=/dev/null \
-//!     target/release/deps/instructions-<hash> --bench <case> <operations>
+//!     target/release/deps/instructions-<hash> --bench <case> <operations> [<subscriber>]
 //! ```
 //!
 //! Instructions per operation: the difference between two runs (250,000 and 50,000
 //! operations), divided by 200,000, so that the setup cancels out. `<case>` is one of the names
 //! printed when it runs without one: the driving pattern (`reused`: `ready` + `call`;
 //! `oneshot`: `clone().oneshot()`, as hyper and axum drive a service per request) and the
-//! service (tower's limit; this layer with metrics off or on).
+//! service (tower's limit; this layer with metrics off or on). `<subscriber>`: `no_subscriber`
+//! (the default), `spans_filtered` (a subscriber at `INFO`, the operation's `DEBUG` spans
+//! filtered out) or `spans_on` (recorded through `tracing-opentelemetry`).
 
 mod common;
 
 use std::time::Duration;
 
+use common::spans::Spans;
 use common::{layer, oneshot, reused, sdk_meter, Noop};
 use tokio::runtime::Runtime;
 use tower::limit::ConcurrencyLimit;
@@ -45,13 +48,23 @@ where
 }
 
 fn main() {
-    let mut args = std::env::args().skip(1).filter(|arg| !arg.starts_with("--"));
+    let mut args = std::env::args()
+        .skip(1)
+        .filter(|arg| !arg.starts_with("--"));
     let (Some(case), Some(operations)) = (args.next(), args.next()) else {
         // `cargo test --benches` runs it with no case: nothing to count.
         println!("cases: {}", CASES.join(", "));
         return;
     };
     let operations: u64 = operations.parse().expect("a number of operations");
+    let spans = match args.next() {
+        Some(name) => Spans::parse(&name).expect("no_subscriber, spans_filtered or spans_on"),
+        None => Spans::None,
+    };
+    spans.run(|| count(&case, operations));
+}
+
+fn count(case: &str, operations: u64) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();

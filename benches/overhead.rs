@@ -12,7 +12,9 @@
 //!   once; time per operation.
 //!
 //! The cases: tower's limit; this layer with metrics disabled; this layer with a real SDK meter
-//! provider and reader; a naive peer-style layer (up-down counters and `KeyValue`s built per
+//! provider and reader (each also under a subscriber that filters the operation's spans out,
+//! `*/spans_filtered`, and one that records them through `tracing-opentelemetry`,
+//! `*/spans_on`; the others run with no subscriber); a naive peer-style layer (up-down counters and `KeyValue`s built per
 //! call, as OpenTelemetry middlewares do it today); and the floor: tower's limit plus only the
 //! unavoidable work (two clock reads, two histogram records with pre-built attributes, four
 //! atomic adds).
@@ -21,6 +23,7 @@ mod common;
 
 use std::sync::Arc;
 
+use common::spans::Spans;
 use common::{contended_run, floor, layer, naive, oneshot, reused, sdk_meter, Noop, YieldOnce};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use tokio::sync::Semaphore;
@@ -46,11 +49,16 @@ fn uncontended(c: &mut Criterion) {
     let mut group = c.benchmark_group("uncontended");
     for pattern in ["reused", "oneshot"] {
         macro_rules! case {
-            ($name:literal, $service:expr) => {
+            ($name:expr, $service:expr) => {
+                case!($name, $service, Spans::None)
+            };
+            ($name:expr, $service:expr, $spans:expr) => {
                 group.bench_function(BenchmarkId::new($name, pattern), |b| {
-                    b.iter_custom(|iters| match pattern {
-                        "reused" => reused(&rt, $service.clone(), iters),
-                        _ => oneshot(&rt, $service.clone(), iters),
+                    b.iter_custom(|iters| {
+                        $spans.run(|| match pattern {
+                            "reused" => reused(&rt, $service.clone(), iters),
+                            _ => oneshot(&rt, $service.clone(), iters),
+                        })
                     })
                 });
             };
@@ -58,6 +66,10 @@ fn uncontended(c: &mut Criterion) {
         case!("tower_limit", tower);
         case!("layer_disabled", disabled);
         case!("layer_metrics", enabled);
+        for spans in [Spans::Filtered, Spans::On] {
+            case!(format!("layer_disabled/{}", spans.name()), disabled, spans);
+            case!(format!("layer_metrics/{}", spans.name()), enabled, spans);
+        }
         case!("floor", floor);
         case!("naive_peer", naive);
     }

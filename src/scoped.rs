@@ -207,7 +207,7 @@ impl OperationMetrics {
                 series,
                 records,
                 key,
-                capacity.as_ref(),
+                || capacity.as_ref(),
                 || None,
                 cx,
             )

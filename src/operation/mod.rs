@@ -41,6 +41,12 @@ use crate::guard::guarded;
 use crate::limit::{Acquire, AcquireError, Asking, Capacity, Ended};
 use crate::metrics::Series;
 
+/// The operation's limit as its spans describe it (its name, its queue), read only when a span
+/// is made: a closure, so that an operation with no span does not even look it up.
+pub(crate) trait LimitOf<'c>: Fn() -> Option<&'c Capacity> + Copy {}
+
+impl<'c, F: Fn() -> Option<&'c Capacity> + Copy> LimitOf<'c> for F {}
+
 /// A drop of an operation that had a deadline counts as `timeout` when it comes this close to
 /// the deadline (or a tenth of it, for short ones): the operation started to wait a little after
 /// its caller started the clock.
@@ -54,8 +60,8 @@ const DEADLINE_SLACK: Duration = Duration::from_millis(10);
 ///
 /// It is admitted while it holds its permit. With nothing to record it is only its permit and a
 /// null word, so that a response future is built, moved and dropped about as cheaply as tower's;
-/// recording, three words more, so that a queued request's task stays within tower's size
-/// class. Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
+/// recording, three words more (four with the `tracing` feature: its spans, or a null word), so
+/// that a queued request's task stays within tower's size class. Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
 /// operation), and only then does the permit go back.
 pub struct Lifecycle<A: Acquire, K = ()> {
     /// `None`: nothing to record (metrics off and a limit that does not hear ends, or nothing
@@ -344,9 +350,45 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         self.run_as(lent, true, work)
     }
 
-    /// Runs `work` as this operation, publishing its limit's place if `holding`.
+    /// Runs `work` as this operation, publishing its limit's place if `holding`, inside its
+    /// run span if it has one.
     #[inline(always)]
     fn run_as<R>(
+        &mut self,
+        lent: Option<&A::Permit>,
+        holding: bool,
+        work: impl FnOnce() -> R,
+    ) -> R {
+        if self
+            .record
+            .as_ref()
+            .is_some_and(|record| record.trace.is_some())
+        {
+            return self.run_in_span(lent, holding, work);
+        }
+        self.run_unspanned(lent, holding, work)
+    }
+
+    /// [`run_as`](Self::run_as) inside the run span, out of line: an operation without one
+    /// carries no guard.
+    #[inline(never)]
+    fn run_in_span<R>(
+        &mut self,
+        lent: Option<&A::Permit>,
+        holding: bool,
+        work: impl FnOnce() -> R,
+    ) -> R {
+        // Kept until the work returned or unwound, so that the span closes after it, even if
+        // the operation ended meanwhile (a panic).
+        let _in_run = self
+            .record
+            .as_ref()
+            .and_then(|record| record.trace.enter_run());
+        self.run_unspanned(lent, holding, work)
+    }
+
+    #[inline(always)]
+    fn run_unspanned<R>(
         &mut self,
         lent: Option<&A::Permit>,
         holding: bool,
@@ -358,9 +400,9 @@ impl<A: Acquire, K> Lifecycle<A, K> {
             false => None,
         };
         let _holding = Holding::enter(held);
-        let (previous, _in_run) = match &self.record {
-            Some(record) => (scope::enter(record.chosen()), record.trace.enter_run()),
-            None => (None, Default::default()),
+        let previous = match &self.record {
+            Some(record) => scope::enter(record.chosen()),
+            None => None,
         };
         let mut running = Running {
             operation: self,
@@ -436,13 +478,13 @@ impl<A: Acquire> Lifecycle<A> {
     /// limit (its name, its queue) to the operation's spans.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    pub(crate) fn poll_admit(
+    pub(crate) fn poll_admit<'c>(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
         records: bool,
         key: SeriesKey,
-        limit: Option<&Capacity>,
+        limit: impl LimitOf<'c>,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
@@ -470,7 +512,8 @@ impl<A: Acquire> Lifecycle<A> {
         }
         if records && (heard || series.is_some()) {
             self.record_admission(series, heard, key, limit);
-        } else {
+        } else if cfg!(feature = "tracing") && (self.record.is_some() || Trace::may_trace()) {
+            // A wait traced, or spans that may be on.
             self.trace_admission(key, limit);
         }
         Poll::Ready(Ok(()))
@@ -478,16 +521,14 @@ impl<A: Acquire> Lifecycle<A> {
 
     /// Admitted with nothing else to record: its spans, if they are enabled (a record made
     /// for them alone).
-    #[inline]
-    fn trace_admission(&mut self, key: SeriesKey, limit: Option<&Capacity>) {
-        if cfg!(not(feature = "tracing")) {
-            return;
-        }
+    #[cold]
+    #[inline(never)]
+    fn trace_admission<'c>(&mut self, key: SeriesKey, limit: impl LimitOf<'c>) {
         match &mut self.record {
             // It waited, traced.
             Some(waited) => waited.admit(true, false, limit),
             None => {
-                let trace = Trace::at_once(key, limit);
+                let trace = Trace::at_once(key, limit());
                 if trace.is_some() {
                     let mut record = Record::at_once(None, key, trace);
                     record.admit(false, false, limit);
@@ -499,12 +540,12 @@ impl<A: Acquire> Lifecycle<A> {
 
     /// Waits for the permit: the operation counts as queued from the first `Pending`.
     #[inline(never)]
-    fn poll_wait(
+    fn poll_wait<'c>(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
         key: SeriesKey,
-        limit: Option<&Capacity>,
+        limit: impl LimitOf<'c>,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<A::Permit, AcquireError>> {
@@ -517,14 +558,14 @@ impl<A: Acquire> Lifecycle<A> {
 
     /// It starts to wait: recorded with metrics on, or with its wait span enabled.
     #[cold]
-    fn start_waiting(
+    fn start_waiting<'c>(
         &mut self,
         series: Option<&Series>,
         key: SeriesKey,
-        limit: Option<&Capacity>,
+        limit: impl LimitOf<'c>,
         deadline: impl FnOnce() -> Option<Duration>,
     ) {
-        let trace = Trace::waiting(key, limit);
+        let trace = Trace::waiting(key, limit());
         if series.is_none() && !trace.is_some() {
             return;
         }
@@ -546,12 +587,12 @@ impl<A: Acquire> Lifecycle<A> {
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
     #[inline(never)]
-    fn record_admission(
+    fn record_admission<'c>(
         &mut self,
         series: Option<&Series>,
         heard: bool,
         key: SeriesKey,
-        limit: Option<&Capacity>,
+        limit: impl LimitOf<'c>,
     ) {
         match &mut self.record {
             Some(waited) => waited.admit(true, heard, limit),
@@ -568,12 +609,12 @@ impl<A: Acquire> Lifecycle<A> {
     /// The limit admitted no operation: it is counted as rejected, by reason (a failure is
     /// `unavailable`), and the error goes back to the caller to answer.
     #[cold]
-    fn refused(
+    fn refused<'c>(
         &mut self,
         error: AcquireError,
         series: Option<&Series>,
         key: SeriesKey,
-        limit: Option<&Capacity>,
+        limit: impl LimitOf<'c>,
     ) -> Result<(), AcquireError> {
         // Counted in `queued` only if its wait was recorded.
         let (series, queued, mut trace, waited) = match self.record.take() {
@@ -585,7 +626,7 @@ impl<A: Acquire> Lifecycle<A> {
             None => (series.cloned(), false, Trace::NONE, None),
         };
         // Its wait span, or one made now for an operation turned away at once.
-        trace.refused(key, limit, Some(error.rejection()), waited);
+        trace.refused(key, limit(), Some(error.rejection()), waited);
         if let Some(series) = series {
             series.reject(error.rejection(), queued);
         }
@@ -669,7 +710,7 @@ impl<K> Record<K> {
     /// did not wait) and counts it as active. `heard`: whether its limit hears its end.
     /// The queue time is recorded inside the operation's span, if it has one.
     #[inline]
-    fn admit(&mut self, waited: bool, heard: bool, limit: Option<&Capacity>) {
+    fn admit<'c>(&mut self, waited: bool, heard: bool, limit: impl LimitOf<'c>) {
         let now = Stamp::now().0;
         let queued = if waited {
             self.at.until(now)

@@ -135,6 +135,14 @@ mod on {
             })))
         }
 
+        /// Whether spans may be enabled at all: the one check on the path of an operation with
+        /// no span. With no subscriber it reads one flag; with one that filters `DEBUG` out, one
+        /// more word, the level (as `tracing`'s own macros elide their trace points).
+        #[inline(always)]
+        pub(crate) fn may_trace() -> bool {
+            tracing::dispatcher::has_been_set() && tracing::level_enabled!(tracing::Level::DEBUG)
+        }
+
         /// Whether it has a span (a record that has nothing else to record is kept for it).
         #[inline]
         pub(crate) fn is_some(&self) -> bool {
@@ -143,7 +151,8 @@ mod on {
 
         /// The operation was admitted at once, with nothing else to record: its run span, if
         /// it is enabled.
-        #[inline]
+        #[cold]
+        #[inline(never)]
         pub(crate) fn at_once(key: SeriesKey, limit: Option<&Capacity>) -> Self {
             let run = run_span(key, limit, None);
             if run.is_disabled() {
@@ -160,17 +169,18 @@ mod on {
         /// inside the wait span, which ends with it, or inside the run span for an operation
         /// that did not wait; the run span starts.
         #[inline]
-        pub(crate) fn admitted(
+        pub(crate) fn admitted<'c>(
             &mut self,
             key: SeriesKey,
-            limit: Option<&Capacity>,
+            limit: impl Fn() -> Option<&'c Capacity>,
             queued: Duration,
             record: impl FnOnce(),
         ) {
             let spans = match &mut self.0 {
                 Some(spans) => spans,
+                None if !Self::may_trace() => return record(),
                 None => {
-                    *self = Self::at_once(key, limit);
+                    *self = Self::at_once(key, limit());
                     match &mut self.0 {
                         Some(spans) => spans,
                         None => return record(),
@@ -186,7 +196,7 @@ mod on {
                     true => &spans.wait,
                     false => &spans.parent,
                 };
-                spans.run = run_span(key, limit, Some(parent));
+                spans.run = run_span(key, limit(), Some(parent));
                 spans.wait = Span::none();
                 spans.parent = Span::none();
             } else {
@@ -260,6 +270,11 @@ mod off {
         }
 
         #[inline(always)]
+        pub(crate) fn may_trace() -> bool {
+            false
+        }
+
+        #[inline(always)]
         pub(crate) fn is_some(&self) -> bool {
             false
         }
@@ -270,10 +285,10 @@ mod off {
         }
 
         #[inline(always)]
-        pub(crate) fn admitted(
+        pub(crate) fn admitted<'c>(
             &mut self,
             _: SeriesKey,
-            _: Option<&Capacity>,
+            _: impl Fn() -> Option<&'c Capacity>,
             _: Duration,
             record: impl FnOnce(),
         ) {
@@ -296,6 +311,84 @@ mod off {
         }
 
         #[inline(always)]
-        pub(crate) fn enter_run(&self) {}
+        pub(crate) fn enter_run(&self) -> Option<()> {
+            None
+        }
+    }
+}
+
+#[cfg(all(test, feature = "tracing"))]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Metadata, Subscriber};
+
+    use super::*;
+    use crate::metrics::{LIMIT_ATTRIBUTE, REJECTION_ATTRIBUTE};
+    use crate::trace::{RUN_SPAN, TARGET, WAIT_SPAN};
+    use crate::{Executor, Operation, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE};
+
+    /// A span as it was made: its target, name and field names.
+    type Made = (String, String, Vec<String>);
+
+    /// Keeps each new span as it was made.
+    #[derive(Clone, Default)]
+    struct Spans(Arc<Mutex<Vec<Made>>>, Arc<AtomicU64>);
+
+    impl Subscriber for Spans {
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, span: &Attributes<'_>) -> Id {
+            let meta = span.metadata();
+            let fields = meta.fields().iter().map(|f| f.name().to_owned()).collect();
+            let kept = (meta.target().to_owned(), meta.name().to_owned(), fields);
+            self.0.lock().unwrap().push(kept);
+            Id::from_u64(self.1.fetch_add(1, Ordering::Relaxed) + 1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, _: &Event<'_>) {}
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+
+    #[test]
+    fn the_spans_use_the_names_the_trace_module_publishes() {
+        let spans = Spans::default();
+        tracing::subscriber::with_default(spans.clone(), || {
+            let key = SeriesKey::new(Operation::Verify, Executor::Subprocess);
+            let mut trace = Trace::waiting(key, None);
+            assert!(trace.is_some());
+            trace.admitted(key, || None, Duration::from_millis(3), || {});
+            trace.ended(Outcome::Ok, Duration::from_millis(5), || {});
+        });
+        let spans = spans.0.lock().unwrap();
+        let [(wait_target, wait, wait_fields), (run_target, run, run_fields)] = &spans[..] else {
+            panic!("a wait span and a run span: {spans:?}")
+        };
+        assert_eq!((wait_target.as_str(), wait.as_str()), (TARGET, WAIT_SPAN));
+        assert_eq!((run_target.as_str(), run.as_str()), (TARGET, RUN_SPAN));
+        let wait_expected = [
+            OPERATION_ATTRIBUTE,
+            EXECUTOR_ATTRIBUTE,
+            LIMIT_ATTRIBUTE,
+            QUEUED_AHEAD_ATTRIBUTE,
+            QUEUE_DURATION_ATTRIBUTE,
+            WAIT_ATTRIBUTE,
+            REJECTION_ATTRIBUTE,
+        ];
+        assert_eq!(wait_fields, &wait_expected);
+        let run_expected = [
+            OPERATION_ATTRIBUTE,
+            EXECUTOR_ATTRIBUTE,
+            LIMIT_ATTRIBUTE,
+            QUEUE_DURATION_ATTRIBUTE,
+            DURATION_ATTRIBUTE,
+            OUTCOME_ATTRIBUTE,
+        ];
+        assert_eq!(run_fields, &run_expected);
     }
 }
