@@ -157,9 +157,9 @@ fn described(span: &SpanData) -> String {
 }
 
 fn print_tree(spans: &[SpanData], span: &SpanData, prefix: &str, branch: &str) {
+    let label = format!("{prefix}{branch}{}", span.name);
     println!(
-        "{prefix}{branch}{:<30} {:>7.1} ms  {}",
-        span.name,
+        "{label:<34} {:>7.1} ms  {}",
         length(span).as_secs_f64() * 1e3,
         described(span)
     );

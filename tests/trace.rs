@@ -21,19 +21,17 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 
-use support::http::{get_request, serve, Client};
+use support::http::{get_request, serve, verify_layer, Client};
 use support::traces::{attributes, length, number, string, traces, Trace};
 use support::{eventually, within, Telemetry};
-use tower_resources_operation::classify::HttpClassifier;
 use tower_resources_operation::metrics::{LIMIT_ATTRIBUTE, REJECTION_ATTRIBUTE};
-use tower_resources_operation::protocol::Http;
 use tower_resources_operation::trace::{
     DURATION_ATTRIBUTE, QUEUED_AHEAD_ATTRIBUTE, QUEUE_DURATION_ATTRIBUTE, RUN_SPAN, WAIT_ATTRIBUTE,
     WAIT_SPAN,
 };
 use tower_resources_operation::{
-    Executor, Limit, Operation, ResourcesOperationLayer, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
-    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    Executor, Limit, Operation, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 /// How long the request ahead holds the place.
@@ -41,14 +39,21 @@ const HELD: Duration = Duration::from_millis(200);
 
 const VERIFY: [(&str, &str); 1] = [(OPERATION_ATTRIBUTE, "verify")];
 
-fn layer(
+/// Sends `first`, then, once its operation runs, `second`, which waits behind it; both are
+/// answered 200.
+async fn one_behind_another(
+    addr: std::net::SocketAddr,
     telemetry: &Telemetry,
-    limit: &Limit,
-) -> ResourcesOperationLayer<HttpClassifier, Limit, Http> {
-    ResourcesOperationLayer::new_for_http(limit.clone())
-        .operation(Operation::Verify)
-        .executor(Executor::Subprocess)
-        .metrics(telemetry.metrics.clone())
+    first: &'static str,
+    second: &'static str,
+) {
+    let ahead = tokio::spawn(async move { Client::open(addr).await.get(first).await });
+    eventually("the first runs", || {
+        telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &VERIFY) == 1
+    })
+    .await;
+    assert_eq!(Client::open(addr).await.get(second).await.0, 200);
+    assert_eq!(ahead.await.unwrap().0, 200);
 }
 
 /// A named limit of 1, with at most `queued` waiting.
@@ -97,17 +102,43 @@ fn wait_of(trace: &Trace) -> &Span {
     wait
 }
 
-/// Holds the place of `addr`'s limit with a request to `/hold` until `release` is notified.
-async fn hold(
+/// A server whose `/hold` (on `limit`) holds its place until released, beside `rest`, all
+/// inside `TraceLayer`.
+struct Held {
     addr: std::net::SocketAddr,
-    telemetry: &Telemetry,
-) -> tokio::task::JoinHandle<(u16, String)> {
+    holder: tokio::task::JoinHandle<(u16, String)>,
+    release: Arc<Notify>,
+}
+
+/// Serves `/hold` and `rest`, and holds the place.
+async fn serve_held(telemetry: &Telemetry, limit: &Limit, rest: Router) -> Held {
+    let release = Arc::new(Notify::new());
+    let app = Router::new()
+        .route(
+            "/hold",
+            held(&release).layer(verify_layer(telemetry, limit)),
+        )
+        .merge(rest)
+        .layer(TraceLayer::new_for_http());
+    let addr = serve(app).await;
     let holder = tokio::spawn(async move { Client::open(addr).await.get("/hold").await });
     eventually("the place is held", || {
         telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &VERIFY) == 1
     })
     .await;
-    holder
+    Held {
+        addr,
+        holder,
+        release,
+    }
+}
+
+impl Held {
+    /// Lets the held request end.
+    async fn release(self) {
+        self.release.notify_one();
+        assert_eq!(self.holder.await.unwrap().0, 200);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -116,17 +147,17 @@ async fn a_wait_is_a_span_under_its_request_as_long_as_the_recorded_queue_time()
     let telemetry = Telemetry::new();
     let limit = verifiers(8);
     let app = Router::new()
-        .route("/waited/first", slow().layer(layer(&telemetry, &limit)))
-        .route("/waited/second", slow().layer(layer(&telemetry, &limit)))
+        .route(
+            "/waited/first",
+            slow().layer(verify_layer(&telemetry, &limit)),
+        )
+        .route(
+            "/waited/second",
+            slow().layer(verify_layer(&telemetry, &limit)),
+        )
         .layer(TraceLayer::new_for_http());
     let addr = serve(app).await;
-    let first = tokio::spawn(async move { Client::open(addr).await.get("/waited/first").await });
-    eventually("the first runs", || {
-        telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &VERIFY) == 1
-    })
-    .await;
-    assert_eq!(Client::open(addr).await.get("/waited/second").await.0, 200);
-    assert_eq!(first.await.unwrap().0, 200);
+    one_behind_another(addr, &telemetry, "/waited/first", "/waited/second").await;
 
     let trace = traces.trace_of("/waited/second", 2).await;
     let wait = wait_of(&trace);
@@ -168,7 +199,7 @@ async fn an_operation_that_did_not_wait_has_a_run_span_only() {
     let app = Router::new()
         .route(
             "/at_once",
-            get(|| async { "done" }).layer(layer(&telemetry, &limit)),
+            get(|| async { "done" }).layer(verify_layer(&telemetry, &limit)),
         )
         .layer(TraceLayer::new_for_http());
     let addr = serve(app).await;
@@ -187,16 +218,10 @@ async fn a_rejection_closes_its_wait_span_with_the_reason() {
     let traces = traces();
     let telemetry = Telemetry::new();
     let limit = verifiers(0);
-    let release = Arc::new(Notify::new());
-    let app = Router::new()
-        .route("/hold", held(&release).layer(layer(&telemetry, &limit)))
-        .route("/rejected", slow().layer(layer(&telemetry, &limit)))
-        .layer(TraceLayer::new_for_http());
-    let addr = serve(app).await;
-    let holder = hold(addr, &telemetry).await;
-    assert_eq!(Client::open(addr).await.get("/rejected").await.0, 503);
-    release.notify_one();
-    assert_eq!(holder.await.unwrap().0, 200);
+    let rest = Router::new().route("/rejected", slow().layer(verify_layer(&telemetry, &limit)));
+    let held = serve_held(&telemetry, &limit, rest).await;
+    assert_eq!(Client::open(held.addr).await.get("/rejected").await.0, 503);
+    held.release().await;
 
     let trace = traces.trace_of("/rejected", 1).await;
     let attrs = attributes(wait_of(&trace));
@@ -210,14 +235,9 @@ async fn an_abandoned_wait_closes_its_span_as_abandoned() {
     let traces = traces();
     let telemetry = Telemetry::new();
     let limit = verifiers(8);
-    let release = Arc::new(Notify::new());
-    let app = Router::new()
-        .route("/hold", held(&release).layer(layer(&telemetry, &limit)))
-        .route("/abandoned", slow().layer(layer(&telemetry, &limit)))
-        .layer(TraceLayer::new_for_http());
-    let addr = serve(app).await;
-    let holder = hold(addr, &telemetry).await;
-    let mut client = Client::open(addr).await;
+    let rest = Router::new().route("/abandoned", slow().layer(verify_layer(&telemetry, &limit)));
+    let held = serve_held(&telemetry, &limit, rest).await;
+    let mut client = Client::open(held.addr).await;
     let response = client.send(get_request("/abandoned")).await;
     let waiting = tokio::spawn(response);
     eventually("it waits", || {
@@ -230,8 +250,7 @@ async fn an_abandoned_wait_closes_its_span_as_abandoned() {
         telemetry.live_value(QUEUED_INSTRUMENT, &VERIFY) == 0
     })
     .await;
-    release.notify_one();
-    assert_eq!(holder.await.unwrap().0, 200);
+    held.release().await;
 
     let trace = traces.trace_of("/abandoned", 1).await;
     let wait = wait_of(&trace);
@@ -251,8 +270,7 @@ async fn a_wait_dropped_at_the_servers_deadline_closes_its_span_as_a_deadline_re
     let traces = traces();
     let telemetry = Telemetry::new();
     let limit = verifiers(8);
-    let release = Arc::new(Notify::new());
-    let told = layer(&telemetry, &limit).server_timeout(DEADLINE_OF_SERVER);
+    let told = verify_layer(&telemetry, &limit).server_timeout(DEADLINE_OF_SERVER);
     let timing_out =
         Router::new()
             .route("/deadline", slow().layer(told))
@@ -260,15 +278,9 @@ async fn a_wait_dropped_at_the_servers_deadline_closes_its_span_as_a_deadline_re
                 StatusCode::REQUEST_TIMEOUT,
                 DEADLINE_OF_SERVER,
             ));
-    let app = Router::new()
-        .route("/hold", held(&release).layer(layer(&telemetry, &limit)))
-        .merge(timing_out)
-        .layer(TraceLayer::new_for_http());
-    let addr = serve(app).await;
-    let holder = hold(addr, &telemetry).await;
-    assert_eq!(Client::open(addr).await.get("/deadline").await.0, 408);
-    release.notify_one();
-    assert_eq!(holder.await.unwrap().0, 200);
+    let held = serve_held(&telemetry, &limit, timing_out).await;
+    assert_eq!(Client::open(held.addr).await.get("/deadline").await.0, 408);
+    held.release().await;
 
     let trace = traces.trace_of("/deadline", 1).await;
     let wait = wait_of(&trace);
@@ -291,7 +303,7 @@ async fn a_panic_closes_the_run_span_as_crashed() {
         "unreachable"
     });
     let app = Router::new()
-        .route("/panics", panics.layer(layer(&telemetry, &limit)))
+        .route("/panics", panics.layer(verify_layer(&telemetry, &limit)))
         .layer(CatchPanicLayer::new())
         .layer(TraceLayer::new_for_http());
     let addr = serve(app).await;
@@ -324,7 +336,7 @@ async fn a_streamed_bodys_run_span_ends_when_the_body_ends() {
     let app = Router::new()
         .route(
             "/streamed",
-            streams.layer(layer(&telemetry, &limit).until_body_end()),
+            streams.layer(verify_layer(&telemetry, &limit).until_body_end()),
         )
         .layer(TraceLayer::new_for_http());
     let addr = serve(app).await;
@@ -368,13 +380,7 @@ async fn the_scoped_form_traces_inside_the_span_that_calls_it() {
         .route("/scoped/second", second)
         .layer(TraceLayer::new_for_http());
     let addr = serve(app).await;
-    let ahead = tokio::spawn(async move { Client::open(addr).await.get("/scoped/first").await });
-    eventually("the first runs", || {
-        telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &VERIFY) == 1
-    })
-    .await;
-    assert_eq!(Client::open(addr).await.get("/scoped/second").await.0, 200);
-    assert_eq!(ahead.await.unwrap().0, 200);
+    one_behind_another(addr, &telemetry, "/scoped/first", "/scoped/second").await;
 
     let trace = traces.trace_of("/scoped/second", 2).await;
     let wait = wait_of(&trace);
@@ -397,15 +403,9 @@ async fn outside_the_request_span_the_wait_and_the_request_stay_one_trace() {
         .route("/outside/first", slow())
         .route("/outside/second", slow())
         .layer(TraceLayer::new_for_http())
-        .layer(layer(&telemetry, &limit));
+        .layer(verify_layer(&telemetry, &limit));
     let addr = serve(app).await;
-    let first = tokio::spawn(async move { Client::open(addr).await.get("/outside/first").await });
-    eventually("the first runs", || {
-        telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &VERIFY) == 1
-    })
-    .await;
-    assert_eq!(Client::open(addr).await.get("/outside/second").await.0, 200);
-    assert_eq!(first.await.unwrap().0, 200);
+    one_behind_another(addr, &telemetry, "/outside/first", "/outside/second").await;
 
     let trace = traces.trace_of("/outside/second", 2).await;
     let wait = trace.one(WAIT_SPAN);
