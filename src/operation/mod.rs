@@ -325,13 +325,14 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         self.run_lent(None, work)
     }
 
-    /// Runs `work` (one call of the inner service, or one poll of it) as this operation, for an
-    /// owner that outlives a panic in it (a service): [`set_outcome`] inside it sets this
-    /// operation's outcome, and a panic ends it as [`Outcome::Crashed`], giving its permit back,
-    /// before the panic goes on.
+    /// Runs `work` (the inner service's `poll_ready`) as this operation, for an owner that
+    /// outlives a panic in it (a service): [`set_outcome`] inside it sets this operation's
+    /// outcome, and a panic ends it as [`Outcome::Crashed`], giving its permit back, before the
+    /// panic goes on. Outside the run span: readiness is no work of the operation's, and the
+    /// span's check stays off the path of every reused service.
     #[inline]
     pub(crate) fn run<R>(&mut self, work: impl FnOnce() -> R) -> R {
-        self.run_lent(None, work)
+        self.run_unspanned(None, true, work)
     }
 
     /// Calls the inner service with `work`, as [`run`](Self::run) does, but without publishing
@@ -512,8 +513,8 @@ impl<A: Acquire> Lifecycle<A> {
         }
         if records && (heard || series.is_some()) {
             self.record_admission(series, heard, key, limit);
-        } else if cfg!(feature = "tracing") && (self.record.is_some() || Trace::may_trace()) {
-            // A wait traced, or spans that may be on.
+        } else if Trace::ever() && (self.record.is_some() || Trace::may_trace()) {
+            // A wait traced, or spans that may be on (neither before any subscriber was set).
             self.trace_admission(key, limit);
         }
         Poll::Ready(Ok(()))
@@ -717,17 +718,29 @@ impl<K> Record<K> {
         } else {
             Duration::ZERO
         };
+        if self.trace.is_some() || Trace::may_trace() {
+            self.admit_traced(waited, queued, limit);
+        } else if let Some(series) = &self.series {
+            series.admit(waited, queued);
+        }
+        self.at = now;
+        self.heard = heard;
+        self.stage = Stage::Admitted {
+            queued_us: u32::try_from(queued.as_micros()).unwrap_or(u32::MAX),
+        };
+    }
+
+    /// [`admit`](Self::admit)'s record, inside the operation's span (out of line: most
+    /// operations have none).
+    #[cold]
+    #[inline(never)]
+    fn admit_traced<'c>(&mut self, waited: bool, queued: Duration, limit: impl LimitOf<'c>) {
         let series = &self.series;
         self.trace.admitted(self.key, limit, queued, || {
             if let Some(series) = series {
                 series.admit(waited, queued);
             }
         });
-        self.at = now;
-        self.heard = heard;
-        self.stage = Stage::Admitted {
-            queued_us: u32::try_from(queued.as_micros()).unwrap_or(u32::MAX),
-        };
     }
 
     /// Called, with what `decides` its outcome and its caller's `deadline` counted from when
@@ -797,13 +810,27 @@ impl<K> Record<K> {
         self.stage = Stage::Ended;
         let ran = self.at.until(now);
         // Recorded inside the run span, if there is one, which then ends.
+        if self.trace.is_some() {
+            self.end_traced(outcome, ran);
+        } else if let Some(series) = &self.series {
+            series.end(outcome, ran);
+        }
+        Some((Ended::of(self.key, outcome, ran, instant), heard))
+    }
+}
+
+impl<K> Record<K> {
+    /// [`end`](Self::end)'s record, inside the run span, which then ends (out of line: most
+    /// operations have none).
+    #[cold]
+    #[inline(never)]
+    fn end_traced(&mut self, outcome: Outcome, ran: Duration) {
         let series = &self.series;
         self.trace.ended(outcome, ran, || {
             if let Some(series) = series {
                 series.end(outcome, ran);
             }
         });
-        Some((Ended::of(self.key, outcome, ran, instant), heard))
     }
 }
 

@@ -135,6 +135,13 @@ mod on {
             })))
         }
 
+        /// Whether a subscriber was ever set (`tracing` never unsets it): until then no span,
+        /// and no record made for one, can exist.
+        #[inline(always)]
+        pub(crate) fn ever() -> bool {
+            tracing::dispatcher::has_been_set()
+        }
+
         /// Whether spans may be enabled at all: the one check on the path of an operation with
         /// no span. With no subscriber it reads one flag; with one that filters `DEBUG` out, one
         /// more word, the level (as `tracing`'s own macros elide their trace points).
@@ -267,6 +274,11 @@ mod off {
         #[inline(always)]
         pub(crate) fn waiting(_: SeriesKey, _: Option<&Capacity>) -> Self {
             Self
+        }
+
+        #[inline(always)]
+        pub(crate) fn ever() -> bool {
+            false
         }
 
         #[inline(always)]
