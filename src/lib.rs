@@ -371,8 +371,8 @@
 //! while it waits for its limit and a run span while it runs, children of the span current when
 //! the request reached the layer (tower-http's `TraceLayer` request span), with NeMo Gym's
 //! attribute keys, the queue and run times the histograms record, and how it ended. Filtered
-//! out, or with no subscriber, they cost a check of a callsite's interest. The [`trace`] module
-//! has the names, the fields, why two spans and why `DEBUG`, and what exemplars need.
+//! out, or with no subscriber, they cost a flag and a level read. The [`trace`] module has the
+//! names, the fields, why two spans and why `DEBUG`, and what exemplars need.
 //!
 //! # A limit for the whole fleet
 //!
