@@ -12,7 +12,9 @@
 //!   once; time per operation.
 //!
 //! The cases: tower's limit; this layer with metrics disabled; this layer with a real SDK meter
-//! provider and reader; a naive peer-style layer (up-down counters and `KeyValue`s built per
+//! provider and reader (in the `spans` group, last, each also under a subscriber that filters
+//! the operation's spans out, `*/spans_filtered`, and one that records them through
+//! `tracing-opentelemetry`, `*/spans_on`; the others run with no subscriber); a naive peer-style layer (up-down counters and `KeyValue`s built per
 //! call, as OpenTelemetry middlewares do it today); and the floor: tower's limit plus only the
 //! unavoidable work (two clock reads, two histogram records with pre-built attributes, four
 //! atomic adds).
@@ -21,6 +23,7 @@ mod common;
 
 use std::sync::Arc;
 
+use common::spans::Spans;
 use common::{contended_run, floor, layer, naive, oneshot, reused, sdk_meter, Noop, YieldOnce};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use tokio::sync::Semaphore;
@@ -89,9 +92,44 @@ fn contended(c: &mut Criterion) {
     group.finish();
 }
 
+/// The layer under a subscriber: one that filters the operation's spans out, and one that
+/// records them. Last, and each case under its own subscriber: once a subscriber has recorded a
+/// callsite, `tracing` keeps that callsite's interest (and the process's maximum level) until
+/// the next subscriber is made, so a case with no subscriber run after one would pay for spans
+/// that go nowhere.
+fn spans(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let (_provider, meter) = sdk_meter();
+    let disabled = layer(64, OperationMetrics::disabled()).layer(Noop);
+    let enabled = layer(64, OperationMetrics::new(&meter)).layer(Noop);
+
+    let mut group = c.benchmark_group("spans");
+    for spans in [Spans::Filtered, Spans::On] {
+        for pattern in ["reused", "oneshot"] {
+            let mut case =
+                |name: &str, service: &tower_resources_operation::ResourcesOperation<Noop>| {
+                    let id = BenchmarkId::new(format!("{name}/{}", spans.name()), pattern);
+                    group.bench_function(id, |b| {
+                        b.iter_custom(|iters| {
+                            spans.run(|| match pattern {
+                                "reused" => reused(&rt, service.clone(), iters),
+                                _ => oneshot(&rt, service.clone(), iters),
+                            })
+                        })
+                    });
+                };
+            case("layer_disabled", &disabled);
+            case("layer_metrics", &enabled);
+        }
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = common::short_criterion();
-    targets = uncontended, contended
+    targets = uncontended, contended, spans
 }
 criterion_main!(benches);

@@ -170,6 +170,7 @@
 //! | work that is not a tower service | [`resources_operation`] |
 //! | the outcome the classifier cannot see | [`set_outcome`] |
 //! | the instruments, your own meter | [`OperationMetrics`], [`metrics`] |
+//! | each operation's wait and run in its request's trace | the `tracing` feature, the [`trace`] module |
 //!
 //! # Metrics
 //!
@@ -363,6 +364,16 @@
 //! # }
 //! ```
 //!
+//! # In the request's trace
+//!
+//! The metrics say that a limit binds; a trace says which request waited, how long, and behind
+//! how many. With the `tracing` feature (on by default), each operation makes a `DEBUG` wait span
+//! while it waits for its limit and a run span while it runs, children of the span current when
+//! the request reached the layer (tower-http's `TraceLayer` request span), with NeMo Gym's
+//! attribute keys, the queue and run times the histograms record, and how it ended. Filtered
+//! out, or with no subscriber, they cost a flag and a level read. The [`trace`] module has the
+//! names, the fields, why two spans and why `DEBUG`, and what exemplars need.
+//!
 //! # A limit for the whole fleet
 //!
 //! A [`Limit`] of N on each of 8 replicas is a fleet limit of 8N, wrong as soon as one dies or
@@ -484,8 +495,10 @@
 //!   attribute strings.
 //! - `load`: the service implements tower's `Load`, forwarded from the inner service (for
 //!   tower's balancers; tower's `load` brings `tracing` with it).
-//! - `tracing` (default): the warnings above, through `tracing`; without it, on standard
-//!   error. Off, `tracing` is not in the dependency tree.
+//! - `tracing` (default): each operation in its request's trace, as a wait span and a run span
+//!   at `DEBUG` (the [`trace`] module), and the warnings above, through `tracing`; without it,
+//!   no spans, and the warnings go to standard error. Off, `tracing` is not in the dependency
+//!   tree.
 //! - `experimental-bound-instruments`: records through OpenTelemetry's bound instruments
 //!   (`Histogram::bind`), several times cheaper per record. Turn on `opentelemetry_sdk`'s
 //!   `experimental_metrics_bound_instruments` feature too: without it the SDK silently drops
@@ -513,6 +526,7 @@ mod operation;
 pub mod per_request;
 pub mod protocol;
 mod scoped;
+pub mod trace;
 
 pub use attributes::{Executor, Operation, Outcome, ParseAttributeError, Rejection};
 pub use layer::{GrpcLayer, HttpLayer, ResourcesOperation, ResourcesOperationLayer};

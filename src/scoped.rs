@@ -192,7 +192,8 @@ impl OperationMetrics {
         operation: Operation,
         executor: Executor,
     ) -> Result<(A::Permit, Lifecycle<A>), Rejected> {
-        let series = self.series(operation, executor, limit.capacity().as_ref());
+        let capacity = limit.capacity();
+        let series = self.series(operation, executor, capacity.as_ref());
         let mut asked = Lifecycle::new();
         let wait = pin!(limit.acquire());
         let mut asking = limit::in_place(limit, wait);
@@ -200,7 +201,18 @@ impl OperationMetrics {
         // Turned away, the caller gets the limit's error as it was made (a failed limit's
         // cause is its `source()`).
         let key = SeriesKey::new(operation, executor);
-        poll_fn(|cx| asked.poll_admit(&mut asking, series, records, key, || None, cx)).await?;
+        poll_fn(|cx| {
+            asked.poll_admit(
+                &mut asking,
+                series,
+                records,
+                key,
+                || capacity.as_ref(),
+                || None,
+                cx,
+            )
+        })
+        .await?;
         // Its work is called at once, with no deadline of the caller's.
         Ok(asked.called(|| ((), None)).lend_permit())
     }

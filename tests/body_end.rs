@@ -38,16 +38,16 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
-use support::http::{serve, Client};
+use support::http::{serve, verify_layer, Client};
 use support::reliability::{quiet_expected_panics, EXPECTED_PANIC};
 use support::{eventually, only, panic_message, Telemetry, DEADLINE};
 use tower_resources_operation::classify::{GrpcClassifier, HttpClassifier};
 use tower_resources_operation::layer::AtBodyEnd;
 use tower_resources_operation::protocol::{Grpc, Http};
 use tower_resources_operation::{
-    set_outcome, Executor, Limit, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    set_outcome, Limit, OperationMetrics, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
+    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
 };
 
 /// Chunks of a streamed body.
@@ -197,16 +197,6 @@ async fn next_data(body: &mut Incoming) -> Bytes {
         .expect("the body failed")
         .into_data()
         .expect("a data frame")
-}
-
-fn verify_layer(
-    telemetry: &Telemetry,
-    limit: &Limit,
-) -> ResourcesOperationLayer<HttpClassifier, Limit, Http> {
-    ResourcesOperationLayer::new_for_http(limit.clone())
-        .operation(Operation::Verify)
-        .executor(Executor::Subprocess)
-        .metrics(telemetry.metrics.clone())
 }
 
 // ---------------------------------------------------------------------------------------------

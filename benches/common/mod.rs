@@ -88,6 +88,8 @@ pub fn layer(max: usize, metrics: OperationMetrics) -> ResourcesOperationLayer {
 // ---------------------------------------------------------------------------------------------
 // The naive peer-style layer and the floor, written here so they are measured the same way.
 
+pub mod spans;
+
 pub mod naive {
     use super::*;
 

@@ -121,6 +121,7 @@ impl<C, L: Acquire, P> Config<C, L, P> {
                 records: series.is_some() || self.hears,
                 series,
                 limit_id: self.limit.id(),
+                capacity,
             }
         })
     }
@@ -172,6 +173,8 @@ pub(crate) struct Recording {
     pub(crate) records: bool,
     /// Which limit it is, if the limit says ([`Acquire::id`]).
     pub(crate) limit_id: Option<LimitId>,
+    /// The limit's name and readings, for the operations' spans.
+    pub(crate) capacity: Option<Capacity>,
 }
 
 /// A layer's limit in its `Debug` output.

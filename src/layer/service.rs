@@ -129,6 +129,7 @@ where
                     recording.series.as_ref(),
                     recording.records,
                     SeriesKey::new(config.operation, config.executor),
+                    || recording.capacity.as_ref(),
                     deadline,
                     cx
                 ))

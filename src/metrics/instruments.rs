@@ -192,6 +192,6 @@ impl Shared {
 }
 
 /// A duration in the milliseconds the histograms take.
-pub(super) fn millis(duration: Duration) -> f64 {
+pub(crate) fn millis(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1e3
 }

@@ -14,6 +14,8 @@ mod operation_metrics;
 mod registry;
 mod series;
 
+#[cfg(feature = "tracing")]
+pub(crate) use instruments::millis;
 pub(crate) use operation_metrics::MetricsSource;
 pub use operation_metrics::OperationMetrics;
 pub(crate) use series::Series;

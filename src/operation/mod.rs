@@ -23,6 +23,7 @@
 //! ([`scope::holds`]).
 
 pub(crate) mod scope;
+mod trace;
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -34,10 +35,17 @@ use tokio::time::Instant;
 pub use scope::set_outcome;
 
 use self::scope::{Holding, Slot};
+use self::trace::Trace;
 use crate::attributes::{Outcome, Rejection, SeriesKey};
 use crate::guard::guarded;
-use crate::limit::{Acquire, AcquireError, Asking, Ended};
+use crate::limit::{Acquire, AcquireError, Asking, Capacity, Ended};
 use crate::metrics::Series;
+
+/// The operation's limit as its spans describe it (its name, its queue), read only when a span
+/// is made: a closure, so that an operation with no span does not even look it up.
+pub(crate) trait LimitOf<'c>: Fn() -> Option<&'c Capacity> + Copy {}
+
+impl<'c, F: Fn() -> Option<&'c Capacity> + Copy> LimitOf<'c> for F {}
 
 /// A drop of an operation that had a deadline counts as `timeout` when it comes this close to
 /// the deadline (or a tenth of it, for short ones): the operation started to wait a little after
@@ -52,8 +60,8 @@ const DEADLINE_SLACK: Duration = Duration::from_millis(10);
 ///
 /// It is admitted while it holds its permit. With nothing to record it is only its permit and a
 /// null word, so that a response future is built, moved and dropped about as cheaply as tower's;
-/// recording, three words more, so that a queued request's task stays within tower's size
-/// class. Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
+/// recording, three words more (four with the `tracing` feature: its spans, or a null word), so
+/// that a queued request's task stays within tower's size class. Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
 /// operation), and only then does the permit go back.
 pub struct Lifecycle<A: Acquire, K = ()> {
     /// `None`: nothing to record (metrics off and a limit that does not hear ends, or nothing
@@ -76,6 +84,9 @@ struct Record<K> {
     heard: bool,
     /// Its operation and executor, as its limit hears them (in what would be padding).
     key: SeriesKey,
+    /// Its spans in its request's trace, if they are enabled (one null word otherwise; none
+    /// without the `tracing` feature).
+    trace: Trace,
 }
 
 /// When something happened, on tokio's clock (so that a paused clock is followed), in one word:
@@ -314,13 +325,14 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         self.run_lent(None, work)
     }
 
-    /// Runs `work` (one call of the inner service, or one poll of it) as this operation, for an
-    /// owner that outlives a panic in it (a service): [`set_outcome`] inside it sets this
-    /// operation's outcome, and a panic ends it as [`Outcome::Crashed`], giving its permit back,
-    /// before the panic goes on.
+    /// Runs `work` (the inner service's `poll_ready`) as this operation, for an owner that
+    /// outlives a panic in it (a service): [`set_outcome`] inside it sets this operation's
+    /// outcome, and a panic ends it as [`Outcome::Crashed`], giving its permit back, before the
+    /// panic goes on. Outside the run span: readiness is no work of the operation's, and the
+    /// span's check stays off the path of every reused service.
     #[inline]
     pub(crate) fn run<R>(&mut self, work: impl FnOnce() -> R) -> R {
-        self.run_lent(None, work)
+        self.run_unspanned(None, true, work)
     }
 
     /// Calls the inner service with `work`, as [`run`](Self::run) does, but without publishing
@@ -339,9 +351,45 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         self.run_as(lent, true, work)
     }
 
-    /// Runs `work` as this operation, publishing its limit's place if `holding`.
+    /// Runs `work` as this operation, publishing its limit's place if `holding`, inside its
+    /// run span if it has one.
     #[inline(always)]
     fn run_as<R>(
+        &mut self,
+        lent: Option<&A::Permit>,
+        holding: bool,
+        work: impl FnOnce() -> R,
+    ) -> R {
+        if self
+            .record
+            .as_ref()
+            .is_some_and(|record| record.trace.is_some())
+        {
+            return self.run_in_span(lent, holding, work);
+        }
+        self.run_unspanned(lent, holding, work)
+    }
+
+    /// [`run_as`](Self::run_as) inside the run span, out of line: an operation without one
+    /// carries no guard.
+    #[inline(never)]
+    fn run_in_span<R>(
+        &mut self,
+        lent: Option<&A::Permit>,
+        holding: bool,
+        work: impl FnOnce() -> R,
+    ) -> R {
+        // Kept until the work returned or unwound, so that the span closes after it, even if
+        // the operation ended meanwhile (a panic).
+        let _in_run = self
+            .record
+            .as_ref()
+            .and_then(|record| record.trace.enter_run());
+        self.run_unspanned(lent, holding, work)
+    }
+
+    #[inline(always)]
+    fn run_unspanned<R>(
         &mut self,
         lent: Option<&A::Permit>,
         holding: bool,
@@ -379,7 +427,14 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         match record.stage {
             Stage::Waiting { deadline } => {
                 record.stage = Stage::Ended;
-                let past_deadline = deadline.is_past(record.at.until(Stamp::now().0));
+                let waited = record.at.until(Stamp::now().0);
+                let past_deadline = deadline.is_past(waited);
+                if record.trace.is_some() {
+                    let rejection = past_deadline.then_some(Rejection::Deadline);
+                    record
+                        .trace
+                        .refused(record.key, None, rejection, Some(waited));
+                }
                 if let Some(series) = &record.series {
                     match past_deadline {
                         // The server gave up on it while the limit kept it waiting.
@@ -420,14 +475,17 @@ impl<A: Acquire> Lifecycle<A> {
     /// if the limit [hears its end](Acquire::hears_end)). `deadline` is how long the server lets the
     /// request take, if the layer knows: a wait dropped past it is
     /// [`Rejection::Deadline`](crate::attributes::Rejection::Deadline), not abandoned. `key`
-    /// is its operation and executor, for its limit to hear with its end.
+    /// is its operation and executor, for its limit to hear with its end. `limit` describes the
+    /// limit (its name, its queue) to the operation's spans.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    pub(crate) fn poll_admit(
+    pub(crate) fn poll_admit<'c>(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
         records: bool,
         key: SeriesKey,
+        limit: impl LimitOf<'c>,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), AcquireError>> {
@@ -439,11 +497,11 @@ impl<A: Acquire> Lifecycle<A> {
         };
         let acquired = match now {
             Some(now) => now,
-            None => std::task::ready!(self.poll_wait(asking, series, key, deadline, cx)),
+            None => std::task::ready!(self.poll_wait(asking, series, key, limit, deadline, cx)),
         };
         let permit = match acquired {
             Ok(permit) => permit,
-            Err(error) => return Poll::Ready(self.refused(error, series)),
+            Err(error) => return Poll::Ready(self.refused(error, series, key, limit)),
         };
         // Asked only where the limit could hear it: a limit that samples its operations
         // leaves the others unrecorded, with metrics off.
@@ -454,62 +512,96 @@ impl<A: Acquire> Lifecycle<A> {
             held_twice(permit);
         }
         if records && (heard || series.is_some()) {
-            self.record_admission(series, heard, key);
+            self.record_admission(series, heard, key, limit);
+        } else if Trace::ever() && (self.record.is_some() || Trace::may_trace()) {
+            // A wait traced, or spans that may be on (neither before any subscriber was set).
+            self.trace_admission(key, limit);
         }
         Poll::Ready(Ok(()))
     }
 
+    /// Admitted with nothing else to record: its spans, if they are enabled (a record made
+    /// for them alone).
+    #[cold]
+    #[inline(never)]
+    fn trace_admission<'c>(&mut self, key: SeriesKey, limit: impl LimitOf<'c>) {
+        match &mut self.record {
+            // It waited, traced.
+            Some(waited) => waited.admit(true, false, limit),
+            None => {
+                let trace = Trace::at_once(key, limit());
+                if trace.is_some() {
+                    let mut record = Record::at_once(None, key, trace);
+                    record.admit(false, false, limit);
+                    self.record = Some(record);
+                }
+            }
+        }
+    }
+
     /// Waits for the permit: the operation counts as queued from the first `Pending`.
     #[inline(never)]
-    fn poll_wait(
+    fn poll_wait<'c>(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
         key: SeriesKey,
+        limit: impl LimitOf<'c>,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<A::Permit, AcquireError>> {
         let polled = asking.poll_wait(cx);
         if polled.is_pending() && self.record.is_none() {
-            if let Some(series) = series {
-                self.start_waiting(series, key, guarded(deadline).flatten());
-            }
+            self.start_waiting(series, key, limit, deadline);
         }
         polled
     }
 
+    /// It starts to wait: recorded with metrics on, or with its wait span enabled.
     #[cold]
-    fn start_waiting(&mut self, series: &Series, key: SeriesKey, deadline: Option<Duration>) {
-        series.start_waiting();
+    fn start_waiting<'c>(
+        &mut self,
+        series: Option<&Series>,
+        key: SeriesKey,
+        limit: impl LimitOf<'c>,
+        deadline: impl FnOnce() -> Option<Duration>,
+    ) {
+        let trace = Trace::waiting(key, limit());
+        if series.is_none() && !trace.is_some() {
+            return;
+        }
+        if let Some(series) = series {
+            series.start_waiting();
+        }
         self.record = Some(Record {
-            series: Some(series.clone()),
+            series: series.cloned(),
             at: Stamp::now().0,
             stage: Stage::Waiting {
-                deadline: Budget::new(deadline),
+                deadline: Budget::new(guarded(deadline).flatten()),
             },
             chosen: None,
             heard: false,
             key,
+            trace,
         });
     }
 
     /// Records the admission: the queue sample (0 if it did not wait), and one more active.
     #[inline(never)]
-    fn record_admission(&mut self, series: Option<&Series>, heard: bool, key: SeriesKey) {
+    fn record_admission<'c>(
+        &mut self,
+        series: Option<&Series>,
+        heard: bool,
+        key: SeriesKey,
+        limit: impl LimitOf<'c>,
+    ) {
         match &mut self.record {
-            Some(waited) => waited.admit(true, heard),
+            Some(waited) => waited.admit(true, heard, limit),
             None => {
                 // It never waited (or waited unrecorded, for a limit that hears ends with
                 // metrics off): its queue sample is 0, and needs no clock.
-                let mut record = Record {
-                    series: series.cloned(),
-                    at: Stamp::UNKNOWN,
-                    stage: Stage::Ended,
-                    chosen: None,
-                    heard: false,
-                    key,
-                };
-                record.admit(false, heard);
+                let mut record = Record::at_once(series.cloned(), key, Trace::NONE);
+                record.admit(false, heard, limit);
                 self.record = Some(record);
             }
         }
@@ -518,19 +610,24 @@ impl<A: Acquire> Lifecycle<A> {
     /// The limit admitted no operation: it is counted as rejected, by reason (a failure is
     /// `unavailable`), and the error goes back to the caller to answer.
     #[cold]
-    fn refused(
+    fn refused<'c>(
         &mut self,
         error: AcquireError,
         series: Option<&Series>,
+        key: SeriesKey,
+        limit: impl LimitOf<'c>,
     ) -> Result<(), AcquireError> {
         // Counted in `queued` only if its wait was recorded.
-        let (series, queued) = match self.record.take() {
+        let (series, queued, mut trace, waited) = match self.record.take() {
             Some(mut record) => {
                 record.stage = Stage::Ended;
-                (record.series.clone(), true)
+                let waited = record.at.until(Stamp::now().0);
+                (record.series.clone(), true, record.trace, Some(waited))
             }
-            None => (series.cloned(), false),
+            None => (series.cloned(), false, Trace::NONE, None),
         };
+        // Its wait span, or one made now for an operation turned away at once.
+        trace.refused(key, limit(), Some(error.rejection()), waited);
         if let Some(series) = series {
             series.reject(error.rejection(), queued);
         }
@@ -580,6 +677,23 @@ impl<A: Acquire, K> fmt::Debug for Lifecycle<A, K> {
     }
 }
 
+impl Record<()> {
+    /// The record of an operation admitted without waiting (or after a wait nothing recorded):
+    /// its queue sample is 0, and needs no clock.
+    #[inline]
+    fn at_once(series: Option<Series>, key: SeriesKey, trace: Trace) -> Self {
+        Record {
+            series,
+            at: Stamp::UNKNOWN,
+            stage: Stage::Ended,
+            chosen: None,
+            heard: false,
+            key,
+            trace,
+        }
+    }
+}
+
 impl<K> Record<K> {
     /// The outcome [`set_outcome`] chose so far, if it did.
     #[inline]
@@ -595,15 +709,18 @@ impl<K> Record<K> {
 
     /// Admitted, after waiting since `self.at` if it `waited`: records the queue sample (0 if it
     /// did not wait) and counts it as active. `heard`: whether its limit hears its end.
+    /// The queue time is recorded inside the operation's span, if it has one.
     #[inline]
-    fn admit(&mut self, waited: bool, heard: bool) {
+    fn admit<'c>(&mut self, waited: bool, heard: bool, limit: impl LimitOf<'c>) {
         let now = Stamp::now().0;
         let queued = if waited {
             self.at.until(now)
         } else {
             Duration::ZERO
         };
-        if let Some(series) = &self.series {
+        if self.trace.is_some() || Trace::may_trace() {
+            self.admit_traced(waited, queued, limit);
+        } else if let Some(series) = &self.series {
             series.admit(waited, queued);
         }
         self.at = now;
@@ -611,6 +728,19 @@ impl<K> Record<K> {
         self.stage = Stage::Admitted {
             queued_us: u32::try_from(queued.as_micros()).unwrap_or(u32::MAX),
         };
+    }
+
+    /// [`admit`](Self::admit)'s record, inside the operation's span (out of line: most
+    /// operations have none).
+    #[cold]
+    #[inline(never)]
+    fn admit_traced<'c>(&mut self, waited: bool, queued: Duration, limit: impl LimitOf<'c>) {
+        let series = &self.series;
+        self.trace.admitted(self.key, limit, queued, || {
+            if let Some(series) = series {
+                series.admit(waited, queued);
+            }
+        });
     }
 
     /// Called, with what `decides` its outcome and its caller's `deadline` counted from when
@@ -633,6 +763,7 @@ impl<K> Record<K> {
             chosen: self.chosen,
             heard: self.heard,
             key: self.key,
+            trace: self.trace,
         })
     }
 
@@ -658,6 +789,7 @@ impl<K> Record<K> {
             chosen: self.chosen,
             heard: self.heard,
             key: self.key,
+            trace: self.trace,
         }
     }
 
@@ -677,10 +809,28 @@ impl<K> Record<K> {
         let outcome = decide(self, end, classify, now);
         self.stage = Stage::Ended;
         let ran = self.at.until(now);
-        if let Some(series) = &self.series {
+        // Recorded inside the run span, if there is one, which then ends.
+        if self.trace.is_some() {
+            self.end_traced(outcome, ran);
+        } else if let Some(series) = &self.series {
             series.end(outcome, ran);
         }
         Some((Ended::of(self.key, outcome, ran, instant), heard))
+    }
+}
+
+impl<K> Record<K> {
+    /// [`end`](Self::end)'s record, inside the run span, which then ends (out of line: most
+    /// operations have none).
+    #[cold]
+    #[inline(never)]
+    fn end_traced(&mut self, outcome: Outcome, ran: Duration) {
+        let series = &self.series;
+        self.trace.ended(outcome, ran, || {
+            if let Some(series) = series {
+                series.end(outcome, ran);
+            }
+        });
     }
 }
 
@@ -775,6 +925,7 @@ mod tests {
             chosen: None,
             heard: false,
             key: SeriesKey::new(crate::Operation::Other, crate::Executor::Other),
+            trace: Trace::NONE,
         }
     }
 

@@ -15,7 +15,22 @@ use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use super::within;
+use tower_resources_operation::classify::HttpClassifier;
+use tower_resources_operation::protocol::Http;
+use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
+
+use super::{within, Telemetry};
+
+/// The HTTP layer on `limit`, for `verify` on a subprocess, recording to `telemetry`.
+pub fn verify_layer(
+    telemetry: &Telemetry,
+    limit: &Limit,
+) -> ResourcesOperationLayer<HttpClassifier, Limit, Http> {
+    ResourcesOperationLayer::new_for_http(limit.clone())
+        .operation(Operation::Verify)
+        .executor(Executor::Subprocess)
+        .metrics(telemetry.metrics.clone())
+}
 
 /// Serves `router` on an ephemeral port of 127.0.0.1.
 pub async fn serve(router: Router) -> SocketAddr {

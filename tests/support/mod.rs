@@ -14,6 +14,8 @@ pub mod http;
 pub mod prometheus;
 pub mod reliability;
 pub mod simulation;
+#[cfg(feature = "tracing")]
+pub mod traces;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;

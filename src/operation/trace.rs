@@ -1,0 +1,406 @@
+//! An operation in its request's trace: a wait span while it waits for its limit, and a run span
+//! while it runs inside it, through `tracing` (the `tracing` feature). Without the feature,
+//! [`Trace`] is empty and every step is a no-op.
+//!
+//! Two spans rather than one operation span with the wait as an event: a wait is a stretch of
+//! time, not a moment, and a trace viewer draws a span's length where it draws the request's,
+//! so "1.6 s of its 2 s waiting" is seen, not read off a field. Both are children of the span
+//! current when the operation arrived (a tower-http `TraceLayer`'s request span, or whatever
+//! span calls [`resources_operation`](crate::resources_operation)); with none current (the
+//! layer outside every request span), the run span is the wait span's child, so that the wait
+//! and what ran inside the limit (a request span made inside it included) stay one trace.
+//! An operation that got its permit at once has no wait span, only its run span (queue time 0).
+//!
+//! Disabled (no subscriber, or the level or target filtered out), each step costs one check of
+//! a span callsite's interest, and the record carries one null word.
+
+use std::time::Duration;
+
+use crate::attributes::{Outcome, Rejection, SeriesKey};
+use crate::limit::Capacity;
+#[cfg(feature = "tracing")]
+use crate::trace::{
+    DURATION_ATTRIBUTE, QUEUED_AHEAD_ATTRIBUTE, QUEUE_DURATION_ATTRIBUTE, TARGET, WAIT_ATTRIBUTE,
+};
+
+/// How a wait ended, as [`WAIT_ATTRIBUTE`] says it: admitted, turned away for `rejection`, or
+/// abandoned (no rejection).
+#[cfg_attr(not(feature = "tracing"), allow(dead_code))]
+fn wait_end(admitted: bool, rejection: Option<Rejection>) -> &'static str {
+    match (admitted, rejection) {
+        (true, _) => "admitted",
+        (false, Some(_)) => "rejected",
+        (false, None) => "abandoned",
+    }
+}
+
+#[cfg(feature = "tracing")]
+pub(crate) use on::Trace;
+
+#[cfg(not(feature = "tracing"))]
+pub(crate) use off::Trace;
+
+#[cfg(feature = "tracing")]
+mod on {
+    use tracing::field::Empty;
+    use tracing::Span;
+
+    use super::*;
+    use crate::metrics::millis;
+
+    /// An operation's spans, or nothing (one null word) while none is made.
+    pub(crate) struct Trace(Option<Box<Spans>>);
+
+    struct Spans {
+        /// The span current when the operation arrived, for the run span.
+        parent: Span,
+        /// Open while the operation waits.
+        wait: Span,
+        /// Open while the operation runs.
+        run: Span,
+    }
+
+    fn wait_span(key: SeriesKey, limit: Option<&Capacity>) -> Span {
+        let span = tracing::debug_span!(
+            target: TARGET,
+            "gym.resources.operation.wait",
+            nemo.gym.resources.operation = key.operation().as_str(),
+            nemo.gym.resources.executor = key.executor().as_str(),
+            nemo.gym.resources.limit = Empty,
+            nemo.gym.resources.operation.queued_ahead = Empty,
+            nemo.gym.resources.operation.queue_duration_ms = Empty,
+            nemo.gym.resources.operation.wait = Empty,
+            nemo.gym.resources.operation.rejection = Empty,
+        );
+        if !span.is_disabled() {
+            if let Some(limit) = limit {
+                described(&span, limit);
+                if let Some(reading) = limit.read() {
+                    // The limit counts this operation among its waiters already.
+                    span.record(QUEUED_AHEAD_ATTRIBUTE, reading.queued.saturating_sub(1));
+                }
+            }
+        }
+        span
+    }
+
+    fn run_span(key: SeriesKey, limit: Option<&Capacity>, parent: Option<&Span>) -> Span {
+        macro_rules! run_span {
+            ($($parent:tt)*) => {
+                tracing::debug_span!(
+                    target: TARGET,
+                    $($parent)*
+                    "gym.resources.operation.run",
+                    nemo.gym.resources.operation = key.operation().as_str(),
+                    nemo.gym.resources.executor = key.executor().as_str(),
+                    nemo.gym.resources.limit = Empty,
+                    nemo.gym.resources.operation.queue_duration_ms = Empty,
+                    nemo.gym.resources.operation.duration_ms = Empty,
+                    nemo.gym.resources.operation.outcome = Empty,
+                )
+            };
+        }
+        let span = match parent {
+            Some(parent) => run_span!(parent: parent,),
+            None => run_span!(),
+        };
+        if let (false, Some(limit)) = (span.is_disabled(), limit) {
+            described(&span, limit);
+        }
+        span
+    }
+
+    /// The limit's name, on a span that has a field for it.
+    fn described(span: &Span, limit: &Capacity) {
+        if let Some(name) = limit.name() {
+            span.record(crate::metrics::LIMIT_ATTRIBUTE, name);
+        }
+    }
+
+    impl Trace {
+        pub(crate) const NONE: Self = Self(None);
+
+        /// The operation starts to wait: its wait span, if it is enabled, child of the span
+        /// current now.
+        #[inline]
+        pub(crate) fn waiting(key: SeriesKey, limit: Option<&Capacity>) -> Self {
+            let wait = wait_span(key, limit);
+            if wait.is_disabled() {
+                return Self::NONE;
+            }
+            Self(Some(Box::new(Spans {
+                parent: Span::current(),
+                wait,
+                run: Span::none(),
+            })))
+        }
+
+        /// Whether a subscriber was ever set (`tracing` never unsets it): until then no span,
+        /// and no record made for one, can exist.
+        #[inline(always)]
+        pub(crate) fn ever() -> bool {
+            tracing::dispatcher::has_been_set()
+        }
+
+        /// Whether spans may be enabled at all: the one check on the path of an operation with
+        /// no span. With no subscriber it reads one flag; with one that filters `DEBUG` out, one
+        /// more word, the level (as `tracing`'s own macros elide their trace points).
+        #[inline(always)]
+        pub(crate) fn may_trace() -> bool {
+            tracing::dispatcher::has_been_set() && tracing::level_enabled!(tracing::Level::DEBUG)
+        }
+
+        /// Whether it has a span (a record that has nothing else to record is kept for it).
+        #[inline]
+        pub(crate) fn is_some(&self) -> bool {
+            self.0.is_some()
+        }
+
+        /// The operation was admitted at once, with nothing else to record: its run span, if
+        /// it is enabled.
+        #[cold]
+        #[inline(never)]
+        pub(crate) fn at_once(key: SeriesKey, limit: Option<&Capacity>) -> Self {
+            let run = run_span(key, limit, None);
+            if run.is_disabled() {
+                return Self::NONE;
+            }
+            Self(Some(Box::new(Spans {
+                parent: Span::none(),
+                wait: Span::none(),
+                run,
+            })))
+        }
+
+        /// The operation was admitted after `queued`: `record` (the queue-time histogram) runs
+        /// inside the wait span, which ends with it, or inside the run span for an operation
+        /// that did not wait; the run span starts.
+        #[inline]
+        pub(crate) fn admitted<'c>(
+            &mut self,
+            key: SeriesKey,
+            limit: impl Fn() -> Option<&'c Capacity>,
+            queued: Duration,
+            record: impl FnOnce(),
+        ) {
+            let spans = match &mut self.0 {
+                Some(spans) => spans,
+                None if !Self::may_trace() => return record(),
+                None => {
+                    *self = Self::at_once(key, limit());
+                    match &mut self.0 {
+                        Some(spans) => spans,
+                        None => return record(),
+                    }
+                }
+            };
+            let queued = millis(queued);
+            if !spans.wait.is_none() {
+                spans.wait.record(QUEUE_DURATION_ATTRIBUTE, queued);
+                spans.wait.record(WAIT_ATTRIBUTE, wait_end(true, None));
+                spans.wait.in_scope(record);
+                let parent = match spans.parent.is_none() {
+                    true => &spans.wait,
+                    false => &spans.parent,
+                };
+                spans.run = run_span(key, limit(), Some(parent));
+                spans.wait = Span::none();
+                spans.parent = Span::none();
+            } else {
+                spans.run.in_scope(record);
+            }
+            spans.run.record(QUEUE_DURATION_ATTRIBUTE, queued);
+        }
+
+        /// The wait ended without a permit, after `queued` (`None`: not known), turned away for
+        /// `rejection` or abandoned (`None`): its wait span (made now, for an operation turned
+        /// away at once) says so and ends.
+        #[cold]
+        pub(crate) fn refused(
+            &mut self,
+            key: SeriesKey,
+            limit: Option<&Capacity>,
+            rejection: Option<Rejection>,
+            queued: Option<Duration>,
+        ) {
+            let wait = match self.0.take() {
+                Some(spans) => spans.wait,
+                None => wait_span(key, limit),
+            };
+            if wait.is_disabled() {
+                return;
+            }
+            if let Some(queued) = queued {
+                wait.record(QUEUE_DURATION_ATTRIBUTE, millis(queued));
+            }
+            wait.record(WAIT_ATTRIBUTE, wait_end(false, rejection));
+            if let Some(rejection) = rejection {
+                wait.record(crate::metrics::REJECTION_ATTRIBUTE, rejection.as_str());
+            }
+        }
+
+        /// The admitted operation ended with `outcome` after running `ran`: `record` (the
+        /// run-time histogram) runs inside the run span, which then ends.
+        #[inline]
+        pub(crate) fn ended(&mut self, outcome: Outcome, ran: Duration, record: impl FnOnce()) {
+            let Some(spans) = self.0.take() else {
+                return record();
+            };
+            let run = spans.run;
+            run.record(DURATION_ATTRIBUTE, millis(ran));
+            run.record(crate::OUTCOME_ATTRIBUTE, outcome.as_str());
+            run.in_scope(record);
+        }
+
+        /// Enters the run span, if there is one, until the guard drops: the span stays open
+        /// until then, even if the operation ends meanwhile (a panic in its work).
+        #[inline]
+        pub(crate) fn enter_run(&self) -> Option<tracing::span::EnteredSpan> {
+            self.0.as_ref().map(|spans| spans.run.clone().entered())
+        }
+    }
+}
+
+#[cfg(not(feature = "tracing"))]
+mod off {
+    use super::*;
+
+    /// Nothing: spans need the `tracing` feature.
+    pub(crate) struct Trace;
+
+    impl Trace {
+        pub(crate) const NONE: Self = Self;
+
+        #[inline(always)]
+        pub(crate) fn waiting(_: SeriesKey, _: Option<&Capacity>) -> Self {
+            Self
+        }
+
+        #[inline(always)]
+        pub(crate) fn ever() -> bool {
+            false
+        }
+
+        #[inline(always)]
+        pub(crate) fn may_trace() -> bool {
+            false
+        }
+
+        #[inline(always)]
+        pub(crate) fn is_some(&self) -> bool {
+            false
+        }
+
+        #[inline(always)]
+        pub(crate) fn at_once(_: SeriesKey, _: Option<&Capacity>) -> Self {
+            Self
+        }
+
+        #[inline(always)]
+        pub(crate) fn admitted<'c>(
+            &mut self,
+            _: SeriesKey,
+            _: impl Fn() -> Option<&'c Capacity>,
+            _: Duration,
+            record: impl FnOnce(),
+        ) {
+            record()
+        }
+
+        #[inline(always)]
+        pub(crate) fn refused(
+            &mut self,
+            _: SeriesKey,
+            _: Option<&Capacity>,
+            _: Option<Rejection>,
+            _: Option<Duration>,
+        ) {
+        }
+
+        #[inline(always)]
+        pub(crate) fn ended(&mut self, _: Outcome, _: Duration, record: impl FnOnce()) {
+            record()
+        }
+
+        #[inline(always)]
+        pub(crate) fn enter_run(&self) -> Option<()> {
+            None
+        }
+    }
+}
+
+#[cfg(all(test, feature = "tracing"))]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Metadata, Subscriber};
+
+    use super::*;
+    use crate::metrics::{LIMIT_ATTRIBUTE, REJECTION_ATTRIBUTE};
+    use crate::trace::{RUN_SPAN, TARGET, WAIT_SPAN};
+    use crate::{Executor, Operation, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE};
+
+    /// A span as it was made: its target, name and field names.
+    type Made = (String, String, Vec<String>);
+
+    /// Keeps each new span as it was made.
+    #[derive(Clone, Default)]
+    struct Spans(Arc<Mutex<Vec<Made>>>, Arc<AtomicU64>);
+
+    impl Subscriber for Spans {
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, span: &Attributes<'_>) -> Id {
+            let meta = span.metadata();
+            let fields = meta.fields().iter().map(|f| f.name().to_owned()).collect();
+            let kept = (meta.target().to_owned(), meta.name().to_owned(), fields);
+            self.0.lock().unwrap().push(kept);
+            Id::from_u64(self.1.fetch_add(1, Ordering::Relaxed) + 1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, _: &Event<'_>) {}
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+
+    #[test]
+    fn the_spans_use_the_names_the_trace_module_publishes() {
+        let spans = Spans::default();
+        tracing::subscriber::with_default(spans.clone(), || {
+            let key = SeriesKey::new(Operation::Verify, Executor::Subprocess);
+            let mut trace = Trace::waiting(key, None);
+            assert!(trace.is_some());
+            trace.admitted(key, || None, Duration::from_millis(3), || {});
+            trace.ended(Outcome::Ok, Duration::from_millis(5), || {});
+        });
+        let spans = spans.0.lock().unwrap();
+        let [(wait_target, wait, wait_fields), (run_target, run, run_fields)] = &spans[..] else {
+            panic!("a wait span and a run span: {spans:?}")
+        };
+        assert_eq!((wait_target.as_str(), wait.as_str()), (TARGET, WAIT_SPAN));
+        assert_eq!((run_target.as_str(), run.as_str()), (TARGET, RUN_SPAN));
+        let wait_expected = [
+            OPERATION_ATTRIBUTE,
+            EXECUTOR_ATTRIBUTE,
+            LIMIT_ATTRIBUTE,
+            QUEUED_AHEAD_ATTRIBUTE,
+            QUEUE_DURATION_ATTRIBUTE,
+            WAIT_ATTRIBUTE,
+            REJECTION_ATTRIBUTE,
+        ];
+        assert_eq!(wait_fields, &wait_expected);
+        let run_expected = [
+            OPERATION_ATTRIBUTE,
+            EXECUTOR_ATTRIBUTE,
+            LIMIT_ATTRIBUTE,
+            QUEUE_DURATION_ATTRIBUTE,
+            DURATION_ATTRIBUTE,
+            OUTCOME_ATTRIBUTE,
+        ];
+        assert_eq!(run_fields, &run_expected);
+    }
+}
