@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use super::baseline::Baselines;
 use super::served::{decrease, Occupancy, Retiring, Served};
-use super::{in_range, Algorithm, Average, Sample};
+use super::{in_range, Algorithm, Average, Handover, Sample, SeriesBaseline};
 
 #[cfg(doc)]
 use super::Adaptive;
@@ -227,10 +227,18 @@ impl Algorithm for Aimd {
         self.recent.duration()
     }
 
-    /// Past the slow start: one step per round trip from `capacity`.
-    fn resume(&mut self, capacity: usize) {
-        let _ = capacity;
+    fn baselines(&self) -> Vec<SeriesBaseline> {
+        self.baseline.handover()
+    }
+
+    /// Past the slow start: one step per round trip from the capacity. A ratio to the
+    /// baseline is read against the handed baselines from the first window.
+    fn resume(&mut self, handover: &Handover) {
         self.slow_start = false;
+        self.baseline.resume(&handover.baselines);
+        self.recent = Average {
+            value: handover.estimate.map(|estimate| estimate.as_secs_f64()),
+        };
     }
 }
 

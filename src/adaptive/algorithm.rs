@@ -282,13 +282,106 @@ pub trait Algorithm: Send + 'static {
         None
     }
 
-    /// Takes over a limit that another instance of the algorithm decided until now, at
-    /// `capacity`: a fleet's new leader, whose predecessor died. The limit is not new, so the
-    /// algorithm starts past its slow start: the next windows raise the capacity by at most
-    /// one of its additive steps each, until its own measurements say more (a new leader that
-    /// slow-started from the fleet's capacity overshot it by half, then by half again).
-    /// Called once, before the first [`update`](Self::update). Defaults to doing nothing.
-    fn resume(&mut self, capacity: usize) {
-        let _ = capacity;
+    /// What it measured that another instance taking its limit over should start from: the
+    /// run time at low load of each kind of work it has heard of lately (see
+    /// [`resume`](Self::resume)). A fleet's leader stores them with each decision. Defaults to
+    /// none.
+    fn baselines(&self) -> Vec<SeriesBaseline> {
+        Vec::new()
+    }
+
+    /// Takes over a limit that another instance of the algorithm decided until now: a fleet's
+    /// new leader, whose predecessor died. Called once, before the first
+    /// [`update`](Self::update). Defaults to doing nothing.
+    ///
+    /// The limit is not new, so the algorithm starts past its slow start, at
+    /// [`Handover::capacity`]: the next windows raise it by at most one of its additive steps
+    /// each, until its own measurements say more (a new leader that slow-started from the
+    /// fleet's capacity overshot it by half, then by half again). And it reads its first
+    /// window against the [baselines](Handover::baselines) its predecessor measured: a
+    /// first window run with a queue at the backend is then a queue, not the run time at low
+    /// load.
+    fn resume(&mut self, handover: &Handover) {
+        let _ = handover;
+    }
+}
+
+/// What one instance of an [`Algorithm`] hands to another that takes its limit over
+/// ([`Algorithm::resume`]): the capacity it decided last, and what it measured.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_resources_operation::adaptive::{Algorithm, Handover, Sample, Vegas};
+///
+/// // A leader that learned the backend's run time at low load, 100 ms...
+/// let mut leader = Vegas::default();
+/// for capacity in [4, 6] {
+///     let mut sample = Sample::new(capacity, 1, 64);
+///     (sample.ended, sample.peak_in_flight, sample.in_flight) = (capacity as u64, capacity, capacity as f64);
+///     sample.mean_run_time = Some(Duration::from_millis(100));
+///     leader.update(&sample);
+/// }
+/// // ...dies; its successor starts from the fleet's capacity and what the leader measured.
+/// let mut handover = Handover::new(9);
+/// handover.baselines = leader.baselines();
+/// let mut successor = Vegas::default();
+/// successor.resume(&handover);
+/// assert_eq!(successor.baseline(), Some(Duration::from_millis(100)));
+/// ```
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Handover {
+    /// The limit's capacity now.
+    pub capacity: usize,
+    /// The run time at low load of each kind of work, as the predecessor's
+    /// [`Algorithm::baselines`] said them.
+    pub baselines: Vec<SeriesBaseline>,
+    /// The predecessor's last [estimate](Algorithm::estimate), if it kept one.
+    pub estimate: Option<Duration>,
+}
+
+impl Handover {
+    /// A handover at `capacity`, with nothing measured.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            baselines: Vec::new(),
+            estimate: None,
+        }
+    }
+}
+
+/// The run time at low load of one series (an [`Operation`] on an [`Executor`]), as an
+/// algorithm measured it: what a [`Handover`] carries.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct SeriesBaseline {
+    /// What kind of work.
+    pub operation: Operation,
+    /// Where it ran.
+    pub executor: Executor,
+    /// Its run time at low load.
+    pub run_time: Duration,
+    /// The most operations in flight at which that run time still held.
+    pub level: f64,
+    /// The standard deviation of one operation's run time, if known: how much of a rise is
+    /// chance.
+    pub deviation: Option<Duration>,
+    /// About how many operations it rests on.
+    pub support: f64,
+}
+
+impl SeriesBaseline {
+    /// `operation` on `executor` takes `run_time` at low load (one operation in flight,
+    /// measured once, its spread unknown).
+    pub fn new(operation: Operation, executor: Executor, run_time: Duration) -> Self {
+        Self {
+            operation,
+            executor,
+            run_time,
+            level: 1.0,
+            deviation: None,
+            support: 1.0,
+        }
     }
 }

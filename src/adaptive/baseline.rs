@@ -1,7 +1,9 @@
 //! [`Baseline`]: the run time at low load, the load it holds up to, and how much it varies; and
 //! [`Baselines`]: one per series, and what a round trip of mixed work measured against them.
 
-use super::{Sample, SeriesSample};
+use std::time::Duration;
+
+use super::{Sample, SeriesBaseline, SeriesSample};
 use crate::attributes::{Executor, Operation, SeriesKey};
 
 /// The run time an algorithm takes as normal: the mean run time of a round trip at low load,
@@ -310,6 +312,58 @@ impl Baselines {
     /// seconds.
     pub(super) fn get(&self) -> Option<f64> {
         self.last
+    }
+
+    /// Every series' baseline that is not stale: what a successor starts from.
+    pub(super) fn handover(&self) -> Vec<SeriesBaseline> {
+        (0..SeriesKey::COUNT)
+            .filter(|&index| self.windows - self.measured[index] <= Self::STALE)
+            .filter_map(|index| {
+                let (key, baseline) = (SeriesKey::from_index(index)?, &self.table[index]);
+                let run_time = Duration::try_from_secs_f64(baseline.run_time?).ok()?;
+                let deviation = baseline.spread(None);
+                Some(SeriesBaseline {
+                    operation: key.operation(),
+                    executor: key.executor(),
+                    run_time,
+                    level: baseline.level,
+                    deviation: deviation.and_then(|d| Duration::try_from_secs_f64(d).ok()),
+                    support: baseline.support,
+                })
+            })
+            .collect()
+    }
+
+    /// Starts from a predecessor's baselines, as if it had measured them itself just now. A
+    /// baseline of no run time, or of figures that are not numbers, is skipped; the others
+    /// are held to what one measured here could be.
+    pub(super) fn resume(&mut self, baselines: &[SeriesBaseline]) {
+        let (mut sum, mut weight) = (0.0, 0.0);
+        for handed in baselines {
+            let run_time = handed.run_time.as_secs_f64();
+            if run_time <= 0.0 {
+                continue;
+            }
+            let finite_or = |value: f64, or: f64| if value.is_finite() { value } else { or };
+            let support = finite_or(handed.support, 1.0).clamp(1.0, Baseline::POOLED);
+            let (squares, pooled) = match handed.deviation {
+                Some(deviation) => (support * deviation.as_secs_f64().powi(2), support),
+                None => (0.0, 0.0),
+            };
+            let index = SeriesKey::new(handed.operation, handed.executor).index();
+            self.table[index] = Baseline {
+                run_time: Some(run_time),
+                level: finite_or(handed.level, 1.0).max(1.0),
+                squares,
+                pooled,
+                support,
+            };
+            self.measured[index] = self.windows;
+            (sum, weight) = (sum + support * run_time, weight + support);
+        }
+        if weight > 0.0 {
+            self.last = Some(sum / weight);
+        }
     }
 }
 

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use super::baseline::Baselines;
 use super::served::{decrease, Occupancy, Retiring, Served};
-use super::{in_range, working, Algorithm, Average, Sample};
+use super::{in_range, working, Algorithm, Average, Handover, Sample, SeriesBaseline};
 
 /// A latency gradient, in the manner of Netflix's Gradient2 and Envoy's adaptive concurrency:
 /// the capacity follows the ratio of the recent run time to the run time at low load (the
@@ -252,14 +252,27 @@ impl Algorithm for Gradient {
         self.estimate.map(Duration::from_secs_f64)
     }
 
-    /// Past the slow start, from `capacity`: above it, one place at a time, until a decrease
+    fn baselines(&self) -> Vec<SeriesBaseline> {
+        self.baseline.handover()
+    }
+
+    /// Past the slow start, from the capacity: above it, one place at a time, until a decrease
     /// says where the backend's room ends (no ceiling to reach, whose passing would start a
-    /// slow start again).
-    fn resume(&mut self, capacity: usize) {
-        let capacity = capacity as f64;
+    /// slow start again). Its first window is read against the handed baselines, and its
+    /// average ratio starts from the handed estimate over them.
+    fn resume(&mut self, handover: &Handover) {
+        let capacity = handover.capacity as f64;
         self.limit = Some(capacity);
         self.slow_start = false;
         (self.ceiling, self.careful) = (Some(f64::INFINITY), Some(capacity));
+        self.baseline.resume(&handover.baselines);
+        if let (Some(estimate), Some(baseline)) = (handover.estimate, self.baseline.get()) {
+            let estimate = estimate.as_secs_f64();
+            self.ratio = Average {
+                value: Some(estimate / baseline),
+            };
+            self.estimate = Some(estimate);
+        }
     }
 }
 

@@ -192,7 +192,7 @@ mod tally;
 mod vegas;
 
 pub use aimd::Aimd;
-pub use algorithm::{Algorithm, BySeries, Sample, SeriesSample};
+pub use algorithm::{Algorithm, BySeries, Handover, Sample, SeriesBaseline, SeriesSample};
 pub use config::{Adaptive, Windows};
 pub use gradient::Gradient;
 pub use news::{is_congestion, News};
@@ -317,7 +317,7 @@ mod tests {
         for (name, algorithm, step) in shipped {
             let mut fresh = dyn_clone(&*algorithm, name);
             let mut resumed = algorithm;
-            resumed.resume(20);
+            resumed.resume(&Handover::new(20));
             let mut capacity = 20;
             for window in 0..3 {
                 let next = resumed.update(&sample(capacity));
@@ -332,6 +332,91 @@ mod tests {
                 "{name}: a fresh one slow-starts"
             );
         }
+    }
+
+    /// Every shipped algorithm that reads run times, resumed with the baselines its predecessor
+    /// measured, reads a first window with a queue at the backend as a queue (and lowers the
+    /// capacity); resumed without them, it takes that window's run time for the one at low load,
+    /// sees no queue, and does not lower it. `aimd` reads failures only: no baseline moves it.
+    #[test]
+    fn a_resumed_algorithm_reads_its_first_window_against_the_handed_baselines() {
+        for name in ["vegas", "gradient", "aimd+ratio", "aimd"] {
+            let mut leader = dyn_clone(&Vegas::default(), name);
+            // 100 ms at low load: a slow start from 2 without a queue.
+            let mut capacity = 2;
+            for _ in 0..3 {
+                let mut low = sample(capacity);
+                low.ended = capacity as u64 * 2;
+                capacity = leader.update(&low);
+            }
+            let baselines = leader.baselines();
+            assert_eq!(baselines.len(), 1, "{name}: {baselines:?}");
+            assert_eq!(baselines[0].run_time, Duration::from_millis(100), "{name}");
+            // The leader dies at 10; the first window after it ran with 6 waiting at the backend
+            // (250 ms where 100 is normal).
+            let mut queued = sample(10);
+            queued.mean_run_time = Some(Duration::from_millis(250));
+            queued.min_run_time = queued.mean_run_time;
+            let mut handover = Handover::new(10);
+            handover.baselines = baselines;
+            handover.estimate = leader.estimate();
+            let mut informed = dyn_clone(&Vegas::default(), name);
+            informed.resume(&handover);
+            assert_eq!(
+                informed.baseline(),
+                Some(Duration::from_millis(100)),
+                "{name}"
+            );
+            let mut blind = dyn_clone(&Vegas::default(), name);
+            blind.resume(&Handover::new(10));
+            let (informed, blind) = (informed.update(&queued), blind.update(&queued));
+            assert!(
+                blind >= 10,
+                "{name}: without the baselines, no queue: 10 -> {blind}"
+            );
+            match name {
+                "aimd" => assert_eq!(informed, blind, "failures only"),
+                _ => assert!(
+                    informed < 10,
+                    "{name}: a queue of 6 read as one: 10 -> {informed}"
+                ),
+            }
+        }
+    }
+
+    /// A successor's baselines are the predecessor's: the same figures back, whatever the
+    /// series; a stale series is not handed over, and figures that are not numbers are held to
+    /// what one could measure.
+    #[test]
+    fn baselines_are_handed_over_series_by_series() {
+        use crate::attributes::{Executor, Operation};
+        let mut verify = SeriesBaseline::new(
+            Operation::Verify,
+            Executor::Subprocess,
+            Duration::from_millis(50),
+        );
+        (verify.level, verify.support) = (6.0, 40.0);
+        verify.deviation = Some(Duration::from_millis(5));
+        let mut judge =
+            SeriesBaseline::new(Operation::Judge, Executor::Inline, Duration::from_secs(1));
+        (judge.level, judge.support) = (f64::NAN, f64::INFINITY);
+        let mut vegas = Vegas::default();
+        let mut handover = Handover::new(8);
+        handover.baselines = vec![judge, verify];
+        vegas.resume(&handover);
+        let back = vegas.baselines();
+        assert_eq!(back.len(), 2, "{back:?}");
+        let verify_back = back
+            .iter()
+            .find(|b| b.operation == Operation::Verify)
+            .unwrap();
+        assert_eq!(verify_back, &verify);
+        let judge_back = back
+            .iter()
+            .find(|b| b.operation == Operation::Judge)
+            .unwrap();
+        assert_eq!((judge_back.level, judge_back.support), (1.0, 1.0));
+        assert_eq!(judge_back.run_time, Duration::from_secs(1));
     }
 
     /// A fresh algorithm of the kind `name` names.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::baseline::Baselines;
 use super::served::{decrease, Occupancy, Served};
-use super::{in_range, working, Algorithm, Average, Sample};
+use super::{in_range, working, Algorithm, Average, Handover, Sample, SeriesBaseline};
 
 #[cfg(doc)]
 use super::Adaptive;
@@ -308,15 +308,23 @@ impl Algorithm for Vegas {
         self.estimate.duration()
     }
 
-    /// Past the slow start, below a ceiling one place above `capacity`, with its most
-    /// patience: as a limit that settled there, it holds while it learns the baseline, probes
-    /// one place up, and holds again before it looks for more room.
-    fn resume(&mut self, capacity: usize) {
-        let capacity = capacity as f64;
+    fn baselines(&self) -> Vec<SeriesBaseline> {
+        self.baseline.handover()
+    }
+
+    /// Past the slow start, below a ceiling one place above the capacity, with its most
+    /// patience: as a limit that settled there, it holds, probes one place up, and holds again
+    /// before it looks for more room. Its first window is read against the handed baselines.
+    fn resume(&mut self, handover: &Handover) {
+        let capacity = handover.capacity as f64;
         self.limit = Some(capacity);
         self.slow_start = false;
         self.ceiling = Some(capacity + 1.0);
         (self.patience, self.waited) = (Self::PATIENCE, 0);
+        self.baseline.resume(&handover.baselines);
+        self.estimate = Average {
+            value: handover.estimate.map(|estimate| estimate.as_secs_f64()),
+        };
     }
 }
 

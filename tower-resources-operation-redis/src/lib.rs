@@ -259,9 +259,14 @@
 //!   half the capacity, whenever admitted, raises nothing: it measured too little. Measured
 //!   with each shipped algorithm (`fleet_adaptive`'s leader-kill test): at most one place above
 //!   where the fleet stood, and fewer failures per success in the 3 s after the hand-over than
-//!   settled. The fleet's baseline and estimate are kept in Redis for the gauges until the new
-//!   leader measured its own. [`set_capacity`](RedisLimit::set_capacity) works as for a fixed
-//!   limit: the algorithm goes on from the capacity set.
+//!   settled. Each decision also stores the algorithm's [baselines](Algorithm::baselines),
+//!   series by series (the run time at low load of each kind of work), and the new leader
+//!   resumes from them and from the last estimate ([`Handover`]): its first windows, which
+//!   may run with a queue at the backend, are read as a queue, not as the run time at low
+//!   load (`fleet_adaptive`'s queue-through-a-hand-over test: the fleet's baseline stays at
+//!   51 ms where, without them, each shipped algorithm took the queued 58-205 ms for it).
+//!   [`set_capacity`](RedisLimit::set_capacity) works as for a fixed limit: the algorithm
+//!   goes on from the capacity set.
 //! - **Redis errors in the controller's path reach no request.** Its calls are not counted in
 //!   the limit's [health](RedisLimit::is_reachable); a tick that fails drops its counts, and
 //!   while Redis is down there is none.
@@ -417,7 +422,7 @@ pub use limit::{Fleet, RedisLimit, RedisPermit};
 pub use redis_store::Address;
 
 #[cfg(doc)]
-use tower_resources_operation::adaptive::{Algorithm, Sample};
+use tower_resources_operation::adaptive::{Algorithm, Handover, Sample};
 #[cfg(doc)]
 use tower_resources_operation::{Acquire, Rejection};
 

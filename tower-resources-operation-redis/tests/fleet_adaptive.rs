@@ -103,7 +103,10 @@ async fn run_replica(mode: &str, name: &'static str, redis: &str, backend: Socke
     let t = Telemetry::new();
     let mut commands = commands();
     match mode.split_once('/').unwrap_or((mode, "vegas")) {
-        ("fleet", algorithm) => {
+        // `idle`: a replica of the fleet limit with no clients of its own (it ticks, and may
+        // lead).
+        (kind @ ("fleet" | "idle"), algorithm) => {
+            let clients = if kind == "idle" { 0 } else { CLIENTS };
             let limit = RedisLimit::builder(name, 1)
                 .adaptive(shipped(algorithm))
                 .lease_ttl(Duration::from_millis(TTL_MS))
@@ -125,7 +128,7 @@ async fn run_replica(mode: &str, name: &'static str, redis: &str, backend: Socke
                     }
                 })
             };
-            let counts = serve(&limit, &t, backend, &mut commands).await;
+            let counts = serve(&limit, &t, backend, clients, &mut commands).await;
             watcher.abort();
             let (baseline, estimate) = limit.measured();
             report(
@@ -147,7 +150,7 @@ async fn run_replica(mode: &str, name: &'static str, redis: &str, backend: Socke
                 .name(name)
                 .adaptive(Adaptive::new(Vegas::default(), 1..=64))
                 .build();
-            let counts = serve(&limit, &t, backend, &mut commands).await;
+            let counts = serve(&limit, &t, backend, CLIENTS, &mut commands).await;
             report(&t, name, &counts, limit.capacity(), "");
         }
     }
@@ -173,6 +176,7 @@ async fn serve<L>(
     limit: &L,
     t: &Telemetry,
     backend: SocketAddr,
+    clients: usize,
     commands: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
 ) -> Arc<Counts>
 where
@@ -182,7 +186,7 @@ where
     let counts = Arc::new(Counts::default());
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut connections = Vec::new();
-    for _ in 0..CLIENTS {
+    for _ in 0..clients {
         connections.push(TcpStream::connect(backend).await.expect("the backend"));
     }
     say("READY");
@@ -256,9 +260,12 @@ fn report(t: &Telemetry, name: &str, counts: &Counts, capacity: usize, extra: &s
 // The backend
 // ---------------------------------------------------------------------------------------------
 
-/// The simulated backend: serves up to `capacity` at once, defers the rest.
+/// The simulated backend: serves up to `capacity` at once, and defers the rest, or, started
+/// with [`queueing`](Self::queueing), queues them for one of its `capacity` servers.
 struct Backend {
     capacity: AtomicUsize,
+    /// A queueing backend's servers.
+    servers: Option<tokio::sync::Semaphore>,
     /// How much longer a call takes for each other call in flight, in thousandths of `DELAY`
     /// (0: a flat `DELAY`, whatever the load).
     rise_per_mille: AtomicUsize,
@@ -278,10 +285,24 @@ struct Log {
 impl Backend {
     /// Starts one on a free port of 127.0.0.1.
     async fn start(capacity: usize) -> (Arc<Self>, SocketAddr) {
+        Self::start_with(capacity, None).await
+    }
+
+    /// Starts one that queues what is above its `capacity` (a server with a backlog): every
+    /// call is served, after `DELAY` on one of `capacity` servers, in order of arrival.
+    async fn queueing(capacity: usize) -> (Arc<Self>, SocketAddr) {
+        Self::start_with(capacity, Some(tokio::sync::Semaphore::new(capacity))).await
+    }
+
+    async fn start_with(
+        capacity: usize,
+        servers: Option<tokio::sync::Semaphore>,
+    ) -> (Arc<Self>, SocketAddr) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let backend = Arc::new(Self {
             capacity: AtomicUsize::new(capacity),
+            servers,
             rise_per_mille: AtomicUsize::new(0),
             log: Mutex::default(),
             start: Instant::now(),
@@ -312,7 +333,12 @@ impl Backend {
                 (level <= self.capacity.load(Relaxed) as i64, level)
             };
             let rise = self.rise_per_mille.load(Relaxed) as f64 / 1000.0;
+            let (served, server) = match &self.servers {
+                Some(servers) => (true, Some(servers.acquire().await.unwrap())),
+                None => (served, None),
+            };
             tokio::time::sleep(DELAY.mul_f64(1.0 + rise * (level - 1).max(0) as f64)).await;
+            drop(server);
             {
                 let mut log = self.log.lock().unwrap();
                 log.level -= 1;
@@ -893,6 +919,120 @@ async fn leader_killed(redis: &RedisServer, algorithm: &str) {
             .any(|result| number(result, "decisions") > 0.0),
         "a survivor decided: {results:?}"
     );
+}
+
+/// The fleet's baseline in Redis (what its leader's algorithm said last), in µs.
+fn stored_baseline_us(redis: &RedisServer, name: &str) -> Option<u64> {
+    let mut connection = redis.connection();
+    let baseline: Option<i64> = ::redis::cmd("HGET")
+        .arg(format!("{{tro:{name}}}:adaptive"))
+        .arg("baseline_us")
+        .query(&mut connection)
+        .unwrap();
+    baseline.and_then(|us| u64::try_from(us).ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
+async fn a_new_leader_reads_the_backends_queue_against_the_fleets_baseline() {
+    if as_replica().await {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start_required();
+    for algorithm in SHIPPED {
+        println!("== {algorithm}");
+        queue_through_a_hand_over(&redis, algorithm).await;
+    }
+}
+
+/// A leader with no operations of its own decides for two replicas that keep a queue at a
+/// backend of K = 8 servers (every call is served, in turn); it is killed. Its places are
+/// none, so the queue outlives it: the new leader's first windows run with it. It reads them
+/// against the baselines the fleet stored (the run time at low load, series by series), not
+/// as a new baseline: the fleet's baseline stays nearer the old one than the queued run time.
+/// (A leader that took the queued run time for its baseline would let each hand-over add a
+/// queue: a gradient its 10% tolerance, a vegas its `alpha` to `beta` operations.)
+async fn queue_through_a_hand_over(redis: &RedisServer, algorithm: &str) {
+    const K: usize = 8;
+    let name = limit_name("adaptive-queue-handover", algorithm);
+    let (backend, address) = Backend::queueing(K).await;
+    // The idle replica first, so that it leads.
+    let mut idle = Replica::start(&format!("idle/{algorithm}"), name, redis, address);
+    idle.until("READY", Duration::from_secs(60));
+    idle.tell("go");
+    let mut leads = false;
+    let since = Instant::now();
+    while !idle.leads(&mut leads) {
+        assert!(since.elapsed() < DEADLINE, "the idle replica leads");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut replicas = fleet_going(algorithm, name, redis, address).await;
+    replicas.truncate(2);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        idle.leads(&mut leads),
+        "{algorithm}: the idle replica still leads"
+    );
+    let (capacity, epoch) = fleet_state(redis, name);
+    let baseline = stored_baseline_us(redis, name).expect("a stored baseline") as f64 / 1e3;
+    let settled = backend.figures(backend.now() - 2.0, backend.now());
+    println!(
+        "settled: capacity {capacity}, window {epoch}, {:.2} in flight at the backend (K = \
+         {K}); the fleet's baseline {baseline:.1} ms",
+        settled.mean_in_flight
+    );
+
+    idle.child.kill().expect("kill -9");
+    idle.child.wait().unwrap();
+    let killed = Instant::now();
+    let killed_at = backend.now();
+    let mut leading = [false; 2];
+    let taken_over = loop {
+        if (0..2).any(|index| replicas[index].leads(&mut leading[index])) {
+            break fleet_state(redis, name).1;
+        }
+        assert!(killed.elapsed() < DEADLINE, "another replica leads");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // The new leader's first three decisions, and the fleet's baseline after each.
+    let mut baselines = Vec::new();
+    let mut seen = taken_over;
+    while baselines.len() < 3 {
+        assert!(killed.elapsed() < DEADLINE, "decisions after {taken_over}");
+        let (_, epoch) = fleet_state(redis, name);
+        if epoch > seen {
+            seen = epoch;
+            baselines.push(stored_baseline_us(redis, name).unwrap_or(0) as f64 / 1e3);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let after = backend.figures(killed_at, backend.now());
+    // At `L` in flight (`L > K`), a call waits `L / K - 1` delays for a server: the run time a
+    // leader without the fleet's baselines takes as its own.
+    let queue_ms = DELAY.as_secs_f64() * 1e3 * (after.mean_in_flight / K as f64 - 1.0).max(0.0);
+    let queued = baseline + queue_ms;
+    println!(
+        "after the kill: a replica leads from window {taken_over}; {:.2} in flight at the \
+         backend, a run time of about {queued:.1} ms; the fleet's baseline after the new \
+         leader's first decisions {baselines:.1?} ms",
+        after.mean_in_flight
+    );
+    assert!(
+        queue_ms >= 0.05 * baseline,
+        "{algorithm}: the test needs a queue at the backend through the hand-over: {:.2} in \
+         flight of K = {K}, {queue_ms:.1} ms of queue on a baseline of {baseline:.1} ms",
+        after.mean_in_flight
+    );
+    for (decision, now) in baselines.iter().enumerate() {
+        assert!(
+            *now < baseline + queue_ms / 2.0,
+            "{algorithm}: the new leader's decision {decision} moved the fleet's baseline from \
+             {baseline:.1} ms to {now:.1} ms, toward the queued run time ({queued:.1} ms): it \
+             measured the queue as the run time at low load"
+        );
+    }
+    drop(replicas);
 }
 
 /// Scripts run by SHA: `EVALSHA` calls, less the first call of each script, which Redis

@@ -29,10 +29,11 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
-use tower_resources_operation::adaptive::Algorithm;
+use tower_resources_operation::adaptive::{Algorithm, Handover};
 
 use super::books::lock;
 use super::control::{micros, Known};
@@ -237,6 +238,9 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
     // leader's places lapse within a lease TTL, and until they do the fleet looks busier than
     // its backend is.
     let mut handed_over: Option<(usize, Instant)> = None;
+    // What the last leader's algorithm measured, as a tick answered it to this process while
+    // it had no algorithm: what its own starts from.
+    let mut handed = Vec::new();
     loop {
         let _ = tokio::time::timeout(settings.tick, control.doorbell.notified()).await;
         if member.health.is_down() {
@@ -250,9 +254,10 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
             leader_ttl: control.leader_ttl,
             seen,
             counts: control.tally.take(),
-            shortest: (settings.tick * 2).max(std::time::Duration::from_millis(100)),
+            shortest: (settings.tick * 2).max(Duration::from_millis(100)),
             longest: adaptive.interval(),
             tolerance: adaptive.tolerated_share(),
+            starting: algorithm.is_none(),
         };
         let Ok(ticked) = member.store.tick(&tick).await else {
             continue;
@@ -267,14 +272,23 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
         let Some(taken) = ticked.taken else {
             continue;
         };
+        if algorithm.is_none() {
+            handed = ticked.handed;
+        }
         let algorithm = algorithm.get_or_insert_with(|| {
             let mut algorithm = adaptive.new_algorithm();
             // Windows were decided before this one (the first the fleet ever closed opens
-            // window 2): by a leader that is gone.
+            // window 2): by a leader that is gone. Its successor starts from the capacity and
+            // from what it measured.
             if ticked.known.epoch > 2 {
-                let capacity = ticked.capacity;
-                let _ = guarded(|| algorithm.resume(capacity));
-                handed_over = Some((capacity, Instant::now() + member.settings.lease_ttl));
+                let mut handover = Handover::new(ticked.capacity);
+                handover.baselines = std::mem::take(&mut handed);
+                handover.estimate = ticked.known.estimate_us.map(Duration::from_micros);
+                let _ = guarded(|| algorithm.resume(&handover));
+                handed_over = Some((
+                    handover.capacity,
+                    Instant::now() + member.settings.lease_ttl,
+                ));
             }
             algorithm
         });
@@ -293,8 +307,14 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
             Some(_) => handed_over = None,
             None => {}
         }
-        let (baseline, estimate) =
-            guarded(|| (algorithm.baseline(), algorithm.estimate())).unwrap_or_default();
+        let (baseline, estimate, baselines) = guarded(|| {
+            (
+                algorithm.baseline(),
+                algorithm.estimate(),
+                algorithm.baselines(),
+            )
+        })
+        .unwrap_or_default();
         let rtt_us = sample.mean_run_time.map(micros).or(ticked.known.rtt_us);
         let known = Known {
             epoch: ticked.known.epoch,
@@ -310,6 +330,7 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
             leader: &control.id,
             capacity: next,
             known,
+            baselines: &baselines,
         };
         if let Ok(Some(capacity)) = member.store.decide(&decision).await {
             member.capacity.store(capacity, Relaxed);

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 use tower_resources_operation::adaptive::{
-    is_congestion, Adaptive, Counted, Counts, News, Sample, Tally,
+    is_congestion, Adaptive, Counted, Counts, News, Sample, SeriesBaseline, Tally,
 };
 use tower_resources_operation::limit::Ended;
 
@@ -174,6 +174,9 @@ pub(crate) struct Ticked {
     pub(crate) known: Known,
     /// The window, if this process took it.
     pub(crate) taken: Option<Taken>,
+    /// What the last leader's algorithm measured, series by series: for a leader that has no
+    /// algorithm yet (it asked, [`Tick::starting`](super::store::Tick::starting)), else empty.
+    pub(crate) handed: Vec<SeriesBaseline>,
 }
 
 /// A window the leader took.

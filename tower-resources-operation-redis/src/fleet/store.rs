@@ -44,7 +44,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use tower_resources_operation::adaptive::Counts;
+use tower_resources_operation::adaptive::{Counts, SeriesBaseline};
 
 use super::control::{Known, Ticked};
 use crate::error::Error;
@@ -177,6 +177,9 @@ pub(crate) struct Tick<'a> {
     pub(crate) shortest: Duration,
     pub(crate) longest: Duration,
     pub(crate) tolerance: f64,
+    /// This process has no algorithm yet: if it leads, the tick answers what the last
+    /// leader's measured ([`Ticked::handed`]), for the one it starts.
+    pub(crate) starting: bool,
 }
 
 /// The leader's decision on the window it took.
@@ -188,6 +191,8 @@ pub(crate) struct Decision<'a> {
     /// What the fleet knows after it: the window that opened as the leader took the last, the
     /// first window after the last decrease, what the algorithm measured.
     pub(crate) known: Known,
+    /// The algorithm's baselines, series by series: what a next leader starts from.
+    pub(crate) baselines: &'a [SeriesBaseline],
 }
 
 /// What a store pushes to every process of the fleet.

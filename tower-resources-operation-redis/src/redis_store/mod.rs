@@ -10,10 +10,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::{FromRedisValue, Script, ScriptInvocation};
+use tower_resources_operation::adaptive::SeriesBaseline;
 use tower_resources_operation::{Executor, Operation};
 
 use crate::error::Error;
-use crate::fleet::control::{Known, Taken as TakenWindow, Ticked};
+use crate::fleet::control::{micros, Known, Taken as TakenWindow, Ticked};
 use crate::fleet::store::{
     Answer, Decision, Event, Refresh, Refreshed, State, Status, Store, Taken, Tick,
 };
@@ -281,6 +282,7 @@ impl Store for RedisStore {
                         .map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX)),
                 );
         }
+        invocation.arg(u8::from(tick.starting));
         let fields: Vec<String> = self.run(&invocation).await?;
         parse_ticked(&fields).ok_or_else(|| self.malformed("a malformed tick"))
     }
@@ -295,7 +297,8 @@ impl Store for RedisStore {
             .arg(decision.capacity)
             .arg(us(known.rtt_us))
             .arg(us(known.baseline_us))
-            .arg(us(known.estimate_us));
+            .arg(us(known.estimate_us))
+            .arg(encode_baselines(decision.baselines));
         let capacity: i64 = self.run(&invocation).await?;
         // A negative answer: another process leads now, or took the window.
         Ok(usize::try_from(capacity).ok())
@@ -356,14 +359,57 @@ fn parse_ticked(fields: &[String]) -> Option<Ticked> {
         baseline_us: number(7),
         estimate_us: number(8),
     };
-    let taken = taken.then(|| parse_window(fields.get(9..).unwrap_or_default()));
+    let taken = taken.then(|| parse_window(fields.get(10..).unwrap_or_default()));
     Some(Ticked {
         capacity: usize::try_from(number(1)?).unwrap_or(usize::MAX),
         leads: number(3)? == 1,
         age_ms: number(4).unwrap_or(0),
         known,
         taken,
+        handed: fields
+            .get(9)
+            .map_or_else(Vec::new, |field| parse_baselines(field)),
     })
+}
+
+/// An algorithm's baselines as the state hash keeps them: one word per series,
+/// `<operation>/<executor>/<run time µs>/<level>/<deviation µs, -1 for none>/<support>`,
+/// separated by spaces (NeMo Gym's values have neither `/` nor spaces).
+fn encode_baselines(baselines: &[SeriesBaseline]) -> String {
+    let words: Vec<String> = baselines
+        .iter()
+        .map(|b| {
+            let deviation = b
+                .deviation
+                .map_or(-1, |d| i64::try_from(micros(d)).unwrap_or(i64::MAX));
+            format!(
+                "{}/{}/{}/{:.3}/{deviation}/{:.3}",
+                b.operation,
+                b.executor,
+                micros(b.run_time),
+                b.level,
+                b.support
+            )
+        })
+        .collect();
+    words.join(" ")
+}
+
+/// [`encode_baselines`] read back. A word this crate did not write is skipped.
+fn parse_baselines(field: &str) -> Vec<SeriesBaseline> {
+    let word = |word: &str| -> Option<SeriesBaseline> {
+        let mut parts = word.split('/');
+        let operation = parts.next()?.parse::<Operation>().ok()?;
+        let executor = parts.next()?.parse::<Executor>().ok()?;
+        let run_time = Duration::from_micros(parts.next()?.parse().ok()?);
+        let mut baseline = SeriesBaseline::new(operation, executor, run_time);
+        baseline.level = parts.next()?.parse().ok()?;
+        let deviation: i64 = parts.next()?.parse().ok()?;
+        baseline.deviation = u64::try_from(deviation).ok().map(Duration::from_micros);
+        baseline.support = parts.next()?.parse().ok()?;
+        parts.next().is_none().then_some(baseline)
+    };
+    field.split(' ').filter_map(word).collect()
 }
 
 /// A window's hash, as `HGETALL` lists it. A field this crate did not write is skipped.
@@ -419,7 +465,8 @@ mod tests {
 
     #[test]
     fn a_tick_that_took_no_window_says_what_the_fleet_knows() {
-        let ticked = parse_ticked(&strings(&["0", "7", "12", "0", "40", "", "", "", ""])).unwrap();
+        let ticked =
+            parse_ticked(&strings(&["0", "7", "12", "0", "40", "", "", "", "", ""])).unwrap();
         assert_eq!(
             (ticked.capacity, ticked.leads, ticked.age_ms),
             (7, false, 40)
@@ -441,6 +488,7 @@ mod tests {
             "50000",
             "51000",
             "52000", // known
+            "judge/inline/1000000/4.000/-1/12.500 nobody/knows/1/1/1/1 verify/subprocess/x",
             "ended",
             "8",
             "congested",
@@ -493,6 +541,10 @@ mod tests {
         let ticked = parse_ticked(&fields).unwrap();
         assert!(ticked.leads);
         assert_eq!(ticked.known.baseline_us, Some(51_000));
+        let mut judge =
+            SeriesBaseline::new(Operation::Judge, Executor::Inline, Duration::from_secs(1));
+        (judge.level, judge.support) = (4.0, 12.5);
+        assert_eq!(ticked.handed, vec![judge], "the words not ours are skipped");
         let adaptive = tower_resources_operation::adaptive::Adaptive::new(
             tower_resources_operation::adaptive::Vegas::default(),
             1..=64,
@@ -520,6 +572,25 @@ mod tests {
         assert_eq!((sample.peak_in_flight, sample.in_flight), (9, 7.5));
         assert!(!sample.round_trip, "congested");
         assert_eq!(sample.elapsed, Duration::from_millis(150));
+    }
+
+    #[test]
+    fn baselines_are_kept_as_they_were_measured() {
+        let mut verify = SeriesBaseline::new(
+            Operation::Verify,
+            Executor::Subprocess,
+            Duration::from_micros(50_123),
+        );
+        (verify.level, verify.support) = (6.5, 40.0);
+        verify.deviation = Some(Duration::from_micros(4_321));
+        let judge = SeriesBaseline::new(Operation::Judge, Executor::Inline, Duration::from_secs(1));
+        let encoded = encode_baselines(&[verify, judge]);
+        assert_eq!(
+            encoded,
+            "verify/subprocess/50123/6.500/4321/40.000 judge/inline/1000000/1.000/-1/1.000"
+        );
+        assert_eq!(parse_baselines(&encoded), vec![verify, judge]);
+        assert_eq!(parse_baselines(""), vec![]);
     }
 
     #[test]

@@ -194,7 +194,7 @@ return {cap, redis.call('ZCARD', holders), redis.call('ZCARD', queue),
 ///
 /// `KEYS[8]` the adaptive state (a hash: `epoch`, the window's number; `opened`, when it opened
 /// on the server's clock; `decreased`, the first window after the last decrease, and
-/// `decreased_at`; `rtt_us`, `baseline_us`, `estimate_us`; `ticked`, when a replica last
+/// `decreased_at`; `rtt_us`, `baseline_us`, `estimate_us`, and `baselines`, each series'; `ticked`, when a replica last
 /// ticked), `KEYS[9]` the window (a hash of counts), `KEYS[10]` the leader's lease
 /// (a string: the leader's id, with a TTL).
 ///
@@ -206,11 +206,13 @@ return {cap, redis.call('ZCARD', holders), redis.call('ZCARD', queue),
 /// every end `e` ended, `o` ended `ok`, `v` their run times summed (µs), and of its own
 /// operations `t` ended `ok`, `s` their run times summed (µs), `q` their squares (µs² / 1024),
 /// `m` the shortest (`-1` for none). A replica's counts taken in an earlier window add only
-/// what any window counts (the core's `Counts::into_next_window`).
+/// what any window counts (the core's `Counts::into_next_window`). The argument after the
+/// series is `1` if the replica has no algorithm yet (it would start one if it led).
 ///
 /// Returns strings: `{taken, capacity, epoch, leads, age_ms, decreased, rtt_us, baseline_us,
-/// estimate_us}`, then, if the window was taken (`taken` = 1), the window's hash as field,
-/// value pairs.
+/// estimate_us, baselines}` (`baselines`, what the last decision stored, only for a leader
+/// that has no algorithm yet: a hand-over's), then, if the window was taken (`taken` = 1), the
+/// window's hash as field, value pairs.
 ///
 /// [`adaptive_tick`]: crate::RedisLimitBuilder::adaptive_tick
 const FLEET_TICK: &str = r#"
@@ -284,6 +286,11 @@ end
 local known = redis.call('HMGET', state, 'decreased', 'rtt_us', 'baseline_us', 'estimate_us')
 local out = {tostring(taken), tostring(cap), tostring(epoch), tostring(leads), tostring(age)}
 for _, value in ipairs(known) do out[#out + 1] = value or '' end
+local baselines = ''
+if leads == 1 and ARGV[17 + series * 8] == '1' then
+  baselines = redis.call('HGET', state, 'baselines') or ''
+end
+out[#out + 1] = baselines
 for _, value in ipairs(fields) do out[#out + 1] = value or '' end
 return out
 "#;
@@ -291,9 +298,11 @@ return out
 /// The leader's decision on the window it took: `ARGV[6]` the leader's id, `ARGV[7]` the window
 /// that opened as it took it (the decision is dropped unless both are still current: a leader
 /// that lost its lease meanwhile decides nothing), `ARGV[8]` the new capacity, `ARGV[9..11]`
-/// the round trip, baseline and estimate in µs (`-1` for none). Sets the capacity as
-/// `SET_CAPACITY` does, and tells every process: `a <epoch> <decreased> <rtt> <baseline>
-/// <estimate>`. Returns the capacity, or `-1` if the decision was dropped.
+/// the round trip, baseline and estimate in µs (`-1` for none), `ARGV[12]` the algorithm's
+/// baselines, series by series (what a new leader starts from; see
+/// `redis_store::encode_baselines`). Sets the capacity as `SET_CAPACITY` does, and tells every
+/// process: `a <epoch> <decreased> <rtt> <baseline> <estimate>`. Returns the capacity, or `-1`
+/// if the decision was dropped.
 const FLEET_DECIDE: &str = r#"
 local state, leader_key = KEYS[8], KEYS[10]
 local id, epoch, next_cap = ARGV[6], ARGV[7], tonumber(ARGV[8])
@@ -309,7 +318,8 @@ if next_cap ~= cap then
   promote()
   redis.call(publish, channel, 'c ' .. ARGV[8])
 end
-redis.call('HSET', state, 'rtt_us', ARGV[9], 'baseline_us', ARGV[10], 'estimate_us', ARGV[11])
+redis.call('HSET', state, 'rtt_us', ARGV[9], 'baseline_us', ARGV[10], 'estimate_us', ARGV[11],
+  'baselines', ARGV[12])
 local decreased = redis.call('HGET', state, 'decreased') or '0'
 redis.call(publish, channel, table.concat({'a', epoch, decreased, ARGV[9], ARGV[10], ARGV[11]}, ' '))
 return cap
