@@ -170,7 +170,7 @@ mod tests {
     use super::super::tests::sample;
     use super::*;
     use crate::adaptive::SeriesSample;
-    use crate::{Executor, Operation};
+    use crate::attributes::{Executor, Operation};
 
     fn window(served_ms: u64, elapsed_ms: u64, run_time_ms: u64) -> Sample {
         let mut sample = sample(24);

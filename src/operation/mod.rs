@@ -924,7 +924,10 @@ mod tests {
             },
             chosen: None,
             heard: false,
-            key: SeriesKey::new(crate::Operation::Other, crate::Executor::Other),
+            key: SeriesKey::new(
+                crate::attributes::Operation::Other,
+                crate::attributes::Executor::Other,
+            ),
             trace: Trace::NONE,
         }
     }

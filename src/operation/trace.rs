@@ -248,7 +248,7 @@ mod on {
             };
             let run = spans.run;
             run.record(DURATION_ATTRIBUTE, millis(ran));
-            run.record(crate::OUTCOME_ATTRIBUTE, outcome.as_str());
+            run.record(crate::names::OUTCOME_ATTRIBUTE, outcome.as_str());
             run.in_scope(record);
         }
 
@@ -338,9 +338,10 @@ mod tests {
     use tracing::{Event, Metadata, Subscriber};
 
     use super::*;
+    use crate::attributes::{Executor, Operation};
     use crate::metrics::{LIMIT_ATTRIBUTE, REJECTION_ATTRIBUTE};
+    use crate::names::{EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE};
     use crate::trace::{RUN_SPAN, TARGET, WAIT_SPAN};
-    use crate::{Executor, Operation, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE};
 
     /// A span as it was made: its target, name and field names.
     type Made = (String, String, Vec<String>);
