@@ -39,14 +39,14 @@ mod support;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::redis_server::RedisServer;
-use support::replicas::{commands, replica_settings, say, this_test, REPLICA};
+use support::replicas::{commands, replica_settings, say, spawn, this_test};
 use support::Telemetry;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -71,6 +71,27 @@ const TTL: Duration = Duration::from_millis(TTL_MS);
 /// A safety net for waits on the replicas, so that a lost leader fails a test instead of
 /// hanging it; not a performance bound.
 const DEADLINE: Duration = Duration::from_secs(20);
+
+/// A test that runs `scenario(&redis, algorithm)` for each shipped algorithm, one after the
+/// other, on one `redis-server` (and, in a replica process, runs the replica instead).
+macro_rules! for_each_shipped {
+    ($(#[$doc:meta])* $test:ident, $scenario:ident) => {
+        $(#[$doc])*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
+        async fn $test() {
+            if as_replica().await {
+                return;
+            }
+            let _serial = SERIAL.lock().await;
+            let redis = RedisServer::start_required();
+            for algorithm in SHIPPED {
+                println!("== {algorithm}");
+                $scenario(&redis, algorithm).await;
+            }
+        }
+    };
+}
 
 /// One heavy test at a time: each runs four processes and a `redis-server` on 2 cores.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -428,20 +449,7 @@ impl Replica {
             "mode={mode} name={name} redis={} backend={backend}",
             redis.url()
         );
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                test.as_str(),
-                "--exact",
-                "--include-ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(REPLICA, settings)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start a replica");
+        let mut child = spawn(&test, settings);
         let stdin = child.stdin.take().unwrap();
         let stdout = child.stdout.take().unwrap();
         let (sender, lines): (Sender<String>, _) = std::sync::mpsc::channel();
@@ -745,19 +753,10 @@ async fn three_replicas_settle_near_the_backends_capacity_and_follow_it() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn killing_the_leader_hands_the_decisions_to_another_replica_and_keeps_the_capacity() {
-    if as_replica().await {
-        return;
-    }
-    let _serial = SERIAL.lock().await;
-    let redis = RedisServer::start_required();
-    for algorithm in SHIPPED {
-        println!("== {algorithm}");
-        leader_killed(&redis, algorithm).await;
-    }
-}
+for_each_shipped!(
+    killing_the_leader_hands_the_decisions_to_another_replica_and_keeps_the_capacity,
+    leader_killed
+);
 
 /// A fleet limit's name for a test of `algorithm` (a name has no `+`).
 fn limit_name(test: &str, algorithm: &str) -> &'static str {
@@ -932,19 +931,10 @@ fn stored_baseline_us(redis: &RedisServer, name: &str) -> Option<u64> {
     baseline.and_then(|us| u64::try_from(us).ok())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn a_new_leader_reads_the_backends_queue_against_the_fleets_baseline() {
-    if as_replica().await {
-        return;
-    }
-    let _serial = SERIAL.lock().await;
-    let redis = RedisServer::start_required();
-    for algorithm in SHIPPED {
-        println!("== {algorithm}");
-        queue_through_a_hand_over(&redis, algorithm).await;
-    }
-}
+for_each_shipped!(
+    a_new_leader_reads_the_backends_queue_against_the_fleets_baseline,
+    queue_through_a_hand_over
+);
 
 /// A leader with no operations of its own decides for two replicas that keep a queue at a
 /// backend of K = 8 servers (every call is served, in turn); it is killed. Its places are
@@ -1041,21 +1031,13 @@ fn script_calls(redis: &RedisServer) -> u64 {
     redis.calls("evalsha") - redis.calls("script|load")
 }
 
-/// Issue 33's slow, steady rise: a backend whose run time is 1% longer for each other call in
-/// flight, with no jitter, and an error above K = 12. A rise that small is not a queue: the
-/// fleet fills at least 0.8 K, as one process does.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn a_slow_steady_rise_is_not_a_queue_for_a_fleet() {
-    if as_replica().await {
-        return;
-    }
-    let _serial = SERIAL.lock().await;
-    let redis = RedisServer::start_required();
-    for algorithm in SHIPPED {
-        steady_rise(&redis, algorithm).await;
-    }
-}
+for_each_shipped!(
+    /// Issue 33's slow, steady rise: a backend whose run time is 1% longer for each other call in
+    /// flight, with no jitter, and an error above K = 12. A rise that small is not a queue: the
+    /// fleet fills at least 0.8 K, as one process does.
+    a_slow_steady_rise_is_not_a_queue_for_a_fleet,
+    steady_rise
+);
 
 /// Three replicas of a fleet limit run by `algorithm` on the steady rise, for 8 s.
 async fn steady_rise(redis: &RedisServer, algorithm: &str) {

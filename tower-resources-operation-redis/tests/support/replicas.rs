@@ -91,6 +91,25 @@ pub fn commands() -> tokio::sync::mpsc::UnboundedReceiver<String> {
     receiver
 }
 
+/// Starts this test binary again, running the test `test` alone as a replica with the encoded
+/// `settings`, its standard input and output piped (its standard error is the test's).
+pub fn spawn(test: &str, settings: String) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            test,
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(REPLICA, settings)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start a replica")
+}
+
 /// A replica process, its output read line by line.
 pub struct Replica {
     child: Child,
@@ -106,20 +125,7 @@ impl Replica {
             .get("test")
             .expect("the test the replica runs, as a setting")
             .clone();
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                test.as_str(),
-                "--exact",
-                "--include-ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(REPLICA, encode(settings))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start a replica");
+        let mut child = spawn(&test, encode(settings));
         let input = child.stdin.take();
         let lines = BufReader::new(child.stdout.take().unwrap()).lines();
         Self {
