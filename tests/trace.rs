@@ -472,3 +472,41 @@ async fn a_grpc_call_that_waits_has_its_wait_span_under_its_request() {
     assert_eq!(number(&wait, QUEUE_DURATION_ATTRIBUTE), Some(recorded));
     assert!(recorded > 50.0, "{recorded}");
 }
+
+/// The per-request form, one layer on the whole `Router` under `TraceLayer`: the operation each
+/// request chose is in its spans, under its request, as with a layer per route.
+#[cfg(feature = "axum")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_request_form_traces_the_operation_each_request_chose() {
+    use tower_resources_operation::per_request::{ByMatchedPath, Choice};
+    use tower_resources_operation::ResourcesOperationLayer;
+
+    let traces = traces();
+    let telemetry = Telemetry::new();
+    let limit = verifiers(8);
+    let verify = Choice::limited(Operation::Verify, Executor::Subprocess);
+    let chooser = ByMatchedPath::new()
+        .route("/chosen/first", verify)
+        .route("/chosen/second", verify);
+    let per_request = ResourcesOperationLayer::new_for_http(limit.clone())
+        .metrics(telemetry.metrics.clone())
+        .per_request(chooser);
+    let app = Router::new()
+        .route("/chosen/first", slow())
+        .route("/chosen/second", slow())
+        .layer(per_request)
+        .layer(TraceLayer::new_for_http());
+    let addr = serve(app).await;
+    one_behind_another(addr, &telemetry, "/chosen/first", "/chosen/second").await;
+
+    let trace = traces.trace_of("/chosen/second", 2).await;
+    let wait = wait_of(&trace);
+    let attrs = attributes(wait);
+    assert_eq!(attrs[WAIT_ATTRIBUTE], "admitted", "{attrs:?}");
+    let recorded = telemetry.max(QUEUE_DURATION_INSTRUMENT, &VERIFY).unwrap();
+    assert_eq!(number(wait, QUEUE_DURATION_ATTRIBUTE), Some(recorded));
+    let run = trace.one(RUN_SPAN);
+    assert_child(run, &trace.request);
+    assert_eq!(string(run, OUTCOME_ATTRIBUTE).as_deref(), Some("ok"));
+    assert_eq!(string(run, OPERATION_ATTRIBUTE).as_deref(), Some("verify"));
+}
