@@ -138,7 +138,7 @@ async fn a_fleet_limits_wait_and_run_are_spans_of_the_caller_named_after_the_fle
         .lease_ttl(Duration::from_secs(5))
         .call_timeout(Duration::from_secs(1))
         .fallback_poll(Duration::from_millis(200))
-        .build(&redis.url())
+        .build(redis.url())
         .unwrap();
     let held = within("the only place", limit.acquire())
         .await
