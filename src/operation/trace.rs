@@ -135,19 +135,14 @@ mod on {
             })))
         }
 
-        /// Whether a subscriber was ever set (`tracing` never unsets it): until then no span,
-        /// and no record made for one, can exist.
-        #[inline(always)]
-        pub(crate) fn ever() -> bool {
-            tracing::dispatcher::has_been_set()
-        }
-
         /// Whether spans may be enabled at all: the one check on the path of an operation with
-        /// no span. With no subscriber it reads one flag; with one that filters `DEBUG` out, one
-        /// more word, the level (as `tracing`'s own macros elide their trace points).
+        /// no span, and the first one `tracing`'s own span macros make. It reads one word,
+        /// `tracing`'s max level: `OFF` until a subscriber is set (so no subscriber costs no
+        /// more than one that filters `DEBUG` out), then the most verbose level any subscriber
+        /// enables.
         #[inline(always)]
         pub(crate) fn may_trace() -> bool {
-            tracing::dispatcher::has_been_set() && tracing::level_enabled!(tracing::Level::DEBUG)
+            tracing::level_enabled!(tracing::Level::DEBUG)
         }
 
         /// Whether it has a span (a record that has nothing else to record is kept for it).
@@ -274,11 +269,6 @@ mod off {
         #[inline(always)]
         pub(crate) fn waiting(_: SeriesKey, _: Option<&Capacity>) -> Self {
             Self
-        }
-
-        #[inline(always)]
-        pub(crate) fn ever() -> bool {
-            false
         }
 
         #[inline(always)]
