@@ -60,9 +60,8 @@ const DEADLINE_SLACK: Duration = Duration::from_millis(10);
 ///
 /// It is admitted while it holds its permit. With nothing to record it is only its permit and a
 /// null word, so that a response future is built, moved and dropped about as cheaply as tower's;
-/// recording, three words more (with the `tracing` feature too: its spans take the word its
-/// stage's padding gave up), so that a queued request's task stays within tower's size class.
-/// Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
+/// recording, three words more (four with the `tracing` feature: its spans, or a null word), so
+/// that a queued request's task stays within tower's size class. Dropped before it ended, it ends as the drop means (an abandoned wait, a cancelled
 /// operation), and only then does the permit go back.
 pub struct Lifecycle<A: Acquire, K = ()> {
     /// `None`: nothing to record (metrics off and a limit that does not hear ends, or nothing
@@ -72,20 +71,13 @@ pub struct Lifecycle<A: Acquire, K = ()> {
     permit: Option<A::Permit>,
 }
 
-/// What an operation records, and when it started to: four words with a classifier that has no
-/// state (the record is moved and dropped with every operation that records, and a word more
-/// costs each one).
+/// What an operation records, and when it started to.
 struct Record<K> {
     /// `None` with metrics off: the operation is timed for its limit alone.
     series: Option<Series>,
     /// When it started to wait (while waiting), or was admitted (once admitted).
     at: Stamp,
     stage: Stage<K>,
-    /// What its stage measures by, beside it rather than inside it, so that it shares its word
-    /// with the fields below: while it waits, or once called, how long before a drop is past a
-    /// deadline; admitted, not yet called, how long it waited (for the caller's deadline, which
-    /// counts from when it asked).
-    budget: Budget,
     /// The outcome [`set_outcome`] chose, if it did.
     chosen: Option<Outcome>,
     /// Whether its limit hears its end ([`Acquire::hears_end`]), asked as it was admitted.
@@ -142,20 +134,24 @@ impl Stamp {
     }
 }
 
-/// Where a recorded operation stands, with what it carries at that stage (its
-/// [`budget`](Record::budget) beside it). An enum, so that "nothing to record" takes no word of
-/// its own.
+/// Where a recorded operation stands, with what it needs at that stage. An enum, so that
+/// "nothing to record" takes no word of its own.
 #[derive(Debug, PartialEq, Eq)]
 enum Stage<K> {
-    /// Waiting for its permit; its budget: how long after it started to wait a drop is past the
-    /// server's deadline.
-    Waiting,
-    /// Holding its permit, not called yet; its budget: how long it waited
-    /// ([`Budget::spent`]).
-    Admitted,
-    /// Called: its work runs; its budget: how long after its admission a drop is past its
-    /// caller's deadline.
+    /// Waiting for its permit.
+    Waiting {
+        /// How long after it started to wait a drop is past the server's deadline.
+        deadline: Budget,
+    },
+    /// Holding its permit, not called yet.
+    Admitted {
+        /// How long it waited, in microseconds (saturated).
+        queued_us: u32,
+    },
+    /// Called: its work runs.
     Called {
+        /// How long after its admission a drop is past its caller's deadline.
+        deadline: Budget,
         /// What decides its outcome when its work returns.
         decides: K,
     },
@@ -186,22 +182,14 @@ impl Budget {
         Self(u32::try_from(ms).unwrap_or(u32::MAX - 1).min(u32::MAX - 1))
     }
 
-    /// `spent`, in the whole milliseconds a budget spends it in (rounded up, saturated); in 64
-    /// bits, not `as_nanos`'s 128 (a division by a call, on every admission that records).
-    #[inline]
-    fn spent(spent: Duration) -> Self {
-        let ms = spent
-            .as_secs()
-            .saturating_mul(1_000)
-            .saturating_add(u64::from(spent.subsec_nanos().div_ceil(1_000_000)));
-        Self(u32::try_from(ms).unwrap_or(u32::MAX))
-    }
-
-    /// The budget left after `spent` (a [`spent`](Self::spent) budget).
-    fn less(self, spent: Budget) -> Self {
+    /// The budget left after `spent`.
+    fn less(self, spent: Duration) -> Self {
         match self {
             Self::NONE => Self::NONE,
-            Self(ms) => Self(ms.saturating_sub(spent.0)),
+            Self(ms) => {
+                let spent = u32::try_from(spent.as_nanos().div_ceil(1_000_000)).unwrap_or(u32::MAX);
+                Self(ms.saturating_sub(spent))
+            }
         }
     }
 
@@ -437,10 +425,10 @@ impl<A: Acquire, K> Lifecycle<A, K> {
             return;
         };
         match record.stage {
-            Stage::Waiting => {
+            Stage::Waiting { deadline } => {
                 record.stage = Stage::Ended;
                 let waited = record.at.until(Stamp::now().0);
-                let past_deadline = record.budget.is_past(waited);
+                let past_deadline = deadline.is_past(waited);
                 if record.trace.is_some() {
                     let rejection = past_deadline.then_some(Rejection::Deadline);
                     record
@@ -456,7 +444,7 @@ impl<A: Acquire, K> Lifecycle<A, K> {
                 }
                 self.record = None;
             }
-            Stage::Admitted | Stage::Called { .. } => {
+            Stage::Admitted { .. } | Stage::Called { .. } => {
                 self.record_end(Ending::Dropped, |_| None, None)
             }
             Stage::Ended => self.record = None,
@@ -597,8 +585,9 @@ impl<A: Acquire> Lifecycle<A> {
         self.record = Some(Record {
             series: series.cloned(),
             at: Stamp::now().0,
-            stage: Stage::Waiting,
-            budget: Budget::new(guarded(deadline).flatten()),
+            stage: Stage::Waiting {
+                deadline: Budget::new(guarded(deadline).flatten()),
+            },
             chosen: None,
             heard: false,
             key,
@@ -705,7 +694,6 @@ impl Record<()> {
             series,
             at: Stamp::UNKNOWN,
             stage: Stage::Ended,
-            budget: Budget::NONE,
             chosen: None,
             heard: false,
             key,
@@ -745,8 +733,9 @@ impl<K> Record<K> {
         }
         self.at = now;
         self.heard = heard;
-        self.stage = Stage::Admitted;
-        self.budget = Budget::spent(queued);
+        self.stage = Stage::Admitted {
+            queued_us: u32::try_from(queued.as_micros()).unwrap_or(u32::MAX),
+        };
     }
 
     /// [`admit`](Self::admit)'s record, inside the operation's span (out of line: most
@@ -768,14 +757,17 @@ impl<K> Record<K> {
     /// operation that was not admitted.
     #[inline]
     fn called<J>(self, decides: J, deadline: Option<Duration>) -> Option<Record<J>> {
-        let Stage::Admitted = self.stage else {
+        let Stage::Admitted { queued_us } = self.stage else {
             return None;
         };
+        let queued = Duration::from_micros(u64::from(queued_us));
         Some(Record {
             series: self.series,
             at: self.at,
-            stage: Stage::Called { decides },
-            budget: Budget::new(deadline).less(self.budget),
+            stage: Stage::Called {
+                deadline: Budget::new(deadline).less(queued),
+                decides,
+            },
             chosen: self.chosen,
             heard: self.heard,
             key: self.key,
@@ -787,9 +779,13 @@ impl<K> Record<K> {
     /// that panics).
     fn carry<J: Default>(self, decides: impl FnOnce(&K) -> J) -> Record<J> {
         let stage = match self.stage {
-            Stage::Waiting => Stage::Waiting,
-            Stage::Admitted => Stage::Admitted,
-            Stage::Called { decides: carried } => Stage::Called {
+            Stage::Waiting { deadline } => Stage::Waiting { deadline },
+            Stage::Admitted { queued_us } => Stage::Admitted { queued_us },
+            Stage::Called {
+                deadline,
+                decides: carried,
+            } => Stage::Called {
+                deadline,
                 decides: guarded(|| decides(&carried)).unwrap_or_default(),
             },
             Stage::Ended => Stage::Ended,
@@ -798,7 +794,6 @@ impl<K> Record<K> {
             series: self.series,
             at: self.at,
             stage,
-            budget: self.budget,
             chosen: self.chosen,
             heard: self.heard,
             key: self.key,
@@ -814,7 +809,7 @@ impl<K> Record<K> {
         end: Ending,
         classify: impl FnOnce(&K) -> Option<Outcome>,
     ) -> Option<(Ended, bool)> {
-        if !matches!(self.stage, Stage::Admitted | Stage::Called { .. }) {
+        if !matches!(self.stage, Stage::Admitted { .. } | Stage::Called { .. }) {
             return None;
         }
         let heard = self.heard;
@@ -877,13 +872,13 @@ fn decide<K>(
 /// Whether the caller's deadline has passed at `now`, counted from when the operation asked.
 fn past_deadline<K>(record: &Record<K>, now: Stamp) -> bool {
     // Only a called operation has its caller's deadline.
-    let Stage::Called { .. } = record.stage else {
+    let Stage::Called { deadline, .. } = record.stage else {
         return false;
     };
     if record.at == Stamp::UNKNOWN || now == Stamp::UNKNOWN {
         return false;
     }
-    record.budget.is_past(record.at.until(now))
+    deadline.is_past(record.at.until(now))
 }
 
 /// An operation's work while it runs: the scope it entered is left when the work returns or
@@ -932,8 +927,9 @@ mod tests {
         Record {
             series: None,
             at: Stamp::of(at),
-            stage: Stage::Admitted,
-            budget: Budget::spent(queued),
+            stage: Stage::Admitted {
+                queued_us: u32::try_from(queued.as_micros()).unwrap(),
+            },
             chosen: None,
             heard: false,
             key: SeriesKey::new(crate::Operation::Other, crate::Executor::Other),
@@ -972,7 +968,7 @@ mod tests {
         let no_deadline = called(at, ms(0), None);
         assert!(!past_deadline(&no_deadline, Stamp::of(at + ms(3_600_000))));
 
-        // Admitted, never called: its queue time (5 ms, kept as a spent budget) is not a deadline.
+        // Admitted, never called: its queue time (5 ms, kept as 5000 us) is not a deadline.
         let never_called = admitted(at, ms(5));
         let outcome = decide(
             &never_called,
@@ -987,23 +983,11 @@ mod tests {
     fn a_deadline_beyond_what_the_record_holds_is_kept_as_the_longest_it_can() {
         let at = Instant::now();
         let record = called(at, ms(0), Some(Duration::from_secs(60 * 60 * 24 * 365)));
-        let Stage::Called { .. } = record.stage else {
+        let Stage::Called { deadline, .. } = record.stage else {
             panic!("called")
         };
-        assert_eq!(record.budget, Budget(u32::MAX - 1));
+        assert_eq!(deadline, Budget(u32::MAX - 1));
         assert!(!past_deadline(&record, Stamp::of(at + ms(1_000))));
-    }
-
-    /// A word more is moved and dropped with every operation that records: the spans' handle
-    /// takes the padding of the stage, not a word of its own.
-    #[test]
-    fn a_record_is_four_words_with_or_without_spans() {
-        let word = std::mem::size_of::<usize>();
-        assert_eq!(std::mem::size_of::<Record<()>>(), 4 * word);
-        assert_eq!(
-            std::mem::size_of::<Record<Option<crate::classify::DefaultClassifier>>>(),
-            4 * word
-        );
     }
 
     #[test]

@@ -11,8 +11,9 @@
 //! and what ran inside the limit (a request span made inside it included) stay one trace.
 //! An operation that got its permit at once has no wait span, only its run span (queue time 0).
 //!
-//! Disabled (no subscriber, or the level or target filtered out), each step costs one check of
-//! a span callsite's interest, and the record carries one null word.
+//! Disabled (no subscriber, or the level filtered out), an operation's one check is a read of
+//! `tracing`'s max level ([`Trace::may_trace`]), and the record carries one null word; with the
+//! level on but the target filtered out, each step also checks its span callsite's interest.
 
 use std::time::Duration;
 
