@@ -497,7 +497,9 @@ impl<A: Acquire> Lifecycle<A> {
         };
         let acquired = match now {
             Some(now) => now,
-            None => std::task::ready!(self.poll_wait(asking, series, key, limit, deadline, cx)),
+            None => {
+                std::task::ready!(self.poll_wait(asking, series, records, key, limit, deadline, cx))
+            }
         };
         let permit = match acquired {
             Ok(permit) => permit,
@@ -511,48 +513,55 @@ impl<A: Acquire> Lifecycle<A> {
         } else {
             held_twice(permit);
         }
+        // An operation that waited recorded its admission as its wait ended (`poll_wait`): the
+        // path of a free permit looks for no record.
         if records && (heard || series.is_some()) {
             self.record_admission(series, heard, key, limit);
-        } else if Trace::ever() && (self.record.is_some() || Trace::may_trace()) {
-            // A wait traced, or spans that may be on (neither before any subscriber was set).
+        } else if Trace::may_trace() {
             self.trace_admission(key, limit);
         }
         Poll::Ready(Ok(()))
     }
 
-    /// Admitted with nothing else to record: its spans, if they are enabled (a record made
-    /// for them alone).
+    /// Admitted at once with nothing else to record: its spans, if they are enabled (a record
+    /// made for them alone).
     #[cold]
     #[inline(never)]
     fn trace_admission<'c>(&mut self, key: SeriesKey, limit: impl LimitOf<'c>) {
-        match &mut self.record {
-            // It waited, traced.
-            Some(waited) => waited.admit(true, false, limit),
-            None => {
-                let trace = Trace::at_once(key, limit());
-                if trace.is_some() {
-                    let mut record = Record::at_once(None, key, trace);
-                    record.admit(false, false, limit);
-                    self.record = Some(record);
-                }
-            }
+        if self.record.is_some() {
+            // It waited, and was admitted as its wait ended.
+            return;
+        }
+        let trace = Trace::at_once(key, limit());
+        if trace.is_some() {
+            let mut record = Record::at_once(None, key, trace);
+            record.admit(false, false, limit);
+            self.record = Some(record);
         }
     }
 
-    /// Waits for the permit: the operation counts as queued from the first `Pending`.
+    /// Waits for the permit: the operation counts as queued from the first `Pending`, and a
+    /// recorded wait (with metrics on, or traced) records its admission as it ends, here, off
+    /// the path of a free permit. `records`: as for [`poll_admit`](Self::poll_admit).
+    #[allow(clippy::too_many_arguments)]
     #[inline(never)]
     fn poll_wait<'c>(
         &mut self,
         asking: &mut impl Asking<Permit = A::Permit>,
         series: Option<&Series>,
+        records: bool,
         key: SeriesKey,
         limit: impl LimitOf<'c>,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<A::Permit, AcquireError>> {
         let polled = asking.poll_wait(cx);
-        if polled.is_pending() && self.record.is_none() {
-            self.start_waiting(series, key, limit, deadline);
+        match (&polled, &mut self.record) {
+            (Poll::Pending, None) => self.start_waiting(series, key, limit, deadline),
+            (Poll::Ready(Ok(permit)), Some(waited)) => {
+                waited.admit(true, records && A::hears_end(permit), limit);
+            }
+            _ => {}
         }
         polled
     }
@@ -586,7 +595,8 @@ impl<A: Acquire> Lifecycle<A> {
         });
     }
 
-    /// Records the admission: the queue sample (0 if it did not wait), and one more active.
+    /// Records the admission of an operation that did not wait (one that waited recorded it
+    /// as its wait ended): its queue sample is 0, and one more active.
     #[inline(never)]
     fn record_admission<'c>(
         &mut self,
@@ -595,16 +605,14 @@ impl<A: Acquire> Lifecycle<A> {
         key: SeriesKey,
         limit: impl LimitOf<'c>,
     ) {
-        match &mut self.record {
-            Some(waited) => waited.admit(true, heard, limit),
-            None => {
-                // It never waited (or waited unrecorded, for a limit that hears ends with
-                // metrics off): its queue sample is 0, and needs no clock.
-                let mut record = Record::at_once(series.cloned(), key, Trace::NONE);
-                record.admit(false, heard, limit);
-                self.record = Some(record);
-            }
+        if self.record.is_some() {
+            return;
         }
+        // It never waited (or waited unrecorded, for a limit that hears ends with metrics
+        // off): its queue sample is 0, and needs no clock.
+        let mut record = Record::at_once(series.cloned(), key, Trace::NONE);
+        record.admit(false, heard, limit);
+        self.record = Some(record);
     }
 
     /// The limit admitted no operation: it is counted as rejected, by reason (a failure is

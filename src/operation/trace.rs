@@ -11,8 +11,9 @@
 //! and what ran inside the limit (a request span made inside it included) stay one trace.
 //! An operation that got its permit at once has no wait span, only its run span (queue time 0).
 //!
-//! Disabled (no subscriber, or the level or target filtered out), each step costs one check of
-//! a span callsite's interest, and the record carries one null word.
+//! Disabled (no subscriber, or the level filtered out), an operation's one check is a read of
+//! `tracing`'s max level ([`Trace::may_trace`]), and the record carries one null word; with the
+//! level on but the target filtered out, each step also checks its span callsite's interest.
 
 use std::time::Duration;
 
@@ -135,19 +136,14 @@ mod on {
             })))
         }
 
-        /// Whether a subscriber was ever set (`tracing` never unsets it): until then no span,
-        /// and no record made for one, can exist.
-        #[inline(always)]
-        pub(crate) fn ever() -> bool {
-            tracing::dispatcher::has_been_set()
-        }
-
         /// Whether spans may be enabled at all: the one check on the path of an operation with
-        /// no span. With no subscriber it reads one flag; with one that filters `DEBUG` out, one
-        /// more word, the level (as `tracing`'s own macros elide their trace points).
+        /// no span, and the first one `tracing`'s own span macros make. It reads one word,
+        /// `tracing`'s max level: `OFF` until a subscriber is set (so no subscriber costs no
+        /// more than one that filters `DEBUG` out), then the most verbose level any subscriber
+        /// enables.
         #[inline(always)]
         pub(crate) fn may_trace() -> bool {
-            tracing::dispatcher::has_been_set() && tracing::level_enabled!(tracing::Level::DEBUG)
+            tracing::level_enabled!(tracing::Level::DEBUG)
         }
 
         /// Whether it has a span (a record that has nothing else to record is kept for it).
@@ -274,11 +270,6 @@ mod off {
         #[inline(always)]
         pub(crate) fn waiting(_: SeriesKey, _: Option<&Capacity>) -> Self {
             Self
-        }
-
-        #[inline(always)]
-        pub(crate) fn ever() -> bool {
-            false
         }
 
         #[inline(always)]
