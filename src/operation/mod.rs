@@ -159,6 +159,15 @@ enum Stage<K> {
     Ended,
 }
 
+/// `duration` in whole milliseconds, rounded up; in 64 bits (`as_nanos` is a 128-bit division).
+fn ceil_ms(duration: Duration) -> u64 {
+    let part = duration.subsec_nanos().div_ceil(1_000_000);
+    duration
+        .as_secs()
+        .saturating_mul(1_000)
+        .saturating_add(u64::from(part))
+}
+
 /// How long an operation may take before a drop is past a deadline, in whole milliseconds; or
 /// no deadline. In 32 bits, so that a stage, and so every service and response future, is a
 /// word smaller than with an `Option<Duration>`.
@@ -175,10 +184,7 @@ impl Budget {
             return Self::NONE;
         };
         let slack = DEADLINE_SLACK.min(deadline / 10);
-        let ms = deadline
-            .saturating_sub(slack)
-            .as_nanos()
-            .div_ceil(1_000_000);
+        let ms = ceil_ms(deadline.saturating_sub(slack));
         Self(u32::try_from(ms).unwrap_or(u32::MAX - 1).min(u32::MAX - 1))
     }
 
@@ -187,7 +193,7 @@ impl Budget {
         match self {
             Self::NONE => Self::NONE,
             Self(ms) => {
-                let spent = u32::try_from(spent.as_nanos().div_ceil(1_000_000)).unwrap_or(u32::MAX);
+                let spent = u32::try_from(ceil_ms(spent)).unwrap_or(u32::MAX);
                 Self(ms.saturating_sub(spent))
             }
         }
@@ -921,6 +927,22 @@ impl<A: Acquire, K> Running<'_, '_, A, K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn milliseconds_round_up_as_the_nanoseconds_do() {
+        for duration in [
+            Duration::ZERO,
+            Duration::from_nanos(1),
+            Duration::from_micros(999_999),
+            Duration::from_millis(1),
+            Duration::new(3, 1),
+            Duration::new(u64::MAX / 1_000, 999_999_999),
+        ] {
+            let slow = u64::try_from(duration.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
+            assert_eq!(ceil_ms(duration), slow, "{duration:?}");
+        }
+        assert_eq!(ceil_ms(Duration::MAX), u64::MAX);
+    }
 
     /// A record admitted at `at` after waiting `queued`, with nothing to record it to.
     fn admitted(at: Instant, queued: Duration) -> Record<()> {
