@@ -36,7 +36,8 @@ pub fn is_congestion(outcome: Outcome) -> bool {
 /// // A fleet's windows: the capacity was lowered as window 7 closed.
 /// let news = News::new();
 /// assert!(news.is_news(3), "nothing was lowered yet");
-/// news.decreased(7);
+/// assert!(news.decreased(7), "the mark moved");
+/// assert!(!news.decreased(5), "an older decrease, heard late");
 /// assert!(!news.is_news(7), "admitted before the decrease: answered by it");
 /// assert!(news.is_news(8), "admitted at the lowered capacity, and still failed");
 /// ```
@@ -55,9 +56,12 @@ impl News {
     }
 
     /// The capacity was lowered at `mark`: operations admitted at or before it were admitted
-    /// before the decrease. A mark lower than the last one is ignored.
-    pub fn decreased(&self, mark: u64) {
-        self.decreased.fetch_max(mark, Relaxed);
+    /// before the decrease. A mark lower than the last one is ignored. Returns whether the mark
+    /// moved: if it did, what was judged before against an older mark was judged too kindly
+    /// (a fleet's process that hears of a decrease late moves what it counted since as news to
+    /// the decrease's, as stale).
+    pub fn decreased(&self, mark: u64) -> bool {
+        self.decreased.fetch_max(mark, Relaxed) < mark
     }
 
     /// Whether the failure of an operation admitted at `admitted` is news: whether it was

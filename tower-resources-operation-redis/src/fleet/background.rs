@@ -245,15 +245,17 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
         let _ = tokio::time::timeout(settings.tick, control.doorbell.notified()).await;
         if member.health.is_down() {
             // The counts of an outage are dropped: the fleet cannot be measured meanwhile.
-            let _ = control.tally.take();
+            control.drop_counts();
             continue;
         }
         let seen = control.epoch();
+        let (counts, judged) = control.take_counts();
         let tick = Tick {
             candidate: &control.id,
             leader_ttl: control.leader_ttl,
             seen,
-            counts: control.tally.take(),
+            counts,
+            judged,
             shortest: (settings.tick * 2).max(Duration::from_millis(100)),
             longest: adaptive.interval(),
             tolerance: adaptive.tolerated_share(),
@@ -316,10 +318,14 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
         })
         .unwrap_or_default();
         let rtt_us = sample.mean_run_time.map(micros).or(ticked.known.rtt_us);
+        // A decrease opens a window of its own (the store does the same): what was admitted
+        // since the window was taken ran at the capacity it lowers.
+        let decreases = next < ticked.capacity;
+        let epoch = ticked.known.epoch + u64::from(decreases);
         let known = Known {
-            epoch: ticked.known.epoch,
-            decreased: match next < ticked.capacity {
-                true => ticked.known.epoch,
+            epoch,
+            decreased: match decreases {
+                true => epoch,
                 false => ticked.known.decreased,
             },
             rtt_us,
@@ -328,6 +334,7 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
         };
         let decision = Decision {
             leader: &control.id,
+            window: ticked.known.epoch,
             capacity: next,
             known,
             baselines: &baselines,

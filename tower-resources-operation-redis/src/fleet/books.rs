@@ -29,6 +29,8 @@ pub(crate) struct Books {
 pub(crate) struct Slot {
     news: AtomicU8,
     notify: Notify,
+    /// The fleet's window its place was handed over in, as the store said (0 for none heard).
+    pub(crate) handed_in: AtomicU64,
     /// Whether it has a ticket in the fleet's queue (and so is refreshed, and counted).
     pub(crate) queued: AtomicBool,
 }

@@ -8,6 +8,7 @@
 use std::fmt;
 use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -16,7 +17,7 @@ use tower_resources_operation::adaptive::{
 };
 use tower_resources_operation::limit::Ended;
 
-use super::books::next_id;
+use super::books::{lock, next_id};
 
 /// An atomic duration's "none".
 const NONE: u64 = u64::MAX;
@@ -41,6 +42,10 @@ pub(crate) struct FleetControl {
     /// Marks are the fleet's window numbers: an operation's, the window this process knew as
     /// it was admitted; a decrease's, the window it was decided in.
     news: News,
+    /// What the tally had counted when this process heard of a decrease, for its next tick:
+    /// each end in it was judged against an older mark, and was admitted before the decrease
+    /// (this process had not yet heard of the window after it), so its failures are stale.
+    carried: Mutex<Counts>,
     /// The fleet's window, as this process last heard (0 before it heard any).
     epoch: AtomicU64,
     /// The fleet's baseline and estimate, in µs (`NONE`).
@@ -67,6 +72,7 @@ impl FleetControl {
             leader_ttl,
             tally: Tally::new(),
             news: News::new(),
+            carried: Mutex::default(),
             epoch: AtomicU64::new(0),
             baseline_us: AtomicU64::new(NONE),
             estimate_us: AtomicU64::new(NONE),
@@ -121,6 +127,27 @@ impl FleetControl {
         }
     }
 
+    /// This process's counts since its last tick, for the next, and the decrease they were
+    /// judged against (the window it was decided in, 0 for none): a store that has heard of a
+    /// later one counts their failures as stale (see [`Tick::judged`]).
+    ///
+    /// [`Tick::judged`]: super::store::Tick::judged
+    pub(crate) fn take_counts(&self) -> (Counts, u64) {
+        // The mark first: a decrease heard between the two takes the tally into `carried`, and
+        // what is counted after it was judged against a newer mark than this one (the store
+        // then counts its failures as stale too, which errs toward no decrease).
+        let judged = self.news.last_decrease().unwrap_or(0);
+        let mut counts = self.tally.take();
+        counts += std::mem::take(&mut *lock(&self.carried));
+        (counts, judged)
+    }
+
+    /// Drops this process's counts: the fleet cannot be measured while the store is out of
+    /// reach.
+    pub(crate) fn drop_counts(&self) {
+        let _ = self.take_counts();
+    }
+
     /// The limit turned an operation away (a full queue).
     pub(crate) fn rejected(&self) {
         self.tally.rejected();
@@ -131,8 +158,16 @@ impl FleetControl {
         self.epoch.store(known.epoch, Relaxed);
         // `decreased` is the first window after the decrease: it was decided in the one
         // before, and what was admitted in that one ran at the capacity it lowered.
-        if known.decreased > 0 {
-            self.news.decreased(known.decreased - 1);
+        if known.decreased > 0 && self.news.decreased(known.decreased - 1) {
+            // Heard late (a decision is pushed, and a tick answers it): what was counted since
+            // the last tick was judged against the decrease before, and each of its operations
+            // was admitted in a window up to the one this decrease was decided in. Their
+            // failures go as the decrease's stale ones; their own ends, to a window that has
+            // closed. (An end judged just as this runs may still land in the next tally as
+            // news: one end, in the time between two atomic operations.)
+            let judged = self.tally.take();
+            let mut carried = lock(&self.carried);
+            *carried += stale(judged).into_next_window();
         }
         self.baseline_us
             .store(known.baseline_us.unwrap_or(NONE), Relaxed);
@@ -216,9 +251,69 @@ impl Taken {
     }
 }
 
+/// `counts`, their signs of congestion all stale: judged news against a decrease before the
+/// last.
+pub(crate) fn stale(mut counts: Counts) -> Counts {
+    counts.stale += std::mem::take(&mut counts.congested);
+    counts
+}
+
 /// `duration` in whole microseconds, for the atomics and the store.
 pub(crate) fn micros(duration: Duration) -> u64 {
     u64::try_from(duration.as_micros())
         .unwrap_or(NONE - 1)
         .min(NONE - 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use tower_resources_operation::adaptive::Aimd;
+    use tower_resources_operation::Outcome;
+
+    use super::*;
+
+    fn control() -> FleetControl {
+        let settings = AdaptiveSettings {
+            adaptive: Adaptive::new(Aimd::default(), 1..=64),
+            tick: Duration::from_millis(50),
+        };
+        FleetControl::new(
+            settings,
+            Duration::from_millis(500),
+            Duration::from_secs(10),
+        )
+    }
+
+    fn known(epoch: u64, decreased: u64) -> Known {
+        Known {
+            epoch,
+            decreased,
+            ..Known::default()
+        }
+    }
+
+    #[test]
+    fn what_was_counted_before_a_decrease_was_heard_goes_to_the_next_tick_as_stale() {
+        let control = control();
+        control.learn(&known(5, 0));
+        let failed = Ended::new(Outcome::Error, Duration::from_millis(50), None);
+        let ok = Ended::new(Outcome::Ok, Duration::from_millis(50), None);
+        // Admitted in window 5, and ended before this process heard of the decrease decided
+        // as window 6 opened: judged news then.
+        control.ended(5, &failed);
+        control.ended(5, &ok);
+        control.learn(&known(6, 6));
+        // Admitted after it: news.
+        control.ended(6, &failed);
+        // The same decision heard again (a tick answers what was pushed): nothing moves.
+        control.learn(&known(6, 6));
+        let (counts, judged) = control.take_counts();
+        assert_eq!(judged, 5, "judged against the decrease of window 5");
+        assert_eq!((counts.congested, counts.stale), (1, 1));
+        assert_eq!(counts.ended, 1, "window 5's own ends are not window 6's");
+        let ended: u64 = counts.series().map(|(_, _, series)| series.ended).sum();
+        assert_eq!(ended, 3, "every end still counts as an end");
+        let (empty, _) = control.take_counts();
+        assert_eq!(empty, Counts::default(), "taken once");
+    }
 }

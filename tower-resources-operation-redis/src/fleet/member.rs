@@ -490,17 +490,29 @@ impl<S: Store> Member<S> {
         }
     }
 
+    /// The fleet's window as this process last heard it (an adaptive limit's; 0 for a fixed
+    /// one).
+    pub(crate) fn window(&self) -> u64 {
+        self.control.as_ref().map_or(0, |control| control.epoch())
+    }
+
     /// What the store pushed.
     pub(crate) fn heard(&self, event: Event) {
         match event {
-            Event::Handed(ids) => {
+            Event::Handed { window, ids } => {
                 let mut foreign = false;
                 {
                     let books = lock(&self.books);
                     for id in &ids {
                         match books.waiting.get(id) {
-                            // Its place: to be claimed, by asking again.
-                            Some(slot) => slot.tell(ASK),
+                            // Its place: to be claimed, by asking again. Admitted in the
+                            // window the store handed it over in, whatever this process has
+                            // heard of since (a decision pushed after it, a tick answered
+                            // before it was read).
+                            Some(slot) => {
+                                slot.handed_in.store(window, Ordering::Relaxed);
+                                slot.tell(ASK);
+                            }
                             None => foreign |= !is_own(id),
                         }
                     }

@@ -10,7 +10,8 @@ use super::member::Handle;
 pub(crate) struct Place<S> {
     pub(crate) handle: Arc<Handle<S>>,
     pub(crate) kind: Kind,
-    /// The fleet's window it was admitted in, as this process knew it (adaptive limits).
+    /// The fleet's window it was admitted in (adaptive limits): the store's, for a place
+    /// handed over; else the one this process knew as it asked.
     pub(crate) epoch: u64,
 }
 
@@ -27,12 +28,8 @@ pub(crate) enum Kind {
 }
 
 impl<S> Place<S> {
-    pub(crate) fn new(handle: Arc<Handle<S>>, kind: Kind) -> Self {
-        let epoch = handle
-            .member
-            .control
-            .as_ref()
-            .map_or(0, |control| control.epoch());
+    /// A place admitted in the fleet's window `epoch`.
+    pub(crate) fn new(handle: Arc<Handle<S>>, kind: Kind, epoch: u64) -> Self {
         Self {
             handle,
             kind,

@@ -21,6 +21,13 @@
 //! - **The clock.** Every expiry is on the store's own clock, never a replica's.
 //! - **Wake-ups.** A place handed over, a capacity set and a decision taken are pushed to every
 //!   process; a wake-up lost is covered by the refresh.
+//! - **An adaptive limit's windows.** The fleet's window is a number every process hears; an
+//!   operation is marked with the window it was admitted in, and a failure is news only if it
+//!   was admitted after the last decrease (the core's `News`). Three rules keep that exact
+//!   although processes hear late: a place handed over carries the window it was handed over in
+//!   ([`Event::Handed`]); a decrease opens a window of its own, and what the window counted
+//!   before it counts as the next window's, its failures stale; and counts judged against a
+//!   decrease before the store's last ([`Tick::judged`]) count their failures as stale.
 //!
 //! # On other stores (checked on paper, not built)
 //!
@@ -172,6 +179,11 @@ pub(crate) struct Tick<'a> {
     /// The window this process's counts were taken in.
     pub(crate) seen: u64,
     pub(crate) counts: Counts,
+    /// The window of the last decrease the counts' failures were judged against (0 for none).
+    /// A store whose last decrease is later counts them as stale: each was admitted before it
+    /// (the process had not heard of the window after it), and judged news by a process that
+    /// had not heard of it yet, or ended before it was decided and was counted after.
+    pub(crate) judged: u64,
     /// The shortest window, the longest, and the share of ends that may be failures before
     /// the window is due at once.
     pub(crate) shortest: Duration,
@@ -186,10 +198,14 @@ pub(crate) struct Tick<'a> {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Decision<'a> {
     pub(crate) leader: &'a str,
+    /// The window that opened as the leader took the last: the decision is dropped unless it
+    /// is still open (and the leader still leads).
+    pub(crate) window: u64,
     /// The capacity from now on.
     pub(crate) capacity: usize,
-    /// What the fleet knows after it: the window that opened as the leader took the last, the
-    /// first window after the last decrease, what the algorithm measured.
+    /// What the fleet knows after it: the window open after it (the next one after a decrease,
+    /// which opens one of its own), the first window after the last decrease, what the
+    /// algorithm measured.
     pub(crate) known: Known,
     /// The algorithm's baselines, series by series: what a next leader starts from.
     pub(crate) baselines: &'a [SeriesBaseline],
@@ -198,8 +214,10 @@ pub(crate) struct Decision<'a> {
 /// What a store pushes to every process of the fleet.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Event {
-    /// Places were handed over to these waiters, to be claimed within the claim timeout.
-    Handed(Vec<String>),
+    /// Places were handed over to these waiters, to be claimed within the claim timeout, in
+    /// the fleet's window `window` (an adaptive limit's: what their operations were admitted
+    /// in, whenever their processes hear of it; 0 for a fixed limit).
+    Handed { window: u64, ids: Vec<String> },
     /// The fleet's capacity is now this.
     Capacity(usize),
     /// The leader decided a window.

@@ -29,6 +29,10 @@ pub(crate) async fn acquire<S: Store>(handle: Arc<Handle<S>>) -> Result<Place<S>
     loop {
         let asked_before = waiter.asked;
         waiter.asked = true;
+        // The window as of before the call: a place the store grants meanwhile was admitted
+        // in it or in a later one, and a decrease decided meanwhile lowered a capacity it was
+        // perhaps admitted at (its failure is then not news).
+        waiter.asked_in = member.window();
         let error = match member.take(&waiter.id).await {
             Ok(Answer::Granted) => return Ok(waiter.admitted(Kind::Lease)),
             Ok(Answer::Queued) => {
@@ -56,7 +60,11 @@ pub(crate) async fn acquire<S: Store>(handle: Arc<Handle<S>>) -> Result<Place<S>
             Unreachable::Closed => return Err(AcquireError::failed(error)),
             Unreachable::Open => {
                 member.failed_open.fetch_add(1, Ordering::Relaxed);
-                return Ok(Place::new(Arc::clone(&handle), Kind::Unlimited));
+                return Ok(Place::new(
+                    Arc::clone(&handle),
+                    Kind::Unlimited,
+                    member.window(),
+                ));
             }
             Unreachable::Share => {
                 if let Some(admitted) = waiter.on_share(error).await {
@@ -76,6 +84,8 @@ struct Waiter<S> {
     slot: Arc<Slot>,
     /// Whether the store may hold a ticket, a claim or a lease of this id.
     asked: bool,
+    /// The fleet's window as this process knew it before its last call to the store.
+    asked_in: u64,
     admitted: bool,
 }
 
@@ -91,6 +101,7 @@ impl<S: Store> Waiter<S> {
             id,
             slot,
             asked: false,
+            asked_in: 0,
             admitted: false,
         }
     }
@@ -171,10 +182,16 @@ impl<S: Store> Waiter<S> {
 
     /// The place is its: a lease (`Kind::Lease`), or, for `Kind::Unlimited`, nothing.
     fn admitted(&mut self, kind: fn(String) -> Kind) -> Place<S> {
+        // A place handed over was admitted in the window the store said; one granted as it
+        // asked, in the window it knew before.
+        let epoch = match self.slot.handed_in.load(Ordering::Relaxed) {
+            0 => self.asked_in,
+            handed_in => handed_in,
+        };
         let id = self.leave();
         lock(&self.handle.member.books).held.insert(id.clone());
         self.handle.member.active.fetch_add(1, Ordering::Relaxed);
-        Place::new(Arc::clone(&self.handle), kind(id))
+        Place::new(Arc::clone(&self.handle), kind(id), epoch)
     }
 
     /// A place of the share is its (counted in `active` already): the store is told of it at
@@ -182,7 +199,8 @@ impl<S: Store> Waiter<S> {
     fn admitted_on_share(&mut self) -> Place<S> {
         let id = self.leave();
         lock(&self.handle.member.books).unheard.insert(id.clone());
-        Place::new(Arc::clone(&self.handle), Kind::Share(id))
+        let epoch = self.handle.member.window();
+        Place::new(Arc::clone(&self.handle), Kind::Share(id), epoch)
     }
 
     /// No longer waits: out of the books and the queued count, its id taken.

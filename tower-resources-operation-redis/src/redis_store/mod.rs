@@ -5,6 +5,8 @@
 mod errors;
 mod scripts;
 mod transport;
+#[cfg(test)]
+mod windows_tests;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -282,7 +284,7 @@ impl Store for RedisStore {
                         .map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX)),
                 );
         }
-        invocation.arg(u8::from(tick.starting));
+        invocation.arg(u8::from(tick.starting)).arg(tick.judged);
         let fields: Vec<String> = self.run(&invocation).await?;
         parse_ticked(&fields).ok_or_else(|| self.malformed("a malformed tick"))
     }
@@ -293,7 +295,7 @@ impl Store for RedisStore {
         let known = &decision.known;
         invocation
             .arg(decision.leader)
-            .arg(known.epoch)
+            .arg(decision.window)
             .arg(decision.capacity)
             .arg(us(known.rtt_us))
             .arg(us(known.baseline_us))
@@ -310,12 +312,17 @@ fn ms(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// What was published on the limit's channel, as an event: `g <ids>` places handed over,
+/// What was published on the limit's channel, as an event: `g <window> <ids>` places handed
+/// over in the fleet's window `window` (0 for a fixed limit),
 /// `c <capacity>`, `a <epoch> <decreased> <rtt> <baseline> <estimate>` a decision, `d` a
 /// window due.
 fn parse_message(message: &str) -> Option<Event> {
-    if let Some(ids) = message.strip_prefix("g ") {
-        return Some(Event::Handed(ids.split(' ').map(str::to_owned).collect()));
+    if let Some(handed) = message.strip_prefix("g ") {
+        let (window, ids) = handed.split_once(' ')?;
+        return Some(Event::Handed {
+            window: window.parse().ok()?,
+            ids: ids.split(' ').map(str::to_owned).collect(),
+        });
     }
     if let Some(capacity) = message.strip_prefix("c ") {
         return capacity.parse().ok().map(Event::Capacity);
@@ -596,9 +603,13 @@ mod tests {
     #[test]
     fn what_is_published_is_heard_as_the_fleets_events() {
         assert_eq!(
-            parse_message("g a:1 b:2"),
-            Some(Event::Handed(vec!["a:1".into(), "b:2".into()]))
+            parse_message("g 7 a:1 b:2"),
+            Some(Event::Handed {
+                window: 7,
+                ids: vec!["a:1".into(), "b:2".into()]
+            })
         );
+        assert_eq!(parse_message("g a:1 b:2"), None, "no window");
         assert_eq!(parse_message("c 12"), Some(Event::Capacity(12)));
         assert_eq!(parse_message("d"), Some(Event::Due));
         let Some(Event::Decided(known)) = parse_message("a 7 5 50000 -1 52000") else {

@@ -79,7 +79,8 @@ local function promote()
     redis.call('ZREM', waiting, id)
   end
   redis.call('ZREMRANGEBYRANK', queue, 0, #first - 1)
-  redis.call(publish, channel, 'g ' .. table.concat(first, ' '))
+  local window = redis.call('HGET', KEYS[8], 'epoch') or '0'
+  redis.call(publish, channel, 'g ' .. window .. ' ' .. table.concat(first, ' '))
 end
 local function alive(process)
   redis.call('ZADD', processes, now + ttl, process)
@@ -194,7 +195,8 @@ return {cap, redis.call('ZCARD', holders), redis.call('ZCARD', queue),
 ///
 /// `KEYS[8]` the adaptive state (a hash: `epoch`, the window's number; `opened`, when it opened
 /// on the server's clock; `decreased`, the first window after the last decrease, and
-/// `decreased_at`; `rtt_us`, `baseline_us`, `estimate_us`, and `baselines`, each series'; `ticked`, when a replica last
+/// `decreased_at`; `decreases`, how many (each opened a window: the windows taken are `epoch`
+/// less them, less 1); `rtt_us`, `baseline_us`, `estimate_us`, and `baselines`, each series'; `ticked`, when a replica last
 /// ticked), `KEYS[9]` the window (a hash of counts), `KEYS[10]` the leader's lease
 /// (a string: the leader's id, with a TTL).
 ///
@@ -207,7 +209,9 @@ return {cap, redis.call('ZCARD', holders), redis.call('ZCARD', queue),
 /// operations `t` ended `ok`, `s` their run times summed (µs), `q` their squares (µs² / 1024),
 /// `m` the shortest (`-1` for none). A replica's counts taken in an earlier window add only
 /// what any window counts (the core's `Counts::into_next_window`). The argument after the
-/// series is `1` if the replica has no algorithm yet (it would start one if it led).
+/// series is `1` if the replica has no algorithm yet (it would start one if it led); the one
+/// after it, the window of the last decrease the replica judged its congestion against (0 for
+/// none): if the fleet's last decrease is later, that congestion is added as stale.
 ///
 /// Returns strings: `{taken, capacity, epoch, leads, age_ms, decreased, rtt_us, baseline_us,
 /// estimate_us, baselines}` (`baselines`, what the last decision stored, only for a leader
@@ -227,10 +231,15 @@ end
 redis.call('HSET', state, 'ticked', now)
 local own = seen == epoch
 if own then redis.call('HINCRBY', window, 'ended', ARGV[9]) end
-redis.call('HINCRBY', window, 'congested', ARGV[10])
-redis.call('HINCRBY', window, 'stale', ARGV[11])
-redis.call('HINCRBY', window, 'rejected', ARGV[12])
 local series = tonumber(ARGV[16])
+local news, stale = tonumber(ARGV[10]), tonumber(ARGV[11])
+if tonumber(ARGV[18 + series * 8]) < tonumber(redis.call('HGET', state, 'decreased') or '0') - 1 then
+  -- Judged before the replica heard of the last decrease: admitted before it.
+  news, stale = 0, stale + news
+end
+redis.call('HINCRBY', window, 'congested', news)
+redis.call('HINCRBY', window, 'stale', stale)
+redis.call('HINCRBY', window, 'rejected', ARGV[12])
 for i = 0, series - 1 do
   local at = 17 + i * 8
   local prefix = ARGV[at]
@@ -301,7 +310,8 @@ return out
 /// the round trip, baseline and estimate in µs (`-1` for none), `ARGV[12]` the algorithm's
 /// baselines, series by series (what a new leader starts from; see
 /// `redis_store::encode_baselines`). Sets the capacity as `SET_CAPACITY` does, and tells every
-/// process: `a <epoch> <decreased> <rtt> <baseline> <estimate>`. Returns the capacity, or `-1`
+/// process: `a <epoch> <decreased> <rtt> <baseline> <estimate>`. A decrease opens a window of
+/// its own (`epoch` one more than `ARGV[7]`, and `decreased` it). Returns the capacity, or `-1`
 /// if the decision was dropped.
 const FLEET_DECIDE: &str = r#"
 local state, leader_key = KEYS[8], KEYS[10]
@@ -310,7 +320,23 @@ if redis.call('GET', leader_key) ~= id or redis.call('HGET', state, 'epoch') ~= 
   return -1
 end
 if next_cap < cap then
-  redis.call('HSET', state, 'decreased', epoch, 'decreased_at', now)
+  -- A window of its own from the decrease: what was admitted since the last window opened
+  -- ran at the capacity it lowers. What that window counted so far is the next one's as an
+  -- earlier window's counts are (`Counts::into_next_window`), its failures stale.
+  epoch = tostring(tonumber(epoch) + 1)
+  redis.call('HSET', state, 'epoch', epoch, 'decreased', epoch, 'decreased_at', now)
+  redis.call('HINCRBY', state, 'decreases', 1)
+  local window = KEYS[9]
+  local counted = redis.call('HGETALL', window)
+  for i = 1, #counted, 2 do
+    local name, value = counted[i], counted[i + 1]
+    if name == 'congested' then
+      redis.call('HINCRBY', window, 'stale', value)
+      redis.call('HDEL', window, name)
+    elseif name == 'ended' or string.match(name, '/[tsqm]$') then
+      redis.call('HDEL', window, name)
+    end
+  end
 end
 if next_cap ~= cap then
   cap = next_cap
