@@ -318,10 +318,19 @@ fn ms(duration: Duration) -> u64 {
 /// window due.
 fn parse_message(message: &str) -> Option<Event> {
     if let Some(handed) = message.strip_prefix("g ") {
-        let (window, ids) = handed.split_once(' ')?;
+        let mut ids = handed.split(' ').peekable();
+        // An earlier build's scripts say no window (an id is `process:count`, never a number):
+        // the places are handed over all the same, in a window this process cannot tell.
+        let window = match ids.peek().map(|first| first.parse::<u64>()) {
+            Some(Ok(window)) => {
+                ids.next();
+                window
+            }
+            _ => 0,
+        };
         return Some(Event::Handed {
-            window: window.parse().ok()?,
-            ids: ids.split(' ').map(str::to_owned).collect(),
+            window,
+            ids: ids.map(str::to_owned).collect(),
         });
     }
     if let Some(capacity) = message.strip_prefix("c ") {
@@ -609,7 +618,14 @@ mod tests {
                 ids: vec!["a:1".into(), "b:2".into()]
             })
         );
-        assert_eq!(parse_message("g a:1 b:2"), None, "no window");
+        assert_eq!(
+            parse_message("g a:1 b:2"),
+            Some(Event::Handed {
+                window: 0,
+                ids: vec!["a:1".into(), "b:2".into()]
+            }),
+            "no window: handed over all the same"
+        );
         assert_eq!(parse_message("c 12"), Some(Event::Capacity(12)));
         assert_eq!(parse_message("d"), Some(Event::Due));
         let Some(Event::Decided(known)) = parse_message("a 7 5 50000 -1 52000") else {
