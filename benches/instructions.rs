@@ -12,7 +12,8 @@
 //! operations), divided by 200,000, so that the setup cancels out. `<case>` is one of the names
 //! printed when it runs without one: the driving pattern (`reused`: `ready` + `call`;
 //! `oneshot`: `clone().oneshot()`, as hyper and axum drive a service per request) and the
-//! service (tower's limit; this layer with metrics off or on). `<subscriber>`: `no_subscriber`
+//! service (tower's limit; this layer with metrics off or on; the floor: tower's limit plus the
+//! SDK's records that any metrics layer makes, the denominator of the metrics-on ratios). `<subscriber>`: `no_subscriber`
 //! (the default), `spans_filtered` (a subscriber at `INFO`, the operation's `DEBUG` spans
 //! filtered out) or `spans_on` (recorded through `tracing-opentelemetry`).
 
@@ -21,7 +22,7 @@ mod common;
 use std::time::Duration;
 
 use common::spans::Spans;
-use common::{layer, oneshot, reused, sdk_meter, Noop};
+use common::{floor, layer, oneshot, reused, sdk_meter, Noop};
 use tokio::runtime::Runtime;
 use tower::limit::ConcurrencyLimit;
 use tower::{Layer, Service};
@@ -34,6 +35,8 @@ const CASES: &[&str] = &[
     "oneshot/tower",
     "oneshot/off",
     "oneshot/on",
+    "reused/floor",
+    "oneshot/floor",
 ];
 
 fn drive<S>(pattern: &str, rt: &Runtime, service: S, operations: u64) -> Duration
@@ -82,6 +85,12 @@ fn count(case: &str, operations: u64) {
             pattern,
             &rt,
             layer(64, OperationMetrics::new(&meter)).layer(Noop),
+            operations,
+        ),
+        "floor" => drive(
+            pattern,
+            &rt,
+            floor::Floor::new(Noop, 64, floor::Shared::new(&meter)),
             operations,
         ),
         other => panic!("no case {other:?}; the cases: {}", CASES.join(", ")),

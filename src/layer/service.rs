@@ -15,7 +15,7 @@ use crate::attributes::SeriesKey;
 use crate::classify::{ClassifyOutcome, DefaultClassifier};
 use crate::diagnostics::{self, Mistake};
 use crate::guard::guarded;
-use crate::limit::{limit_failed, Acquire, IntoLimit, Limit, LimitId, Waiting};
+use crate::limit::{limit_failed, Acquire, IntoLimit, Limit, LimitId, Stands, Waiting};
 use crate::operation::{scope, Ending, Lifecycle};
 use crate::protocol::{unanswerable, Plain, Protocol, Rejected};
 
@@ -110,14 +110,18 @@ where
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         if !self.operation.is_admitted() {
-            if self.waiting.is_rejected() {
-                // `call` answers it.
-                return Poll::Ready(Ok(()));
-            }
             let config = &*self.config;
             let recording = config.recording();
-            if self.waiting.is_nested() || self.holds_its_limit(recording.limit_id) {
-                return self.poll_nested(cx);
+            // One check on the path of a free permit: an idle service whose request holds no
+            // place of its limit.
+            if !self.waiting.is_idle() || holds(recording.limit_id) {
+                match self.waiting.stands() {
+                    // `call` answers it.
+                    Stands::Rejected => return Poll::Ready(Ok(())),
+                    Stands::Idle | Stands::Nested => return self.poll_nested(cx),
+                    // The wait in progress goes on below.
+                    Stands::Waiting => {}
+                }
             }
             let admitted = {
                 let mut asking = self.waiting.asking(&config.limit, &config.queue_timeout);
@@ -182,16 +186,6 @@ impl<S, C, L, P, E> ResourcesOperation<S, C, L, P, E>
 where
     L: Acquire,
 {
-    /// Whether an operation around this one, on its request's path, holds a place of this
-    /// service's limit (`id`), while no wait of its own is in progress.
-    #[inline]
-    fn holds_its_limit(&self, id: Option<LimitId>) -> bool {
-        match id {
-            Some(id) => !self.waiting.is_waiting() && scope::holds(id),
-            None => false,
-        }
-    }
-
     /// The request already holds a place of this limit: it is admitted on that place (waiting
     /// for a second one would halve the limit, or deadlock once every place is held by a
     /// request that waits for another), says so once, and is not an operation of its own.
@@ -245,6 +239,13 @@ impl<S: Clone, C, L: Acquire, P, E> Clone for ResourcesOperation<S, C, L, P, E> 
     fn clone(&self) -> Self {
         Self::from_config(self.inner.clone(), Arc::clone(&self.config))
     }
+}
+
+/// Whether an operation around this one, on its request's path, holds a place of the limit
+/// `id`.
+#[inline(always)]
+fn holds(id: Option<LimitId>) -> bool {
+    id.is_some_and(scope::holds)
 }
 
 #[cfg(feature = "load")]

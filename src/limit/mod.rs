@@ -28,6 +28,6 @@ pub(crate) use error::limit_failed;
 pub use error::{AcquireError, Rejected};
 pub use feedback::{Control, Ended, MakeControl, Resize};
 pub use local::{InvalidCapacity, InvalidLimit, Limit, LimitBuilder, LimitPermit};
-pub(crate) use poll::{in_place, Asking, Waiting};
+pub(crate) use poll::{in_place, Asking, Stands, Waiting};
 pub use queue_timeout::QueueTimeout;
 pub use report::{check_name, Capacity, InvalidName, Reading, Scope};

@@ -47,11 +47,40 @@ enum Standing {
     Nested,
 }
 
+/// Where a service's next operation stands, without what it carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stands {
+    /// No wait in progress, nothing to answer: the path of a free permit.
+    Idle,
+    /// A wait is in progress.
+    Waiting,
+    /// Turned away, for `call` to answer.
+    Rejected,
+    /// On a place its request already holds.
+    Nested,
+}
+
 impl<P> Waiting<P> {
     pub(crate) const fn new() -> Self {
         Self {
             future: None,
             standing: Standing::Idle,
+        }
+    }
+
+    /// Whether nothing is in progress or to answer: one compare on the path of a free permit.
+    #[inline(always)]
+    pub(crate) fn is_idle(&self) -> bool {
+        matches!(self.standing, Standing::Idle)
+    }
+
+    /// Where the next operation stands.
+    pub(crate) fn stands(&self) -> Stands {
+        match self.standing {
+            Standing::Idle => Stands::Idle,
+            Standing::Waiting => Stands::Waiting,
+            Standing::Rejected(_) => Stands::Rejected,
+            Standing::Nested => Stands::Nested,
         }
     }
 
