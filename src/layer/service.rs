@@ -263,16 +263,12 @@ impl<S: tower::load::Load, C, L: Acquire, P, E> tower::load::Load
 
 impl<S: fmt::Debug, C, L: Acquire, P, E> fmt::Debug for ResourcesOperation<S, C, L, P, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = if self.operation.is_admitted() {
-            "admitted"
-        } else if self.waiting.is_rejected() {
-            "rejected"
-        } else if self.waiting.is_nested() {
-            "on its request's place"
-        } else if self.waiting.is_waiting() {
-            "waiting"
-        } else {
-            "idle"
+        let state = match self.waiting.stands() {
+            _ if self.operation.is_admitted() => "admitted",
+            Stands::Rejected => "rejected",
+            Stands::Nested => "on its request's place",
+            Stands::Waiting => "waiting",
+            Stands::Idle => "idle",
         };
         f.debug_struct("ResourcesOperation")
             .field("inner", &self.inner)

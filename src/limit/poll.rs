@@ -89,11 +89,6 @@ impl<P> Waiting<P> {
         matches!(self.standing, Standing::Waiting)
     }
 
-    /// Whether the limit turned the operation away, for `call` to answer.
-    pub(crate) fn is_rejected(&self) -> bool {
-        matches!(self.standing, Standing::Rejected(_))
-    }
-
     /// Whether the request already holds a place of the limit, for `call` to run on.
     pub(crate) fn is_nested(&self) -> bool {
         matches!(self.standing, Standing::Nested)
