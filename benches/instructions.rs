@@ -22,7 +22,7 @@ mod common;
 use std::time::Duration;
 
 use common::spans::Spans;
-use common::{floor, layer, oneshot, reused, sdk_meter, Noop};
+use common::{bare, floor, layer, oneshot, reused, sdk_meter, Noop};
 use tokio::runtime::Runtime;
 use tower::limit::ConcurrencyLimit;
 use tower::{Layer, Service};
@@ -37,6 +37,8 @@ const CASES: &[&str] = &[
     "oneshot/on",
     "reused/floor",
     "oneshot/floor",
+    "reused/bare",
+    "oneshot/bare",
 ];
 
 fn drive<S>(pattern: &str, rt: &Runtime, service: S, operations: u64) -> Duration
@@ -93,6 +95,7 @@ fn count(case: &str, operations: u64) {
             floor::Floor::new(Noop, 64, floor::Shared::new(&meter)),
             operations,
         ),
+        "bare" => drive(pattern, &rt, bare::Bare::new(Noop, 64), operations),
         other => panic!("no case {other:?}; the cases: {}", CASES.join(", ")),
     };
     println!(

@@ -28,8 +28,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    contended_run, floor, http_oneshot, layer, lock_free_floor, naive, oneshot, reused, sdk_meter,
-    HttpFrames, Noop, YieldOnce,
+    bare, contended_run, floor, http_oneshot, layer, lock_free_floor, naive, oneshot, reused,
+    sdk_meter, HttpFrames, Noop, YieldOnce,
 };
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
@@ -112,6 +112,7 @@ where
     let enabled = layer(64, OperationMetrics::new(&meter)).layer(Noop);
     let floor = floor::Floor::new(Noop, 64, floor::Shared::new(&meter));
     let naive = naive::Naive::new(Noop, 64, naive::Instruments::new(&meter));
+    let bare = bare::Bare::new(Noop, 64);
     let drive = &drive;
     report(
         title,
@@ -122,9 +123,12 @@ where
             case("layer_metrics", enabled, |s, n| drive(rt, Box::new(s), n)),
             case("floor", floor, |s, n| drive(rt, Box::new(s), n)),
             case("naive_peer", naive, |s, n| drive(rt, Box::new(s), n)),
+            case("bare_limit", bare, |s, n| drive(rt, Box::new(s), n)),
         ],
         &[
             ("layer_disabled", "tower_limit"),
+            ("bare_limit", "tower_limit"),
+            ("layer_disabled", "bare_limit"),
             ("layer_metrics", "floor"),
             ("naive_peer", "layer_metrics"),
         ],

@@ -191,6 +191,82 @@ pub mod naive {
     }
 }
 
+/// The least a layer on this crate's [`Limit`] does with metrics off: `poll_ready` takes a
+/// permit, the response future holds it, and nothing else (no operation, no check for a limit
+/// its request already holds, no wait: it runs uncontended only). No layout of the layer's
+/// service does less on the path of a free permit, so its ratio to tower's limit is the
+/// floor of the metrics-off target.
+pub mod bare {
+    use super::*;
+    use tower_resources_operation::{Acquire, Limit};
+
+    pub(crate) struct Bare<S> {
+        inner: S,
+        limit: Limit,
+        permit: Option<<Limit as Acquire>::Permit>,
+    }
+
+    impl<S: Clone> Clone for Bare<S> {
+        /// Shares the limit; the clone starts without a permit, as tower's limit does.
+        fn clone(&self) -> Self {
+            Self {
+                inner: self.inner.clone(),
+                limit: self.limit.clone(),
+                permit: None,
+            }
+        }
+    }
+
+    impl<S> Bare<S> {
+        pub(crate) fn new(inner: S, max: usize) -> Self {
+            Self {
+                inner,
+                limit: Limit::new(max),
+                permit: None,
+            }
+        }
+    }
+
+    impl<S: Service<()>> Service<()> for Bare<S>
+    where
+        S::Future: Unpin,
+    {
+        type Response = S::Response;
+        type Error = S::Error;
+        type Future = BareFuture<S::Future>;
+
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+            if self.permit.is_none() {
+                match self.limit.try_acquire() {
+                    Some(Ok(permit)) => self.permit = Some(permit),
+                    _ => panic!("the bare case runs uncontended: a permit is always free"),
+                }
+            }
+            self.inner.poll_ready(cx)
+        }
+
+        fn call(&mut self, request: ()) -> Self::Future {
+            BareFuture {
+                inner: self.inner.call(request),
+                _permit: self.permit.take().expect("poll_ready before call"),
+            }
+        }
+    }
+
+    pub(crate) struct BareFuture<F> {
+        inner: F,
+        _permit: <Limit as Acquire>::Permit,
+    }
+
+    impl<F: Future + Unpin> Future for BareFuture<F> {
+        type Output = F::Output;
+
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+            Pin::new(&mut self.inner).poll(cx)
+        }
+    }
+}
+
 pub mod floor {
     use super::*;
 
