@@ -65,9 +65,20 @@ where
     (name, Box::new(move |n| run(service.clone(), n)))
 }
 
+/// The targets of issue 34's "Keep", for the sections they are stated for: `(section, case,
+/// reference, the most the ratio may be)`. The bound build (`--features
+/// experimental-bound-instruments`) is held to the same ones.
+const TARGETS: &[(&str, &str, &str, f64)] = &[
+    ("uncontended", "layer_disabled", "tower_limit", 0.80),
+    ("uncontended", "layer_metrics", "floor", 1.10),
+    ("contended", "layer_metrics", "floor", 1.05),
+];
+
 /// Runs every case once per round, `ROUNDS` times, and prints the median ns per operation of
 /// each case, then the median per-round ratio of each pair `(case, reference)` in `ratios`,
-/// with its quartiles: how far the machine moved that ratio from one round to the next.
+/// with its quartiles: how far the machine moved that ratio from one round to the next. A
+/// ratio with a target (`TARGETS`, for a section whose title starts with its name) says
+/// whether its median is within it.
 fn report(
     title: &str,
     operations: u64,
@@ -93,8 +104,16 @@ fn report(
         let (c, r) = (index(case), index(reference));
         let mut per_round: Vec<f64> = (0..ROUNDS).map(|i| times[c][i] / times[r][i]).collect();
         let [low, mid, high] = quartiles(&mut per_round);
+        let target = TARGETS
+            .iter()
+            .find(|(section, c, r, _)| title.starts_with(section) && c == case && r == reference)
+            .map(|&(.., most)| match mid <= most {
+                true => format!("   target <= {most:.2}: met"),
+                false => format!("   target <= {most:.2}: MISSED"),
+            })
+            .unwrap_or_default();
         println!(
-            "  {:<34} {mid:>6.3}x   (quartiles {low:.3} to {high:.3})",
+            "  {:<34} {mid:>6.3}x   (quartiles {low:.3} to {high:.3}){target}",
             format!("{case} / {reference}"),
         );
     }
