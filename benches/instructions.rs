@@ -39,6 +39,8 @@ const CASES: &[&str] = &[
     "oneshot/floor",
     "reused/bare",
     "oneshot/bare",
+    "reused/bare_nested",
+    "oneshot/bare_nested",
 ];
 
 fn drive<S>(pattern: &str, rt: &Runtime, service: S, operations: u64) -> Duration
@@ -95,7 +97,13 @@ fn count(case: &str, operations: u64) {
             floor::Floor::new(Noop, 64, floor::Shared::new(&meter)),
             operations,
         ),
-        "bare" => drive(pattern, &rt, bare::Bare::new(Noop, 64), operations),
+        "bare" => drive(pattern, &rt, bare::Bare::<_>::new(Noop, 64), operations),
+        "bare_nested" => drive(
+            pattern,
+            &rt,
+            bare::Bare::<_, true>::new(Noop, 64),
+            operations,
+        ),
         other => panic!("no case {other:?}; the cases: {}", CASES.join(", ")),
     };
     println!(

@@ -131,7 +131,8 @@ where
     let enabled = layer(64, OperationMetrics::new(&meter)).layer(Noop);
     let floor = floor::Floor::new(Noop, 64, floor::Shared::new(&meter));
     let naive = naive::Naive::new(Noop, 64, naive::Instruments::new(&meter));
-    let bare = bare::Bare::new(Noop, 64);
+    let bare = bare::Bare::<_>::new(Noop, 64);
+    let bare_nested = bare::Bare::<_, true>::new(Noop, 64);
     let drive = &drive;
     report(
         title,
@@ -143,11 +144,13 @@ where
             case("floor", floor, |s, n| drive(rt, Box::new(s), n)),
             case("naive_peer", naive, |s, n| drive(rt, Box::new(s), n)),
             case("bare_limit", bare, |s, n| drive(rt, Box::new(s), n)),
+            case("bare_nested", bare_nested, |s, n| drive(rt, Box::new(s), n)),
         ],
         &[
             ("layer_disabled", "tower_limit"),
             ("bare_limit", "tower_limit"),
-            ("layer_disabled", "bare_limit"),
+            ("bare_nested", "tower_limit"),
+            ("layer_disabled", "bare_nested"),
             ("layer_metrics", "floor"),
             ("naive_peer", "layer_metrics"),
         ],

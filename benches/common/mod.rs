@@ -198,15 +198,27 @@ pub mod naive {
 /// floor of the metrics-off target.
 pub mod bare {
     use super::*;
+    use std::cell::Cell;
+    use tower_resources_operation::limit::LimitId;
     use tower_resources_operation::{Acquire, Limit};
 
-    pub(crate) struct Bare<S> {
+    thread_local! {
+        /// The limit whose place the work running on this thread holds, as the layer keeps it.
+        static HELD: Cell<Option<LimitId>> = const { Cell::new(None) };
+    }
+
+    /// `NESTED`: it also does what a layer must to find a request that reaches a limit whose
+    /// place it already holds (issue 34's first point), as the layer does it: a thread-local
+    /// read before taking a place, and the place published around the inner `poll_ready` and
+    /// around each poll of the response future. A request found nested is not handled: the
+    /// bench has none.
+    pub(crate) struct Bare<S, const NESTED: bool = false> {
         inner: S,
         limit: Limit,
         permit: Option<<Limit as Acquire>::Permit>,
     }
 
-    impl<S: Clone> Clone for Bare<S> {
+    impl<S: Clone, const NESTED: bool> Clone for Bare<S, NESTED> {
         /// Shares the limit; the clone starts without a permit, as tower's limit does.
         fn clone(&self) -> Self {
             Self {
@@ -217,7 +229,7 @@ pub mod bare {
         }
     }
 
-    impl<S> Bare<S> {
+    impl<S, const NESTED: bool> Bare<S, NESTED> {
         pub(crate) fn new(inner: S, max: usize) -> Self {
             Self {
                 inner,
@@ -227,42 +239,68 @@ pub mod bare {
         }
     }
 
-    impl<S: Service<()>> Service<()> for Bare<S>
+    /// Runs `work` with `held` published as the limit whose place the running work holds.
+    #[inline(always)]
+    fn holding<R>(held: Option<LimitId>, work: impl FnOnce() -> R) -> R {
+        let previous = HELD.with(|current| current.replace(held));
+        let output = work();
+        HELD.with(|current| current.set(previous));
+        output
+    }
+
+    impl<S: Service<()>, const NESTED: bool> Service<()> for Bare<S, NESTED>
     where
         S::Future: Unpin,
     {
         type Response = S::Response;
         type Error = S::Error;
-        type Future = BareFuture<S::Future>;
+        type Future = BareFuture<S::Future, NESTED>;
 
         fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
             if self.permit.is_none() {
+                if NESTED && HELD.with(Cell::get) == self.limit.id() {
+                    panic!("the bare case has no nested request");
+                }
                 match self.limit.try_acquire() {
                     Some(Ok(permit)) => self.permit = Some(permit),
                     _ => panic!("the bare case runs uncontended: a permit is always free"),
                 }
             }
-            self.inner.poll_ready(cx)
+            match NESTED {
+                true => {
+                    let held = self.permit.as_ref().and_then(Limit::id_of);
+                    let inner = &mut self.inner;
+                    holding(held, || inner.poll_ready(cx))
+                }
+                false => self.inner.poll_ready(cx),
+            }
         }
 
         fn call(&mut self, request: ()) -> Self::Future {
             BareFuture {
                 inner: self.inner.call(request),
-                _permit: self.permit.take().expect("poll_ready before call"),
+                permit: self.permit.take().expect("poll_ready before call"),
             }
         }
     }
 
-    pub(crate) struct BareFuture<F> {
+    pub(crate) struct BareFuture<F, const NESTED: bool> {
         inner: F,
-        _permit: <Limit as Acquire>::Permit,
+        permit: <Limit as Acquire>::Permit,
     }
 
-    impl<F: Future + Unpin> Future for BareFuture<F> {
+    impl<F: Future + Unpin, const NESTED: bool> Future for BareFuture<F, NESTED> {
         type Output = F::Output;
 
         fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-            Pin::new(&mut self.inner).poll(cx)
+            match NESTED {
+                true => {
+                    let this = &mut *self;
+                    let (inner, held) = (&mut this.inner, Limit::id_of(&this.permit));
+                    holding(held, || Pin::new(inner).poll(cx))
+                }
+                false => Pin::new(&mut self.inner).poll(cx),
+            }
         }
     }
 }
