@@ -74,6 +74,12 @@ impl<P> Waiting<P> {
         matches!(self.standing, Standing::Idle)
     }
 
+    /// Whether it owns nothing: no wait's allocation, nothing in progress or to answer.
+    #[inline(always)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.future.is_none() && self.is_idle()
+    }
+
     /// Where the next operation stands.
     pub(crate) fn stands(&self) -> Stands {
         match self.standing {

@@ -15,8 +15,9 @@
 //! ([`Lifecycle::poll_admit`], the one acquire-or-refuse step), where the outcome is decided
 //! ([`decide`]), and where user code runs guarded ([`Lifecycle::run`] for the work,
 //! [`guarded`](crate::guard::guarded) for everything else). With metrics off, and a limit that
-//! does not hear ends, an operation takes the same path with nothing to record: it only holds
-//! its permit.
+//! does not hear ends, an operation has nothing to record: it only holds its permit, which a
+//! service takes on the path of a free permit without the rest of that step
+//! ([`Lifecycle::admit_free`]).
 //!
 //! While its work runs, an admitted operation is the thread's [scope]: [`set_outcome`] sets its
 //! outcome, and a request that reaches its limit again is admitted on the place it holds
@@ -251,6 +252,12 @@ impl<A: Acquire, K> Lifecycle<A, K> {
         (permit, lent)
     }
 
+    /// Whether it owns nothing: no permit, nothing to record.
+    #[inline(always)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.record.is_none() && self.permit.is_none()
+    }
+
     /// Whether it holds its permit.
     #[inline]
     pub(crate) fn is_admitted(&self) -> bool {
@@ -338,6 +345,17 @@ impl<A: Acquire, K> Lifecycle<A, K> {
     /// span's check stays off the path of every reused service.
     #[inline]
     pub(crate) fn run<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        if self.record.is_none() {
+            // Nothing to record: only its place is published, and a panic drops its permit.
+            let _holding = Holding::enter(self.permit.as_ref().and_then(A::id_of));
+            let mut unwinding = Unwinding {
+                permit: &mut self.permit,
+                returned: false,
+            };
+            let output = work();
+            unwinding.returned = true;
+            return output;
+        }
         self.run_unspanned(None, true, work)
     }
 
@@ -527,6 +545,26 @@ impl<A: Acquire> Lifecycle<A> {
             self.trace_admission(key, limit);
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// The path of a free permit for an operation that will record nothing (`records` is
+    /// false: metrics off, and a limit that hears no ends; and no span is enabled): takes the
+    /// permit, which is all [`poll_admit`](Self::poll_admit) would do, without setting up what
+    /// a wait or a record would need. `false` if no permit is free, or the limit refuses one:
+    /// `poll_admit` then waits, or counts the refusal.
+    #[inline(always)]
+    pub(crate) fn admit_free(&mut self, limit: &A, records: bool) -> bool {
+        if records || Trace::may_trace() {
+            return false;
+        }
+        // A limit that refuses (closed, failed) is asked again by `poll_admit`, which counts it.
+        match limit.try_acquire() {
+            Some(Ok(permit)) if self.permit.is_none() => {
+                self.permit = Some(permit);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Admitted at once with nothing else to record: its spans, if they are enabled (a record
@@ -885,6 +923,22 @@ fn past_deadline<K>(record: &Record<K>, now: Stamp) -> bool {
         return false;
     }
     deadline.is_past(record.at.until(now))
+}
+
+/// The permit of an operation with nothing to record, while its service's readiness is
+/// polled: dropped before the poll returned (a panic), it gives the permit back.
+struct Unwinding<'a, P> {
+    permit: &'a mut Option<P>,
+    returned: bool,
+}
+
+impl<P> Drop for Unwinding<'_, P> {
+    #[inline]
+    fn drop(&mut self) {
+        if !self.returned {
+            *self.permit = None;
+        }
+    }
 }
 
 /// An operation's work while it runs: the scope it entered is left when the work returns or
