@@ -23,7 +23,7 @@ use tower_http::trace::TraceLayer;
 
 use support::http::{get_request, serve, verify_layer, Client};
 use support::traces::{attributes, length, number, string, traces, Trace};
-use support::{eventually, within, Telemetry};
+use support::{eventually, Telemetry};
 use tower_resources_operation::metrics::{LIMIT_ATTRIBUTE, REJECTION_ATTRIBUTE};
 use tower_resources_operation::trace::{
     DURATION_ATTRIBUTE, QUEUED_AHEAD_ATTRIBUTE, QUEUE_DURATION_ATTRIBUTE, RUN_SPAN, WAIT_ATTRIBUTE,
@@ -422,6 +422,7 @@ async fn outside_the_request_span_the_wait_and_the_request_stay_one_trace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpc_call_that_waits_has_its_wait_span_under_its_request() {
     use support::grpc::{check, grpc_layer, serve_with};
+    use support::within;
     use tonic::transport::Server;
 
     let traces = traces();
