@@ -22,7 +22,7 @@ mod common;
 use std::time::Duration;
 
 use common::spans::Spans;
-use common::{bare, floor, layer, oneshot, reused, sdk_meter, Noop};
+use common::{bare, floor, layer, oneshot, queued_run, reused, sdk_meter, Noop, YieldOnce};
 use tokio::runtime::Runtime;
 use tower::limit::ConcurrencyLimit;
 use tower::{Layer, Service};
@@ -41,15 +41,24 @@ const CASES: &[&str] = &[
     "oneshot/bare",
     "reused/bare_nested",
     "oneshot/bare_nested",
+    "reused/floor_untimed",
+    "oneshot/floor_untimed",
+    "queued/tower",
+    "queued/off",
+    "queued/on",
+    "queued/floor",
+    "queued/floor_untimed",
 ];
 
 fn drive<S>(pattern: &str, rt: &Runtime, service: S, operations: u64) -> Duration
 where
-    S: Service<()> + Clone,
+    S: Service<()> + Clone + Send + 'static,
+    S::Future: Send,
     S::Error: std::fmt::Debug,
 {
     match pattern {
         "reused" => reused(rt, service, operations),
+        "queued" => queued_run(rt, service, operations),
         _ => oneshot(rt, service, operations),
     }
 }
@@ -72,42 +81,60 @@ fn main() {
 }
 
 fn count(case: &str, operations: u64) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let (_provider, meter) = sdk_meter();
     let (pattern, service) = case.split_once('/').expect("pattern/service");
-    let elapsed = match service {
-        "tower" => drive(pattern, &rt, ConcurrencyLimit::new(Noop, 64), operations),
-        "off" => drive(
-            pattern,
-            &rt,
-            layer(64, OperationMetrics::disabled()).layer(Noop),
-            operations,
-        ),
-        "on" => drive(
-            pattern,
-            &rt,
-            layer(64, OperationMetrics::new(&meter)).layer(Noop),
-            operations,
-        ),
-        "floor" => drive(
-            pattern,
-            &rt,
-            floor::Floor::new(Noop, 64, floor::Shared::new(&meter)),
-            operations,
-        ),
-        "bare" => drive(pattern, &rt, bare::Bare::<_>::new(Noop, 64), operations),
-        "bare_nested" => drive(
-            pattern,
-            &rt,
-            bare::Bare::<_, true>::new(Noop, 64),
-            operations,
-        ),
-        other => panic!("no case {other:?}; the cases: {}", CASES.join(", ")),
+    let elapsed = match pattern {
+        // 64 tasks through a limit of 4 whose inner service yields once: most of them wait.
+        "queued" => count_with(pattern, service, YieldOnce, 4, operations),
+        _ => count_with(pattern, service, Noop, 64, operations),
     };
     println!(
         "{case}: {operations} operations, {:.1} ns each",
         elapsed.as_nanos() as f64 / operations as f64
     );
+}
+
+fn count_with<I>(pattern: &str, service: &str, inner: I, max: usize, operations: u64) -> Duration
+where
+    I: Service<(), Response = (), Error = std::convert::Infallible> + Clone + Send + Sync + 'static,
+    I::Future: Send + Unpin + 'static,
+{
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let (_provider, meter) = sdk_meter();
+    match service {
+        "tower" => drive(pattern, &rt, ConcurrencyLimit::new(inner, max), operations),
+        "off" => drive(
+            pattern,
+            &rt,
+            layer(max, OperationMetrics::disabled()).layer(inner),
+            operations,
+        ),
+        "on" => drive(
+            pattern,
+            &rt,
+            layer(max, OperationMetrics::new(&meter)).layer(inner),
+            operations,
+        ),
+        "floor" => drive(
+            pattern,
+            &rt,
+            floor::Floor::new(inner, max, floor::Shared::new(&meter)),
+            operations,
+        ),
+        "floor_untimed" => drive(
+            pattern,
+            &rt,
+            floor::Floor::untimed(inner, max, floor::Shared::new(&meter)),
+            operations,
+        ),
+        "bare" => drive(pattern, &rt, bare::Bare::<_>::new(inner, max), operations),
+        "bare_nested" => drive(
+            pattern,
+            &rt,
+            bare::Bare::<_, true>::new(inner, max),
+            operations,
+        ),
+        other => panic!("no case {other:?}; the cases: {}", CASES.join(", ")),
+    }
 }

@@ -18,9 +18,11 @@
 //!   yields once.
 //!
 //! The cases are those of `overhead`: tower's limit, this layer with metrics disabled and on,
-//! the floor (tower's limit plus only the unavoidable metrics work) and, uncontended, the naive
-//! peer-style layer. Contended, one more: the floor with lock-free histograms in place of the
-//! SDK's, to show what the contended floor would be if the SDK took no lock per record.
+//! the floor (tower's limit plus only the unavoidable metrics work, a timed wait among it) and,
+//! uncontended, the naive peer-style layer. Contended, two more: the floor with lock-free
+//! histograms in place of the SDK's, to show what the contended floor would be if the SDK took
+//! no lock per record; and the floor as it was before it timed the wait (`floor_untimed`: a
+//! queue time of 0 for every operation), so that the ratio to it stays in sight.
 
 mod common;
 
@@ -270,6 +272,7 @@ fn main() {
     let disabled = layer(4, OperationMetrics::disabled()).layer(YieldOnce);
     let enabled = layer(4, OperationMetrics::new(&meter)).layer(YieldOnce);
     let floor = floor::Floor::new(YieldOnce, 4, floor::Shared::new(&meter));
+    let untimed = floor::Floor::untimed(YieldOnce, 4, floor::Shared::new(&meter));
     let lock_free = floor::Floor::new(YieldOnce, 4, lock_free_floor::Shared::new());
     report(
         "contended: 2 workers, 64 tasks, limit 4, inner service yields once",
@@ -279,6 +282,7 @@ fn main() {
             case("layer_disabled", disabled, contended_run),
             case("layer_metrics", enabled, contended_run),
             case("floor", floor, contended_run),
+            case("floor_untimed", untimed, contended_run),
             case("lock_free_floor", lock_free.clone(), contended_run),
         ],
         &[
@@ -286,6 +290,7 @@ fn main() {
             ("layer_metrics", "tower_limit"),
             ("floor", "tower_limit"),
             ("layer_metrics", "floor"),
+            ("layer_metrics", "floor_untimed"),
             ("lock_free_floor", "tower_limit"),
         ],
     );
@@ -293,4 +298,6 @@ fn main() {
     let recorded = lock_free.shared.duration.0.count();
     assert_eq!(recorded, lock_free.shared.queue.0.count());
     assert!(recorded >= ROUNDS as u64 * CONTENDED_OPERATIONS);
+    // ...and timed the waits: most of its operations waited, so their queue times add up.
+    assert!(lock_free.shared.queue.0.total() > 0.0);
 }

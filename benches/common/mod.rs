@@ -387,11 +387,31 @@ pub mod floor {
         }
     }
 
-    /// Only the work nobody can avoid: tower's limit, two clock reads, two records with
-    /// pre-built attributes, four atomic adds.
-    pub(crate) struct Floor<S, R = Shared> {
+    /// Only the work nobody can avoid: tower's limit, two records with pre-built attributes,
+    /// the live counts (`active`; `queued` while an operation waits), and the clock read when an
+    /// operation is admitted and when it ends, and once more when its wait begins: a queue time
+    /// is the wait's, so an operation that waits is timed from its first `Pending`.
+    ///
+    /// `TIMES_WAIT = false` is the floor of 0.5 before it timed the wait: it recorded 0 for every
+    /// queue time and counted every operation in and out of `queued` in `call`, waiting or not
+    /// (BENCHMARKS.md, "what the floor timed").
+    pub(crate) struct Floor<S, R = Shared, const TIMES_WAIT: bool = true> {
         pub(crate) inner: ConcurrencyLimit<S>,
         pub(crate) shared: Arc<R>,
+        wait: Wait,
+    }
+
+    /// Where the next operation's wait stands.
+    enum Wait {
+        /// It has not waited.
+        Free,
+        /// It waits, since then.
+        Since(tokio::time::Instant),
+        /// It waited `queued_ms` and was admitted `at`.
+        Ended {
+            at: tokio::time::Instant,
+            queued_ms: f64,
+        },
     }
 
     impl<S, R> Floor<S, R> {
@@ -400,20 +420,33 @@ pub mod floor {
             Self {
                 inner: ConcurrencyLimit::new(inner, max),
                 shared,
+                wait: Wait::Free,
             }
         }
     }
 
-    impl<S: Clone, R> Clone for Floor<S, R> {
+    impl<S, R> Floor<S, R, false> {
+        /// The floor as it was before it timed the wait.
+        pub(crate) fn untimed(inner: S, max: usize, shared: Arc<R>) -> Self {
+            Self {
+                inner: ConcurrencyLimit::new(inner, max),
+                shared,
+                wait: Wait::Free,
+            }
+        }
+    }
+
+    impl<S: Clone, R, const TIMES_WAIT: bool> Clone for Floor<S, R, TIMES_WAIT> {
         fn clone(&self) -> Self {
             Self {
                 inner: self.inner.clone(),
                 shared: Arc::clone(&self.shared),
+                wait: Wait::Free,
             }
         }
     }
 
-    impl<S: Service<()>, R: Record> Service<()> for Floor<S, R>
+    impl<S: Service<()>, R: Record, const TIMES_WAIT: bool> Service<()> for Floor<S, R, TIMES_WAIT>
     where
         S::Future: Unpin,
     {
@@ -422,22 +455,45 @@ pub mod floor {
         type Future = FloorFuture<<ConcurrencyLimit<S> as Service<()>>::Future, R>;
 
         fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-            self.inner.poll_ready(cx)
+            let polled = self.inner.poll_ready(cx);
+            if TIMES_WAIT {
+                match (&polled, &self.wait) {
+                    (Poll::Pending, Wait::Free) => {
+                        self.shared.queued().fetch_add(1, Ordering::Relaxed);
+                        self.wait = Wait::Since(tokio::time::Instant::now());
+                    }
+                    (Poll::Ready(_), &Wait::Since(since)) => {
+                        let at = tokio::time::Instant::now();
+                        self.shared.queued().fetch_sub(1, Ordering::Relaxed);
+                        let queued_ms = (at - since).as_secs_f64() * 1e3;
+                        self.wait = Wait::Ended { at, queued_ms };
+                    }
+                    _ => {}
+                }
+            }
+            polled
         }
 
         fn call(&mut self, request: ()) -> Self::Future {
             let s = &self.shared;
-            s.queued().fetch_add(1, Ordering::Relaxed);
-            s.queued().fetch_sub(1, Ordering::Relaxed);
-            s.queue(0.0);
+            let (start, queued_ms) = match std::mem::replace(&mut self.wait, Wait::Free) {
+                Wait::Ended { at, queued_ms } => (Some(at), queued_ms),
+                _ => (None, 0.0),
+            };
+            if !TIMES_WAIT {
+                s.queued().fetch_add(1, Ordering::Relaxed);
+                s.queued().fetch_sub(1, Ordering::Relaxed);
+            }
+            s.queue(queued_ms);
             s.active().fetch_add(1, Ordering::Relaxed);
             FloorFuture {
                 inner: self.inner.call(request),
                 shared: Arc::clone(s),
                 // The clock the layer reads (tokio's, so that a paused clock is followed). The
                 // benches build tokio with `test-util`, as the tests need, which makes each read
-                // dearer than in a user's build: the floor pays that too.
-                start: tokio::time::Instant::now(),
+                // dearer than in a user's build: the floor pays that too. An operation that
+                // waited runs from its admission, read as its wait ended.
+                start: start.unwrap_or_else(tokio::time::Instant::now),
             }
         }
     }
@@ -500,6 +556,11 @@ pub mod lock_free_floor {
 
         pub(crate) fn count(&self) -> u64 {
             self.count.load(Ordering::Relaxed)
+        }
+
+        /// The sum of the values recorded.
+        pub(crate) fn total(&self) -> f64 {
+            f64::from_bits(self.total.load(Ordering::Relaxed))
         }
     }
 
@@ -575,6 +636,40 @@ where
             service.clone().oneshot(()).await.unwrap();
         }
         start.elapsed()
+    })
+}
+
+/// Time per operation with 64 tasks through one limit of 4 on `rt`, a current-thread runtime:
+/// most operations wait for their permit, as in the contended run, but nothing runs in
+/// parallel. So no worker is descheduled while it holds a lock, and what is left is the cost of
+/// the waiting path itself, the same instructions run after run (for callgrind). Each task runs
+/// `iters / 64` operations, rounded up; the time is scaled back to `iters`.
+pub fn queued_run<S>(rt: &Runtime, service: S, iters: u64) -> Duration
+where
+    S: Service<()> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug,
+{
+    const TASKS: u64 = 64;
+    rt.block_on(async {
+        let per_task = iters.div_ceil(TASKS);
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|_| {
+                let service = service.clone();
+                tokio::spawn(async move {
+                    for _ in 0..per_task {
+                        service.clone().oneshot(()).await.unwrap();
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        start
+            .elapsed()
+            .mul_f64(iters as f64 / (per_task * TASKS) as f64)
     })
 }
 
