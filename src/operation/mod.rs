@@ -618,6 +618,10 @@ impl<A: Acquire> Lifecycle<A> {
         limit: impl LimitOf<'c>,
         deadline: impl FnOnce() -> Option<Duration>,
     ) {
+        // Nothing to record and no span possible: not even a disabled span is made.
+        if series.is_none() && !Trace::may_trace() {
+            return;
+        }
         let trace = Trace::waiting(key, limit());
         if series.is_none() && !trace.is_some() {
             return;
