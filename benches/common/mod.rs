@@ -650,27 +650,7 @@ where
     S::Future: Send,
     S::Error: std::fmt::Debug,
 {
-    const TASKS: u64 = 64;
-    rt.block_on(async {
-        let per_task = iters.div_ceil(TASKS);
-        let start = Instant::now();
-        let tasks: Vec<_> = (0..TASKS)
-            .map(|_| {
-                let service = service.clone();
-                tokio::spawn(async move {
-                    for _ in 0..per_task {
-                        service.clone().oneshot(()).await.unwrap();
-                    }
-                })
-            })
-            .collect();
-        for task in tasks {
-            task.await.unwrap();
-        }
-        start
-            .elapsed()
-            .mul_f64(iters as f64 / (per_task * TASKS) as f64)
-    })
+    rt.block_on(tasks_through(service, iters, 1))
 }
 
 /// Time per operation with 64 tasks through one limit of 4 on 2 workers.
@@ -683,38 +663,46 @@ where
     S::Future: Send,
     S::Error: std::fmt::Debug,
 {
-    const TASKS: u64 = 64;
     // At least this many operations per task and sample, so a sample measures the steady state
-    // rather than a runtime starting up; the time is scaled back to `iters` below.
+    // rather than a runtime starting up.
     const MIN_PER_TASK: u64 = 256;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .build()
         .unwrap();
-    let elapsed = rt.block_on(async {
-        let per_task = iters.div_ceil(TASKS).max(MIN_PER_TASK);
-        let start = Instant::now();
-        let tasks: Vec<_> = (0..TASKS)
-            .map(|_| {
-                let service = service.clone();
-                tokio::spawn(async move {
-                    for _ in 0..per_task {
-                        service.clone().oneshot(()).await.unwrap();
-                    }
-                })
-            })
-            .collect();
-        for task in tasks {
-            task.await.unwrap();
-        }
-        // Scale back to the number of operations criterion asked for.
-        start
-            .elapsed()
-            .mul_f64(iters as f64 / (per_task * TASKS) as f64)
-    });
+    let elapsed = rt.block_on(tasks_through(service, iters, MIN_PER_TASK));
     // Wait for the workers to stop, so they do not compete with the next sample's.
     drop(rt);
     elapsed
+}
+
+/// 64 tasks, each running `iters / 64` operations (rounded up, and at least `min_per_task`)
+/// through its own `clone().oneshot()` of `service`: the time, scaled back to `iters`.
+async fn tasks_through<S>(service: S, iters: u64, min_per_task: u64) -> Duration
+where
+    S: Service<()> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug,
+{
+    const TASKS: u64 = 64;
+    let per_task = iters.div_ceil(TASKS).max(min_per_task);
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let service = service.clone();
+            tokio::spawn(async move {
+                for _ in 0..per_task {
+                    service.clone().oneshot(()).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    start
+        .elapsed()
+        .mul_f64(iters as f64 / (per_task * TASKS) as f64)
 }
 
 // ---------------------------------------------------------------------------------------------
