@@ -56,7 +56,7 @@ struct Prometheus {
     addr: SocketAddr,
     log: PathBuf,
     /// Declared last: removed after the process is gone.
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 impl Prometheus {
@@ -101,7 +101,7 @@ impl Prometheus {
                 child,
                 addr,
                 log,
-                _dir: dir,
+                dir,
             };
             if prometheus.wait_ready().await {
                 return prometheus;
@@ -120,7 +120,17 @@ impl Prometheus {
                 return false;
             }
             if let Ok((200, _)) = app::http_get(self.addr, "/-/ready", "HTTP/1.0").await {
-                return true;
+                // Ready, but is it this one? A port free a moment ago may be another test's
+                // Prometheus's by now (this one then exits); that one's answers must never pass
+                // for this one's. Each has a data directory of its own.
+                let data = self.dir.path().join("data").display().to_string();
+                return match app::http_get(self.addr, "/api/v1/status/flags", "HTTP/1.0").await {
+                    Ok((200, flags)) if flags.contains(&data) => true,
+                    _ => {
+                        eprintln!("another Prometheus answers on {}", self.addr);
+                        false
+                    }
+                };
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

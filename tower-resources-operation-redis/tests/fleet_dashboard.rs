@@ -176,38 +176,55 @@ impl Prometheus {
             ),
         )
         .unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = Command::new(binary)
-            .arg(format!(
-                "--config.file={}",
-                dir.join("prometheus.yml").display()
-            ))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address={addr}"))
-            .arg("--log.level=warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start prometheus");
-        let prometheus = Self { child, addr, dir };
-        let started = Instant::now();
-        while get_http(prometheus.addr, "/-/ready").0 != 200 {
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "Prometheus is not ready"
-            );
-            std::thread::sleep(Duration::from_millis(100));
+        // A port free a moment ago may be another test's Prometheus's by now (this one then
+        // exits): retry on another until the one that answers is this one (its data directory).
+        for _ in 0..10 {
+            let port = TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+            let child = Command::new(&binary)
+                .arg(format!(
+                    "--config.file={}",
+                    dir.join("prometheus.yml").display()
+                ))
+                .arg(format!(
+                    "--storage.tsdb.path={}",
+                    dir.join("data").display()
+                ))
+                .arg(format!("--web.listen-address={addr}"))
+                .arg("--log.level=warn")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("start prometheus");
+            let mut child = child;
+            let data = dir.join("data").display().to_string();
+            let started = Instant::now();
+            let ours = loop {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break false;
+                }
+                if get_http(addr, "/-/ready").0 == 200 {
+                    break get_http(addr, "/api/v1/status/flags").1.contains(&data);
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(30),
+                    "Prometheus is not ready"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            };
+            if ours {
+                return Self { child, addr, dir };
+            }
+            // Not this one: stop it; the next try keeps the directory.
+            let _ = child.kill();
+            let _ = child.wait();
         }
-        prometheus
+        panic!("Prometheus did not start on any of 10 free ports");
     }
 
     /// An instant query's `data.result`.

@@ -28,59 +28,11 @@ impl RedisCluster {
             super::replicas::now_ms()
         ));
         std::fs::create_dir_all(&dir).unwrap();
-        let ports: Vec<u16> = (0..6).map(|_| free_port()).collect();
-        let nodes = ports
-            .iter()
-            .map(|&port| Node {
-                port,
-                child: Some(
-                    Command::new("redis-server")
-                        .args([
-                            "--port",
-                            &port.to_string(),
-                            "--bind",
-                            "127.0.0.1",
-                            "--cluster-enabled",
-                            "yes",
-                            "--cluster-config-file",
-                            &format!("nodes-{port}.conf"),
-                            "--cluster-node-timeout",
-                            &node_timeout.as_millis().to_string(),
-                            "--save",
-                            "",
-                            "--appendonly",
-                            "no",
-                            // A replica syncs at once (by default a diskless sync waits 5 s),
-                            // so that it can be failed over to.
-                            "--repl-diskless-sync-delay",
-                            "0",
-                            // A replica may be promoted however long ago it last heard its
-                            // master (the test kills the master at a moment of its choosing).
-                            "--cluster-replica-validity-factor",
-                            "0",
-                            "--dir",
-                            &dir.display().to_string(),
-                            "--logfile",
-                            "",
-                            "--loglevel",
-                            "warning",
-                        ])
-                        .stdin(Stdio::null())
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::inherit())
-                        .spawn()
-                        .expect("redis-server on PATH (apt-get install redis-server)"),
-                ),
-            })
-            .collect();
+        // Each node on a port of its own, answered by it and no other process (a port free a
+        // moment ago may be another test's server's by now: see `RedisServer::start_on`).
+        let nodes: Vec<Node> = (0..6).map(|_| Node::start(&dir, node_timeout)).collect();
+        let ports: Vec<u16> = nodes.iter().map(|node| node.port).collect();
         let cluster = Self { nodes, dir };
-        for node in &cluster.nodes {
-            cluster.wait(|| {
-                cluster
-                    .cli(node.port, &["PING"])
-                    .is_some_and(|answer| answer == "PONG")
-            });
-        }
         let mut create = vec!["--cluster".to_owned(), "create".to_owned()];
         create.extend(ports.iter().map(|port| format!("127.0.0.1:{port}")));
         create.extend(["--cluster-replicas", "1", "--cluster-yes"].map(String::from));
@@ -194,16 +146,7 @@ impl RedisCluster {
 
     /// `redis-cli -p port args...`'s answer, if it answered.
     fn cli(&self, port: u16, args: &[&str]) -> Option<String> {
-        let output = Command::new("redis-cli")
-            .args(["-p", &port.to_string()])
-            .args(args)
-            .stderr(Stdio::null())
-            .output()
-            .ok()?;
-        output
-            .status
-            .success()
-            .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+        cli(port, args)
     }
 
     fn wait(&self, mut ready: impl FnMut() -> bool) {
@@ -218,6 +161,86 @@ impl RedisCluster {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+}
+
+impl Node {
+    /// A cluster node on a free port (and its cluster bus port, + 10000), answering `PING`
+    /// itself; on another port if a process other than it answers there.
+    fn start(dir: &std::path::Path, node_timeout: Duration) -> Self {
+        let mut last = String::new();
+        for _ in 0..10 {
+            let port = free_port();
+            let mut child = Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &format!("nodes-{port}.conf"),
+                    "--cluster-node-timeout",
+                    &node_timeout.as_millis().to_string(),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    // A replica syncs at once (by default a diskless sync waits 5 s), so that it
+                    // can be failed over to.
+                    "--repl-diskless-sync-delay",
+                    "0",
+                    // A replica may be promoted however long ago it last heard its master (the
+                    // test kills the master at a moment of its choosing).
+                    "--cluster-replica-validity-factor",
+                    "0",
+                    "--dir",
+                    &dir.display().to_string(),
+                    "--logfile",
+                    "",
+                    "--loglevel",
+                    "warning",
+                ])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("redis-server on PATH (apt-get install redis-server)");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let answered = loop {
+                if let Ok(Some(status)) = child.try_wait() {
+                    break Err(format!("it exited ({status}) on port {port}"));
+                }
+                let pid = cli(port, &["INFO", "server"]).and_then(|info| {
+                    info.lines()
+                        .find_map(|line| line.strip_prefix("process_id:"))
+                        .and_then(|pid| pid.trim().parse::<u32>().ok())
+                });
+                match pid {
+                    Some(pid) if pid == child.id() => break Ok(()),
+                    Some(pid) => break Err(format!("pid {pid} answers on port {port}")),
+                    None if Instant::now() > deadline => {
+                        break Err(format!("nothing answered on port {port} in 30 s"))
+                    }
+                    None => std::thread::sleep(Duration::from_millis(50)),
+                }
+            };
+            match answered {
+                Ok(()) => {
+                    return Self {
+                        port,
+                        child: Some(child),
+                    }
+                }
+                Err(why) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    last = why;
+                }
+            }
+        }
+        panic!("no cluster node started on any of 10 free ports; the last: {last}");
     }
 }
 
@@ -244,4 +267,18 @@ fn free_port() -> u16 {
             return port;
         }
     }
+}
+
+/// `redis-cli -p port args...`'s answer, if it answered.
+fn cli(port: u16, args: &[&str]) -> Option<String> {
+    let output = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
 }

@@ -28,13 +28,29 @@ impl RedisServer {
              `apt-get install redis-server`), or run the tests without --include-ignored to \
              leave it out (it then shows as ignored)."
         );
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
+        // A port free a moment ago may be taken before the server binds it (by another
+        // test's server, started at the same moment): then this one exits, and another answers
+        // on the port. That other must never stand in for it: two tests that shared an
+        // observer once each saw the other's operations as their own. So the server that
+        // answers must be this one (its process id), or it starts again on another port.
+        let mut last = String::new();
+        for _ in 0..10 {
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|listener| listener.local_addr())
+                .expect("a free port")
+                .port();
+            match Self::start_on(port) {
+                Ok(server) => return server,
+                Err(why) => last = why,
+            }
+        }
+        panic!("redis-server did not start on any of 10 free ports; the last: {last}");
+    }
+
+    /// Starts one on `port`, or says why it is not the one answering there.
+    pub fn start_on(port: u16) -> Result<Self, String> {
         let mut server = Self { child: None, port };
-        server.restart();
-        server
+        server.try_start().map(|()| server)
     }
 
     /// `redis://127.0.0.1:PORT/`.
@@ -49,8 +65,15 @@ impl RedisServer {
 
     /// Starts it (again) on its port, empty, and waits until it answers `PING`.
     pub fn restart(&mut self) {
+        if let Err(why) = self.try_start() {
+            panic!("redis-server did not start again: {why}");
+        }
+    }
+
+    /// Starts it on its port and waits until it, and no other process, answers there.
+    fn try_start(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "the server is running");
-        let child = Command::new(SERVER)
+        let mut child = Command::new(SERVER)
             .args([
                 "--port",
                 &self.port.to_string(),
@@ -80,12 +103,53 @@ impl RedisServer {
                      `apt-get install redis-server` (.ci/run does)"
                 )
             });
-        self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
-        while self.ping().is_none() {
-            assert!(Instant::now() < deadline, "redis-server did not come up");
+        let answered = loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                break Err(format!(
+                    "it exited ({status}) on port {}: taken by another process?",
+                    self.port
+                ));
+            }
+            if self.ping().is_some() {
+                match self.process_id() {
+                    Some(pid) if pid == child.id() => break Ok(()),
+                    Some(pid) => {
+                        break Err(format!(
+                            "another redis-server (pid {pid}) answers on port {}",
+                            self.port
+                        ))
+                    }
+                    None => {}
+                }
+            }
+            if Instant::now() >= deadline {
+                break Err(format!("it did not come up on port {} in 20 s", self.port));
+            }
             std::thread::sleep(Duration::from_millis(10));
+        };
+        match answered {
+            Ok(()) => self.child = Some(child),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
         }
+        answered
+    }
+
+    /// The process id of the server that answers on the port, from `INFO server`.
+    fn process_id(&self) -> Option<u32> {
+        let mut connection = ::redis::Client::open(self.url())
+            .and_then(|client| client.get_connection())
+            .ok()?;
+        let info: String = ::redis::cmd("INFO")
+            .arg("server")
+            .query(&mut connection)
+            .ok()?;
+        info.lines()
+            .find_map(|line| line.strip_prefix("process_id:"))
+            .and_then(|pid| pid.trim().parse().ok())
     }
 
     /// Stops it (as a crash would: SIGKILL), and waits until it is gone.
