@@ -89,12 +89,13 @@ impl Acquire for HandsOver {
     }
 }
 
-/// A limit that never admits anyone; it counts the waits it was asked for and those whose
-/// future was dropped.
+/// A limit that never admits anyone; it counts the waits it was asked for, those whose future
+/// was dropped, and how often it was asked for a free place.
 #[derive(Clone, Default)]
 struct Never {
     asked: Arc<AtomicUsize>,
     dropped: Arc<AtomicUsize>,
+    tried: Arc<AtomicUsize>,
 }
 
 struct CountOnDrop(Arc<AtomicUsize>);
@@ -113,6 +114,10 @@ impl Never {
     fn dropped(&self) -> usize {
         self.dropped.load(Ordering::SeqCst)
     }
+
+    fn tried(&self) -> usize {
+        self.tried.load(Ordering::SeqCst)
+    }
 }
 
 impl Acquire for Never {
@@ -125,6 +130,11 @@ impl Acquire for Never {
             let _dropped = dropped;
             std::future::pending::<Result<(), AcquireError>>().await
         }
+    }
+
+    fn try_acquire(&self) -> Option<Result<(), AcquireError>> {
+        self.tried.fetch_add(1, Ordering::SeqCst);
+        None
     }
 }
 
@@ -611,6 +621,27 @@ async fn a_limit_that_never_admits_is_answered_with_queue_timeout_by_a_layer_wit
         (1, 1),
         "the limit saw its wait given up"
     );
+}
+
+/// A waiting service asks its wait, not the limit: the limit is asked for a free place once per
+/// operation, with metrics on or off, however often the wait is polled (a place freed while it
+/// waits goes to the head of the queue, not to a re-poll).
+#[tokio::test]
+async fn a_waiting_operation_asks_the_limit_for_a_free_place_once_however_often_it_is_polled() {
+    let t = Telemetry::new();
+    for metrics in [OperationMetrics::disabled(), t.metrics.clone()] {
+        let never = Never::default();
+        let layer = ResourcesOperationLayer::new(never.clone()).metrics(metrics);
+        let (mut waiting, _handle) = mock::spawn_layer::<(), (), _>(layer);
+        for _ in 0..3 {
+            assert_pending!(waiting.poll_ready());
+        }
+        assert_eq!(
+            (never.tried(), never.asked()),
+            (1, 1),
+            "one look for a free place, then one wait"
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -17,7 +17,7 @@ use crate::classify::{ClassifyOutcome, DefaultClassifier};
 use crate::diagnostics::{self, Mistake};
 use crate::guard::guarded;
 use crate::limit::{limit_failed, Acquire, IntoLimit, Limit, LimitId, Stands, Waiting};
-use crate::operation::{scope, Ending, Lifecycle};
+use crate::operation::{scope, Ending, Free, Lifecycle};
 use crate::protocol::{unanswerable, Plain, Protocol, Rejected};
 
 /// A service limited to a number of operations at once, made by
@@ -155,7 +155,8 @@ where
             let recording = config.recording();
             // One check on the path of a free permit: an idle service whose request holds no
             // place of its limit.
-            if !self.next.waiting.is_idle() || holds(recording.limit_id) {
+            let idle = self.next.waiting.is_idle();
+            if !idle || holds(recording.limit_id) {
                 match self.next.waiting.stands() {
                     // `call` answers it.
                     Stands::Rejected => return Poll::Ready(Ok(())),
@@ -164,18 +165,25 @@ where
                     Stands::Waiting => {}
                 }
             }
-            if self
-                .next
-                .operation
-                .admit_free(&config.limit, recording.records)
-            {
-                return self.poll_inner(cx);
+            // A wait in progress is asked, not the limit: a place freed meanwhile goes to the
+            // head of its queue.
+            let mut busy = false;
+            if idle {
+                match self
+                    .next
+                    .operation
+                    .admit_free(&config.limit, recording.records)
+                {
+                    Free::Admitted => return self.poll_inner(cx),
+                    Free::Busy => busy = true,
+                    Free::Ask => {}
+                }
             }
             let admitted = {
-                let mut asking = self
-                    .next
-                    .waiting
-                    .asking(&config.limit, &config.queue_timeout);
+                let mut asking =
+                    self.next
+                        .waiting
+                        .asking(&config.limit, &config.queue_timeout, busy);
                 let deadline = || {
                     Protocol::<Request, S::Response, S::Error>::server_deadline(&config.protocol)
                 };

@@ -144,12 +144,14 @@ impl<P> Waiting<P> {
     }
 
     /// Asks `limit` through this wait, turning the operation away once it has waited
-    /// `timeout`, if there is one.
+    /// `timeout`, if there is one. `busy`: the limit was asked for a free place a moment ago,
+    /// and had none; the wait starts without asking again.
     #[inline]
     pub(crate) fn asking<'a, L>(
         &'a mut self,
         limit: &'a L,
         timeout: &'a Option<Duration>,
+        busy: bool,
     ) -> impl Asking<Permit = P> + 'a
     where
         L: Acquire<Permit = P> + Clone + Send + Sync + 'static,
@@ -159,6 +161,7 @@ impl<P> Waiting<P> {
             limit,
             wait: self,
             timeout,
+            busy,
         }
     }
 }
@@ -167,6 +170,7 @@ struct Service<'a, L: Acquire> {
     limit: &'a L,
     wait: &'a mut Waiting<L::Permit>,
     timeout: &'a Option<Duration>,
+    busy: bool,
 }
 
 impl<L> Asking for Service<'_, L>
@@ -183,7 +187,10 @@ where
 
     #[inline(always)]
     fn try_now(&mut self) -> Option<Result<L::Permit, AcquireError>> {
-        self.limit.try_acquire()
+        match self.busy {
+            true => None,
+            false => self.limit.try_acquire(),
+        }
     }
 
     fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<L::Permit, AcquireError>> {

@@ -484,6 +484,17 @@ impl<A: Acquire, K> Drop for Lifecycle<A, K> {
     }
 }
 
+/// What [`Lifecycle::admit_free`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Free {
+    /// A free permit, taken: the operation is admitted.
+    Admitted,
+    /// No place free: the operation waits, and need not ask the limit for a free one again.
+    Busy,
+    /// Not asked, or refused: [`Lifecycle::poll_admit`] asks, and records what it must.
+    Ask,
+}
+
 impl<A: Acquire> Lifecycle<A> {
     /// One step of asking for the permit, in `poll_ready` or in an `async` block: a free permit
     /// is taken at once; otherwise the operation waits (counted as queued from the first
@@ -549,20 +560,22 @@ impl<A: Acquire> Lifecycle<A> {
     /// The path of a free permit for an operation that will record nothing (`records` is
     /// false: metrics off, and a limit that hears no ends; and no span is enabled): takes the
     /// permit, which is all [`poll_admit`](Self::poll_admit) would do, without setting up what
-    /// a wait or a record would need. `false` if no permit is free, or the limit refuses one:
-    /// `poll_admit` then waits, or counts the refusal.
+    /// a wait or a record would need. Otherwise [`poll_admit`](Self::poll_admit) waits, or
+    /// counts the refusal.
     #[inline(always)]
-    pub(crate) fn admit_free(&mut self, limit: &A, records: bool) -> bool {
+    pub(crate) fn admit_free(&mut self, limit: &A, records: bool) -> Free {
         if records || Trace::may_trace() {
-            return false;
+            return Free::Ask;
         }
-        // A limit that refuses (closed, failed) is asked again by `poll_admit`, which counts it.
         match limit.try_acquire() {
             Some(Ok(permit)) if self.permit.is_none() => {
                 self.permit = Some(permit);
-                true
+                Free::Admitted
             }
-            _ => false,
+            None => Free::Busy,
+            // A limit that refuses (closed, failed) is asked again by `poll_admit`, which
+            // counts it.
+            Some(_) => Free::Ask,
         }
     }
 
