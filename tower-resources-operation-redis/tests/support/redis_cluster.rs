@@ -207,25 +207,7 @@ impl Node {
                 .stderr(Stdio::inherit())
                 .spawn()
                 .expect("redis-server on PATH (apt-get install redis-server)");
-            let deadline = Instant::now() + Duration::from_secs(30);
-            let answered = loop {
-                if let Ok(Some(status)) = child.try_wait() {
-                    break Err(format!("it exited ({status}) on port {port}"));
-                }
-                let pid = cli(port, &["INFO", "server"]).and_then(|info| {
-                    info.lines()
-                        .find_map(|line| line.strip_prefix("process_id:"))
-                        .and_then(|pid| pid.trim().parse::<u32>().ok())
-                });
-                match pid {
-                    Some(pid) if pid == child.id() => break Ok(()),
-                    Some(pid) => break Err(format!("pid {pid} answers on port {port}")),
-                    None if Instant::now() > deadline => {
-                        break Err(format!("nothing answered on port {port} in 30 s"))
-                    }
-                    None => std::thread::sleep(Duration::from_millis(50)),
-                }
-            };
+            let answered = super::redis_server::answers(&mut child, port, Duration::from_secs(30));
             match answered {
                 Ok(()) => {
                     return Self {

@@ -1,8 +1,7 @@
 //! A real `redis-server` for a test: started on a free loopback port with no persistence,
 //! stopped, restarted on the same port, paused, and killed when dropped.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -103,31 +102,7 @@ impl RedisServer {
                      `apt-get install redis-server` (.ci/run does)"
                 )
             });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let answered = loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                break Err(format!(
-                    "it exited ({status}) on port {}: taken by another process?",
-                    self.port
-                ));
-            }
-            if self.ping().is_some() {
-                match self.process_id() {
-                    Some(pid) if pid == child.id() => break Ok(()),
-                    Some(pid) => {
-                        break Err(format!(
-                            "another redis-server (pid {pid}) answers on port {}",
-                            self.port
-                        ))
-                    }
-                    None => {}
-                }
-            }
-            if Instant::now() >= deadline {
-                break Err(format!("it did not come up on port {} in 20 s", self.port));
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let answered = answers(&mut child, self.port, Duration::from_secs(20));
         match answered {
             Ok(()) => self.child = Some(child),
             Err(_) => {
@@ -136,20 +111,6 @@ impl RedisServer {
             }
         }
         answered
-    }
-
-    /// The process id of the server that answers on the port, from `INFO server`.
-    fn process_id(&self) -> Option<u32> {
-        let mut connection = ::redis::Client::open(self.url())
-            .and_then(|client| client.get_connection())
-            .ok()?;
-        let info: String = ::redis::cmd("INFO")
-            .arg("server")
-            .query(&mut connection)
-            .ok()?;
-        info.lines()
-            .find_map(|line| line.strip_prefix("process_id:"))
-            .and_then(|pid| pid.trim().parse().ok())
     }
 
     /// Stops it (as a crash would: SIGKILL), and waits until it is gone.
@@ -222,24 +183,52 @@ impl RedisServer {
             .and_then(|rest| rest.split(',').next())
             .map_or(0, |calls| calls.parse().expect("a count"))
     }
-
-    /// `PONG`, if it answers.
-    fn ping(&self) -> Option<()> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
-        stream
-            .set_read_timeout(Some(Duration::from_millis(200)))
-            .ok()?;
-        stream.write_all(b"PING\r\n").ok()?;
-        let mut answer = [0; 7];
-        stream.read_exact(&mut answer).ok()?;
-        (&answer == b"+PONG\r\n").then_some(())
-    }
 }
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Waits until `child`, a `redis-server` just started on `port`, answers there: an error if it
+/// exits first (its port was taken), if another process answers there, or after `patience`.
+/// Its process id tells it from another (the pid in `INFO server`).
+pub fn answers(child: &mut Child, port: u16, patience: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + patience;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!(
+                "it exited ({status}) on port {port}: taken by another process?"
+            ));
+        }
+        match answering_pid(port) {
+            Some(pid) if pid == child.id() => return Ok(()),
+            Some(pid) => {
+                return Err(format!(
+                    "another redis-server (pid {pid}) answers on port {port}"
+                ))
+            }
+            None if Instant::now() >= deadline => {
+                return Err(format!("it did not come up on port {port} in {patience:?}"))
+            }
+            None => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// The process id of the `redis-server` that answers on `port`, from `INFO server`.
+fn answering_pid(port: u16) -> Option<u32> {
+    let mut connection = ::redis::Client::open(format!("redis://127.0.0.1:{port}/"))
+        .and_then(|client| client.get_connection_with_timeout(Duration::from_millis(500)))
+        .ok()?;
+    let info: String = ::redis::cmd("INFO")
+        .arg("server")
+        .query(&mut connection)
+        .ok()?;
+    info.lines()
+        .find_map(|line| line.strip_prefix("process_id:"))
+        .and_then(|pid| pid.trim().parse().ok())
 }
 
 /// The first `program` on `PATH`, if there is one.
