@@ -200,7 +200,11 @@
 //!   duration sample with its outcome), rejected (by reason) or abandoned.
 //! - `limit`: a limit shared by two series reports its full capacity under each; a series served
 //!   by limits of 2 and 3 reports 5; one limit reached through two layers counts once. `active`
-//!   is at most `limit`, except while a lowered capacity drains. A [`Limit`] knows its capacity;
+//!   is at most `limit`, except while a lowered capacity drains. `active` and `queued` count
+//!   each operation as it sees its own place: as one ends and its place passes to a waiter, a
+//!   read in between (until the waiter's task is polled) sees one fewer active and the waiter
+//!   still queued; a named limit's `gym.resources.limit.active` counts places, and has no such
+//!   gap. A [`Limit`] knows its capacity;
 //!   an `Arc<Semaphore>` does not, unless the layer is given one
 //!   ([`capacity`](ResourcesOperationLayer::capacity)).
 //! - **A limit shared by several series** (`/verify` and `/judge` on one [`Limit`]) shows, on

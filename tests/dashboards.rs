@@ -907,16 +907,18 @@ fn alert_rules_query_only_the_crates_series_per_limit() {
         );
     }
     // Per series, held back while a named limit of the same process is saturated: exactly the
-    // per-limit condition; of the limits of its process only (a fleet limit is named).
+    // per-limit condition; of the limits of its process only (a fleet limit is named). Its
+    // active is read at its highest over 2 minutes (a scrape during a hand-over reads one
+    // below), against the limit the series exports, never against an observed ceiling.
     let per_series = &rules[2];
     assert!(
         per_series
             .expr
-            .contains("(gym_resources_operation_active)\n>=\n")
+            .contains("(max_over_time(gym_resources_operation_active[2m]))\n>=\n")
             && per_series
                 .expr
                 .contains(&format!("(gym_resources_operation_limit{not_fleet})"))
-            && !per_series.expr.contains("max_over_time"),
+            && per_series.expr.matches("max_over_time").count() == 1,
         "{}",
         per_series.expr
     );

@@ -16,17 +16,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
-use tokio::sync::Semaphore;
+use tokio::sync::{oneshot, Semaphore};
 use tower::{service_fn, Layer as _, ServiceExt as _};
 
 use support::{held, settle, spawn_held, Telemetry};
 use tower_resources_operation::classify::DefaultClassifier;
 use tower_resources_operation::limit::AcquireError;
 use tower_resources_operation::limit::Capacity;
-use tower_resources_operation::metrics::LIMIT_INSTRUMENT;
+use tower_resources_operation::metrics::{
+    LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_INSTRUMENT, LIMIT_QUEUED_INSTRUMENT,
+};
 use tower_resources_operation::{
     Acquire, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
 };
 
 /// `(operation, executor)` of a series.
@@ -325,6 +327,58 @@ async fn while_a_lowered_capacity_drains_active_above_the_limit_shows() {
     }
     assert_eq!((active(), limits(&t)[&key("verify", "inline")]), (0, 1));
     assert_eq!(limit.available(), 1);
+}
+
+/// A place passes from an operation that ends to the one that waited longest at once: the named
+/// limit counts it as held throughout. The series count the waiter from the poll that sees its
+/// place, so a collection in between reads one fewer active and the waiter still queued (what a
+/// scrape during a burst can catch, for as long as the waiter's task takes to be polled).
+#[tokio::test]
+async fn a_place_handed_to_a_waiter_is_the_limits_at_once_and_the_series_from_the_waiters_poll() {
+    let t = Telemetry::new();
+    let limit = Limit::builder(1).name("handover").build();
+    let service = tagged(&t, limit.clone(), Operation::Verify, Executor::Inline).layer(held());
+    let series = [
+        (OPERATION_ATTRIBUTE, "verify"),
+        (EXECUTOR_ATTRIBUTE, "inline"),
+    ];
+    let named = [(LIMIT_ATTRIBUTE, "handover")];
+    // (series active, series queued, limit active, limit queued)
+    let read = || {
+        (
+            t.live_value(ACTIVE_INSTRUMENT, &series),
+            t.live_value(QUEUED_INSTRUMENT, &series),
+            t.live_value(LIMIT_ACTIVE_INSTRUMENT, &named),
+            t.live_value(LIMIT_QUEUED_INSTRUMENT, &named),
+        )
+    };
+
+    let (release_first, first) = spawn_held(&service);
+    settle().await;
+    assert_eq!(read(), (1, 0, 1, 0), "the first runs");
+
+    // The second, polled by hand: it waits.
+    let (release_second, second) = oneshot::channel();
+    let mut second = tokio_test::task::spawn(service.clone().oneshot(second));
+    assert!(second.poll().is_pending());
+    assert_eq!(read(), (1, 1, 1, 1), "the second waits");
+
+    // The first ends; its place goes to the second, which has not been polled since.
+    release_first.send(()).unwrap();
+    first.await.unwrap().unwrap();
+    assert!(second.is_woken(), "the waiter is woken with its place");
+    assert_eq!(
+        read(),
+        (0, 1, 1, 1),
+        "handed over: the limit's place is held, the series' waiter not yet running"
+    );
+    assert_eq!(limit.available(), 0, "the place is the waiter's, not free");
+
+    assert!(second.poll().is_pending(), "admitted, its work runs");
+    assert_eq!(read(), (1, 0, 1, 0), "the second runs");
+    release_second.send(()).unwrap();
+    assert!(matches!(second.poll(), std::task::Poll::Ready(Ok(()))));
+    assert_eq!(read(), (0, 0, 0, 0));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -426,7 +426,10 @@ async fn a_real_prometheus_sees_the_limit_bind() {
     assert!(verify(&ratio) > 1.0, "{ratio:?}");
 
     // The live counts as scraped: the shared limit never above 2, the tool's never above 2;
-    // during the burst (away from its edges) the shared limit full and work queued.
+    // during the burst (away from its edges) work queued and the shared limit full, but for a
+    // place in hand-over. The series count an operation from the poll that sees its place, so
+    // a scrape between one's end and its waiter's first poll reads one fewer active (the
+    // limit's own count has no such gap: `limit_gauge.rs`, and the next test's named limit).
     let shared = r#"{nemo_gym_resources_operation=~"verify|judge"}"#;
     let active = prometheus
         .raw_sums(&format!("gym_resources_operation_active{shared}[2m]"))
@@ -465,9 +468,10 @@ async fn a_real_prometheus_sees_the_limit_bind() {
              samples: {active:?}"
         );
     }
+    let full = CONFIG.shared_limit as f64;
     for &(t, active, queued) in &inside {
-        assert_eq!(
-            active, CONFIG.shared_limit as f64,
+        assert!(
+            active == full || active == full - 1.0,
             "active at {t}: {inside:?}"
         );
         assert!(queued > 0.0, "queued at {t}: {inside:?}");
