@@ -44,7 +44,7 @@ use opentelemetry_sdk::Resource;
 use prometheus::{Registry, TextEncoder, TEXT_FORMAT};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tower_resources_operation::metrics::METER_NAME;
+use tower_resources_operation::names::METER_NAME;
 use tower_resources_operation::{
     set_outcome, Executor, Limit, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
 };

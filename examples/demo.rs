@@ -36,16 +36,17 @@ use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower_resources_operation::adaptive::{Adaptive, Vegas};
-use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT,
-    LIMIT_CAPACITY_INSTRUMENT, LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT,
-    LIMIT_QUEUED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
+    LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT,
+    LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT, LIMIT_QUEUED_INSTRUMENT, OPERATION_ATTRIBUTE,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
+    REJECTION_ATTRIBUTE,
 };
 use tower_resources_operation::protocol::Http;
 use tower_resources_operation::{
     set_outcome, Acquire, Executor, Limit, Operation, OperationMetrics, Outcome,
-    ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
-    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    ResourcesOperationLayer,
 };
 
 const VERIFY_REQUESTS: u32 = 32;
@@ -98,17 +99,14 @@ async fn main() {
 /// The server: two routes, one limit, one layer per route with its own tags. `limit` is a
 /// [`Limit`], or one that bounds its waiting; either way a rejection is answered `503` with
 /// `Retry-After`.
-fn app<L>(limit: &L, metrics: &OperationMetrics) -> Router
-where
-    L: Acquire + Clone + Send + Sync + 'static,
-    L::Permit: Send + Sync + 'static,
-{
+fn app(limit: &Limit, queue_timeout: Option<Duration>, metrics: &OperationMetrics) -> Router {
     let tagged = |operation, executor| {
         ResourcesOperationLayer::new_for_http(limit.clone())
             .operation(operation)
             .executor(executor)
             .metrics(metrics.clone())
             .protocol(Http::new().retry_after(Duration::from_secs(1)))
+            .queue_timeout(queue_timeout)
     };
     Router::new()
         .route(
@@ -162,11 +160,12 @@ async fn run_burst(run: Run) -> Report {
         .expect("bind 127.0.0.1");
     let addr = listener.local_addr().expect("local addr");
     let app = if run.bounded {
-        // The bound is the limit's: past it, or past the queue timeout, a request is turned away.
-        let limit = Limit::with_max_queued(run.capacity, MAX_QUEUED).queue_timeout(QUEUE_TIMEOUT);
-        app(&limit, &telemetry.metrics)
+        // The bound is the limit's, the timeout the layers': past either, a request is turned
+        // away.
+        let limit = Limit::with_max_queued(run.capacity, MAX_QUEUED);
+        app(&limit, Some(QUEUE_TIMEOUT), &telemetry.metrics)
     } else {
-        app(&Limit::new(run.capacity), &telemetry.metrics)
+        app(&Limit::new(run.capacity), None, &telemetry.metrics)
     };
     let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("server") });
 

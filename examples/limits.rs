@@ -19,8 +19,8 @@
 //! - **Fairness is the implementation's.** Callers ask in the order they are polled; who gets
 //!   the next place is up to the limit. Both limits below wait on a tokio `Semaphore`, first come
 //!   first served: a big job waiting for its whole weight holds the line behind it.
-//! - **Never hang on a failure**: return `AcquireError::closed()` or `AcquireError::failed(..)`
-//!   (the caller then panics with a message naming the limit), or `AcquireError::rejected(..)`
+//! - **Never hang on a failure**: return `Rejected::closed()` or `Rejected::failed(..)`
+//!   (the caller then panics with a message naming the limit), or `Rejected::new(..)`
 //!   to turn an operation away (then say so with `may_reject`).
 //! - Optionally, `try_acquire` (a free place without a future) and `capacity` (what
 //!   `gym.resources.operation.limit` reports: one `Capacity` per limit, cloned to every handle).
@@ -51,15 +51,13 @@ use common::Telemetry;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
-use tower_resources_operation::limit::AcquireError;
 use tower_resources_operation::limit::Capacity;
-use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT,
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
+    LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    REJECTED_INSTRUMENT,
 };
-use tower_resources_operation::{
-    Acquire, Executor, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-};
+use tower_resources_operation::{Acquire, Executor, Operation, Rejected, ResourcesOperationLayer};
 
 // ---------------------------------------------------------------------------------------------
 // A weighted limit
@@ -104,7 +102,7 @@ impl Weighted {
 impl Acquire for Weighted {
     type Permit = OwnedSemaphorePermit;
 
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send {
         let units = Arc::clone(&self.units);
         let weight = self.weight;
         // tokio's `acquire_many_owned` is cancellation-safe: a dropped wait takes no unit.
@@ -112,15 +110,15 @@ impl Acquire for Weighted {
             units
                 .acquire_many_owned(weight)
                 .await
-                .map_err(|_| AcquireError::closed())
+                .map_err(|_| Rejected::closed())
         }
     }
 
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+    fn try_acquire(&self) -> Option<Result<Self::Permit, Rejected>> {
         match Arc::clone(&self.units).try_acquire_many_owned(self.weight) {
             Ok(permit) => Some(Ok(permit)),
             Err(TryAcquireError::NoPermits) => None,
-            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
+            Err(TryAcquireError::Closed) => Some(Err(Rejected::closed())),
         }
     }
 
@@ -211,23 +209,23 @@ impl Sandboxes {
 impl Acquire for Sandboxes {
     type Permit = Checkout;
 
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send {
         let this = self.clone();
         async move {
             // Nothing is taken before this await completes: dropping the wait leaks nothing.
             let place = Arc::clone(&this.pool.places)
                 .acquire_owned()
                 .await
-                .map_err(|_| AcquireError::closed())?;
+                .map_err(|_| Rejected::closed())?;
             Ok(this.check_out(place))
         }
     }
 
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+    fn try_acquire(&self) -> Option<Result<Self::Permit, Rejected>> {
         match Arc::clone(&self.pool.places).try_acquire_owned() {
             Ok(place) => Some(Ok(self.check_out(place))),
             Err(TryAcquireError::NoPermits) => None,
-            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
+            Err(TryAcquireError::Closed) => Some(Err(Rejected::closed())),
         }
     }
 

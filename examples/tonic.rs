@@ -56,13 +56,13 @@ use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::ServiceBuilder;
-use tower_resources_operation::metrics::{ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT};
-use tower_resources_operation::per_request::{ByGrpcMethod, Choice};
-use tower_resources_operation::{
-    Executor, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
+    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    REJECTED_INSTRUMENT,
 };
+use tower_resources_operation::per_request::{ByRoute, Choice};
+use tower_resources_operation::{Executor, Operation, ResourcesOperationLayer};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -274,12 +274,12 @@ async fn main() -> Result<(), Error> {
         .metrics(telemetry.metrics.clone())
         .until_body_end()
         .per_request(
-            ByGrpcMethod::new()
-                .method(
+            ByRoute::new()
+                .route(
                     "grpc.health.v1.Health/Check",
                     Choice::limited(Operation::Verify, Executor::Subprocess),
                 )
-                .method(
+                .route(
                     "grpc.health.v1.Health/Watch",
                     Choice::limited(Operation::Judge, Executor::Inline),
                 ),

@@ -22,13 +22,11 @@ use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower_http::trace::TraceLayer;
-use tower_resources_operation::metrics::LIMIT_ATTRIBUTE;
-use tower_resources_operation::trace::{
-    DURATION_ATTRIBUTE, QUEUED_AHEAD_ATTRIBUTE, QUEUE_DURATION_ATTRIBUTE, RUN_SPAN, TARGET,
-    WAIT_ATTRIBUTE, WAIT_SPAN,
+use tower_resources_operation::names::{
+    DURATION_ATTRIBUTE, LIMIT_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+    QUEUED_AHEAD_ATTRIBUTE, QUEUE_DURATION_ATTRIBUTE, RUN_SPAN, TARGET, WAIT_ATTRIBUTE, WAIT_SPAN,
 };
 use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
-use tower_resources_operation::{OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE};
 use tracing::Level;
 use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt as _;

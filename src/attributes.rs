@@ -2,19 +2,18 @@
 //! was turned away.
 //!
 //! Each attribute is an enum, so no input can add a series: the exported values are exactly NeMo
-//! Gym's strings ([`OPERATIONS`](crate::OPERATIONS), [`EXECUTORS`](crate::EXECUTORS),
-//! [`OUTCOMES`](crate::OUTCOMES)), and this crate's [`REJECTIONS`](crate::metrics::REJECTIONS).
+//! Gym's strings ([`names::OPERATIONS`](crate::names::OPERATIONS) and the others), and this
+//! crate's rejection reasons.
 
 use std::fmt;
 use std::str::FromStr;
 
-/// Longest input a [`ParseAttributeError`] repeats back, so an error message stays bounded too.
-const MAX_ECHOED_INPUT: usize = 64;
+use crate::error::ConfigError;
 
 macro_rules! bounded_attribute {
     (
         $(#[$meta:meta])*
-        $name:ident, $what:literal, $values:path {
+        $name:ident, $what:literal {
             $( $(#[$variant_meta:meta])* $variant:ident => $value:literal, )+
         }
     ) => {
@@ -50,14 +49,15 @@ macro_rules! bounded_attribute {
         }
 
         impl FromStr for $name {
-            type Err = ParseAttributeError;
+            type Err = ConfigError;
 
             /// Parses the exact lower-case string; anything else is an error that lists the valid
             /// values.
             fn from_str(s: &str) -> Result<Self, Self::Err> {
+                const VALUES: &[&str] = &[$($value),+];
                 match s {
                     $( $value => Ok($name::$variant), )+
-                    _ => Err(ParseAttributeError::new($what, $values, s)),
+                    _ => Err(ConfigError::attribute($what, VALUES, s)),
                 }
             }
         }
@@ -66,8 +66,8 @@ macro_rules! bounded_attribute {
 
 bounded_attribute! {
     /// What kind of limited work this is. Exported as
-    /// [`OPERATION_ATTRIBUTE`](crate::OPERATION_ATTRIBUTE).
-    Operation, "operation", crate::names::OPERATIONS {
+    /// [`OPERATION_ATTRIBUTE`](crate::names::OPERATION_ATTRIBUTE).
+    Operation, "operation" {
         /// Checking a result, such as running a verifier.
         Verify => "verify",
         /// Running a tool on behalf of a caller.
@@ -80,8 +80,8 @@ bounded_attribute! {
 }
 
 bounded_attribute! {
-    /// Where the limited work runs. Exported as [`EXECUTOR_ATTRIBUTE`](crate::EXECUTOR_ATTRIBUTE).
-    Executor, "executor", crate::names::EXECUTORS {
+    /// Where the limited work runs. Exported as [`EXECUTOR_ATTRIBUTE`](crate::names::EXECUTOR_ATTRIBUTE).
+    Executor, "executor" {
         /// On the task that handles the request.
         Inline => "inline",
         /// On a thread, such as `tokio::task::spawn_blocking`.
@@ -96,9 +96,9 @@ bounded_attribute! {
 }
 
 bounded_attribute! {
-    /// How admitted work ended. Exported as [`OUTCOME_ATTRIBUTE`](crate::OUTCOME_ATTRIBUTE) on the
+    /// How admitted work ended. Exported as [`OUTCOME_ATTRIBUTE`](crate::names::OUTCOME_ATTRIBUTE) on the
     /// duration histogram, whose count per outcome is the number of operations that ended so.
-    Outcome, "outcome", crate::names::OUTCOMES {
+    Outcome, "outcome" {
         /// The work returned normally.
         Ok => "ok",
         /// The work failed.
@@ -114,18 +114,18 @@ bounded_attribute! {
 
 bounded_attribute! {
     /// Why an operation was turned away without a permit. Exported as
-    /// [`REJECTION_ATTRIBUTE`](crate::metrics::REJECTION_ATTRIBUTE) on
-    /// [`REJECTED_INSTRUMENT`](crate::metrics::REJECTED_INSTRUMENT), an addition of this crate to NeMo Gym's
+    /// [`REJECTION_ATTRIBUTE`](crate::names::REJECTION_ATTRIBUTE) on
+    /// [`REJECTED_INSTRUMENT`](crate::names::REJECTED_INSTRUMENT), an addition of this crate to NeMo Gym's
     /// instruments.
-    Rejection, "rejection", crate::names::REJECTIONS {
+    Rejection, "rejection" {
         /// The limit's queue was full ([`Limit::with_max_queued`](crate::Limit::with_max_queued)).
         QueueFull => "queue_full",
         /// The operation waited as long as its layer lets one wait
         /// ([`queue_timeout`](crate::ResourcesOperationLayer::queue_timeout)).
         QueueTimeout => "queue_timeout",
         /// The limit could not admit any operation: it is closed, or the store it lives in
-        /// could not be reached in time ([`AcquireError::failed`](crate::limit::AcquireError::failed),
-        /// [`AcquireError::closed`](crate::limit::AcquireError::closed)).
+        /// could not be reached in time ([`Rejected::failed`](crate::Rejected::failed),
+        /// [`Rejected::closed`](crate::Rejected::closed)).
         Unavailable => "unavailable",
         /// The server's deadline for the request passed while it waited for the limit, and the
         /// server dropped it ([`server_timeout`](crate::ResourcesOperationLayer::server_timeout)):
@@ -189,55 +189,6 @@ impl Executor {
     }
 }
 
-/// A name that is not one of an attribute's valid values.
-///
-/// Its message names the attribute, repeats (at most 64 bytes of) the input and lists every valid
-/// value, e.g. `unknown operation "verfy"; expected one of: verify, tool, judge, other`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ParseAttributeError {
-    attribute: &'static str,
-    valid: &'static [&'static str],
-    input: String,
-}
-
-impl ParseAttributeError {
-    fn new(attribute: &'static str, valid: &'static [&'static str], input: &str) -> Self {
-        let mut end = input.len().min(MAX_ECHOED_INPUT);
-        while !input.is_char_boundary(end) {
-            end -= 1;
-        }
-        Self {
-            attribute,
-            valid,
-            input: input[..end].to_owned(),
-        }
-    }
-
-    /// The attribute that was being parsed: `"operation"`, `"executor"` or `"outcome"`.
-    pub fn attribute(&self) -> &'static str {
-        self.attribute
-    }
-
-    /// The values that would have parsed.
-    pub fn valid_values(&self) -> &'static [&'static str] {
-        self.valid
-    }
-}
-
-impl fmt::Display for ParseAttributeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "unknown {} {:?}; expected one of: {}",
-            self.attribute,
-            self.input,
-            self.valid.join(", ")
-        )
-    }
-}
-
-impl std::error::Error for ParseAttributeError {}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -291,12 +242,27 @@ mod tests {
     }
 
     #[test]
-    fn error_echo_is_cut_on_a_char_boundary() {
-        let long = "é".repeat(100);
-        let err = long.parse::<Executor>().unwrap_err();
-        assert!(err.input.len() <= MAX_ECHOED_INPUT);
-        assert!(err
-            .to_string()
-            .contains("expected one of: inline, thread, process, subprocess, other"));
+    fn nemo_gyms_value_lists_are_the_enums_values_in_order() {
+        use crate::names::{EXECUTORS, OPERATIONS, OUTCOMES};
+        let strings = |all: &[&'static str]| all.to_vec();
+        assert_eq!(
+            OPERATIONS,
+            strings(
+                &Operation::ALL
+                    .iter()
+                    .map(|v| v.as_str())
+                    .collect::<Vec<_>>()
+            )
+        );
+        assert_eq!(
+            EXECUTORS,
+            strings(&Executor::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>())
+        );
+        assert_eq!(
+            OUTCOMES,
+            strings(&Outcome::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>())
+        );
+        let unknown = "verfy".parse::<Operation>().unwrap_err();
+        assert_eq!(unknown.valid_values(), OPERATIONS);
     }
 }

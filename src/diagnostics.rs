@@ -82,33 +82,14 @@ pub(crate) fn report(mistake: Mistake, detail: impl FnOnce() -> String) {
 /// Warns whoever runs the process, once per call: as a `tracing` warning (target
 /// `tower_resources_operation`) when a subscriber is installed and the `tracing` feature is on,
 /// and on standard error otherwise (with no subscriber, the default setup, `tracing` would drop
-/// it). How this crate says what would otherwise go unseen, and how a limit of your own can: the
-/// fleet limit of `tower-resources-operation-redis` says its outages this way.
-///
-/// Start the message with what speaks (`"my-pool: ..."`): every such warning has this crate's
-/// target.
-///
-/// ```
-/// tower_resources_operation::limit::warn("my-pool: the pool is unreachable; operations are turned away");
-/// ```
-pub fn warn(message: &str) {
+/// it).
+pub(crate) fn warn(message: &str) {
     #[cfg(feature = "tracing")]
     if has_subscriber() {
-        tracing::warn!(target: "tower_resources_operation", "{message}");
+        tracing::warn!(target: crate::names::TARGET, "{message}");
         return;
     }
-    eprintln!("WARN tower_resources_operation: {message}");
-}
-
-/// Tells whoever runs the process news worth a line (what ended a [`warn`]ing: a store reached
-/// again), as [`warn`] does: an `info` event to a subscriber, else standard error.
-pub fn inform(message: &str) {
-    #[cfg(feature = "tracing")]
-    if has_subscriber() {
-        tracing::info!(target: "tower_resources_operation", "{message}");
-        return;
-    }
-    eprintln!("INFO tower_resources_operation: {message}");
+    eprintln!("WARN {}: {message}", crate::names::TARGET);
 }
 
 /// Whether a `tracing` subscriber other than the no-op one is in place.

@@ -6,9 +6,10 @@
 //! reports, as OpenTelemetry metrics, how long each operation waited for the limit, how long it
 //! ran inside it, how it ended, and how many wait and run right now.
 //!
-//! It is the tower form of NeMo Gym's `nemo_gym.telemetry.resources_operations`, with the same
-//! instrument names, attributes, bucket boundaries and outcome rules, and three instruments of
-//! its own (the limit's capacity, the operations it turned away, the waits given up).
+//! It is the tower form of NeMo Gym's module `nemo_gym.telemetry.resources_operations`, with
+//! the same instrument names, attributes, bucket boundaries and outcome rules ([`names`]), and a
+//! few instruments of its own (the limit's capacity, the operations it turned away, the waits
+//! given up, named limits).
 //!
 //! These docs are the reference; the README is the guide.
 //!
@@ -50,9 +51,9 @@
 //!
 //! ## With axum
 //!
-//! The README's Getting started: two routes share a [named](limit::LimitBuilder::name) limit of
-//! 2 with at most 8 waiting, a Router-wide tower-http `TimeoutLayer` the layers are told of
-//! ([`server_timeout`](ResourcesOperationLayer::server_timeout)), and Prometheus on `/metrics`.
+//! Two routes share a [named](LimitBuilder::name) limit of 2 with at most 8 waiting, under a
+//! Router-wide tower-http `TimeoutLayer` the layers are told of
+//! ([`server_timeout`](ResourcesOperationLayer::server_timeout)), with Prometheus on `/metrics`.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -60,7 +61,7 @@
 //! use opentelemetry::metrics::MeterProvider as _;
 //! use opentelemetry_sdk::metrics::SdkMeterProvider;
 //! use tower_http::timeout::TimeoutLayer;
-//! use tower_resources_operation::metrics::METER_NAME;
+//! use tower_resources_operation::names::METER_NAME;
 //! use tower_resources_operation::{
 //!     Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
 //! };
@@ -159,102 +160,95 @@
 //! | you want | use |
 //! |---|---|
 //! | a limit on a tower service, axum route or tonic service | [`ResourcesOperationLayer`]: [`new`](ResourcesOperationLayer::new), [`new_for_http`](ResourcesOperationLayer::new_for_http), [`new_for_grpc`](ResourcesOperationLayer::new_for_grpc) |
-//! | a cap that several routes share, resized while it serves, with a bounded queue | [`Limit`] |
+//! | a cap that several routes share, resized while it serves, with a bounded queue | [`Limit`], [`LimitBuilder`] |
 //! | a cap that finds its own capacity from the run times and outcomes it sees | [`adaptive`] |
-//! | one limit for a whole fleet of replicas, kept in Redis | the companion crate `tower-resources-operation-redis` (see [A limit for the whole fleet](#a-limit-for-the-whole-fleet)) |
-//! | a limit of your own: a pool, a weighted semaphore, a fleet limit on another store | [`Acquire`], reporting through [`limit::Capacity::of_limit`] and hearing each end through [`Acquire::ended`] |
+//! | one limit for a whole fleet of replicas, kept in Redis | the companion crate `tower-resources-operation-redis` ([below](#a-limit-for-the-whole-fleet)) |
+//! | a limit of your own: a pool, a weighted semaphore, a fleet limit on another store | [`Acquire`], reporting through [`limit::Capacity`] and hearing each end through [`Acquire::ended`] |
 //! | how results become outcomes | [`classify`] |
 //! | how a rejection is answered, and where a caller's deadline is read | [`protocol`] |
-//! | one layer over a whole `Router` or tonic `Server` | [`per_request`], [`PerRequestLayer`](per_request::PerRequestLayer) |
-//! | operations that last until the response body ends | [`until_body_end`](ResourcesOperationLayer::until_body_end), [`layer::OperationBody`] |
+//! | one layer over a whole `Router` or tonic `Server` | [`per_request`] |
+//! | operations that last until the response body ends | [`until_body_end`](ResourcesOperationLayer::until_body_end), [`OperationBody`] |
 //! | work that is not a tower service | [`resources_operation`] |
 //! | the outcome the classifier cannot see | [`set_outcome`] |
-//! | the instruments, your own meter | [`OperationMetrics`], [`metrics`] |
-//! | each operation's wait and run in its request's trace | the `tracing` feature, the [`trace`] module |
+//! | the instruments, on your own meter | [`OperationMetrics`] |
+//! | the names of the instruments, attributes and spans | [`names`] |
 //!
 //! # Metrics
 //!
 //! | instrument | kind | unit | attributes | recorded |
 //! |---|---|---|---|---|
-//! | [`QUEUE_DURATION_INSTRUMENT`] | histogram (f64) | `ms` | operation, executor | once per admitted operation, when it gets its permit: the time since it first had to wait, or 0 if the permit was free at once |
-//! | [`DURATION_INSTRUMENT`] | histogram (f64) | `ms` | operation, executor, outcome | once per admitted operation, when it ends: from the permit to the end of the work (of its body, in the body-end form) |
-//! | [`QUEUED_INSTRUMENT`] | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations waiting for a permit now |
-//! | [`ACTIVE_INSTRUMENT`] | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations holding a permit now |
-//! | [`LIMIT_INSTRUMENT`](metrics::LIMIT_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | operation, executor | at each collection: the sum of the capacities of the distinct limits the series draws from |
-//! | [`REJECTED_INSTRUMENT`](metrics::REJECTED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor, rejection | once per operation turned away without a permit: `queue_full`, `queue_timeout`, or `unavailable` (the limit is closed, or its store out of reach) |
-//! | [`ABANDONED_INSTRUMENT`](metrics::ABANDONED_INSTRUMENT) (this crate's) | observable counter (u64) | `{operation}` | operation, executor | once per operation whose caller went away while it waited |
-//! | [`LIMIT_CAPACITY_INSTRUMENT`](metrics::LIMIT_CAPACITY_INSTRUMENT) (this crate's) | observable gauge (i64) | `{operation}` | limit | at each collection: how many operations a named limit admits at once |
-//! | [`LIMIT_ACTIVE_INSTRUMENT`](metrics::LIMIT_ACTIVE_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations holding a place of a named limit now, whatever their series |
-//! | [`LIMIT_QUEUED_INSTRUMENT`](metrics::LIMIT_QUEUED_INSTRUMENT) (this crate's) | observable up-down counter (i64) | `{operation}` | limit | at each collection: operations waiting for a named limit now |
-//! | [`LIMIT_BASELINE_INSTRUMENT`](metrics::LIMIT_BASELINE_INSTRUMENT) (this crate's) | observable gauge (f64) | `ms` | limit | at each collection: the run time a named [adaptive] limit's algorithm takes as normal, once it has one |
-//! | [`LIMIT_ESTIMATE_INSTRUMENT`](metrics::LIMIT_ESTIMATE_INSTRUMENT) (this crate's) | observable gauge (f64) | `ms` | limit | at each collection: the recent run time a named adaptive limit's algorithm compares with its baseline |
+//! | `gym.resources.operation.queue_duration_ms` | histogram (f64) | `ms` | operation, executor | once per operation that runs, when it is called: the time since it first had to wait, or 0 if the permit was free at once |
+//! | `gym.resources.operation.duration_ms` | histogram (f64) | `ms` | operation, executor, outcome | once per operation that runs, when it ends: from the permit to the end of the work (of its body, in the body-end form) |
+//! | `gym.resources.operation.queued` | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations waiting for a permit now |
+//! | `gym.resources.operation.active` | observable up-down counter (i64) | `{operation}` | operation, executor | at each collection: operations holding a permit now |
+//! | `gym.resources.operation.limit` (this crate's) | observable gauge (i64) | `{operation}` | operation, executor, scope | at each collection: the sum of the capacities of the distinct limits the series draws from |
+//! | `gym.resources.operation.rejected` (this crate's) | observable counter (u64) | `{operation}` | operation, executor, rejection | operations turned away without a permit: `queue_full`, `queue_timeout`, `deadline` (the server's deadline passed in the queue), or `unavailable` (the limit is closed, or its store out of reach) |
+//! | `gym.resources.operation.abandoned` (this crate's) | observable counter (u64) | `{operation}` | operation, executor | operations whose caller went away before they ran |
+//! | `gym.resources.limit.capacity` (this crate's) | observable gauge (i64) | `{operation}` | limit, scope | at each collection: how many operations a named limit admits at once |
+//! | `gym.resources.limit.active` (this crate's) | observable up-down counter (i64) | `{operation}` | limit, scope | at each collection: places of a named limit held now, whatever their series |
+//! | `gym.resources.limit.queued` (this crate's) | observable up-down counter (i64) | `{operation}` | limit, scope | at each collection: operations waiting for a named limit now |
+//! | `gym.resources.limit.adaptive.{baseline,estimate}_ms` (this crate's) | observable gauge (f64) | `ms` | limit, scope | at each collection: the run time a named [adaptive] limit takes as normal, and its recent one |
 //!
-//! - Attribute keys: [`OPERATION_ATTRIBUTE`] ([`OPERATIONS`]), [`EXECUTOR_ATTRIBUTE`]
-//!   ([`EXECUTORS`]), [`OUTCOME_ATTRIBUTE`] ([`OUTCOMES`]), and this crate's
-//!   [`REJECTION_ATTRIBUTE`](metrics::REJECTION_ATTRIBUTE) ([`REJECTIONS`](metrics::REJECTIONS)).
-//!   They are enums, so the series are bounded whatever comes in; names from config go through
-//!   [`Operation::from_str_lossy`] / [`Executor::from_str_lossy`] or `FromStr`, whose error lists
-//!   the valid values.
-//! - Both histograms use NeMo Gym's [`OPERATION_BOUNDARIES_MS`], from 1 ms to 30 minutes.
-//! - Every operation that asks for a permit is exactly one of admitted (one queue sample, one
-//!   duration sample with its outcome), rejected (by reason) or abandoned.
-//! - `limit`: a limit shared by two series reports its full capacity under each; a series served
-//!   by limits of 2 and 3 reports 5; one limit reached through two layers counts once. `active`
-//!   is at most `limit`, except while a lowered capacity drains. `active` and `queued` count
-//!   each operation as it sees its own place: as one ends and its place passes to a waiter, a
-//!   read in between (until the waiter's task is polled) sees one fewer active and the waiter
-//!   still queued; a named limit's `gym.resources.limit.active` counts places, and has no such
-//!   gap. A [`Limit`] knows its capacity;
-//!   an `Arc<Semaphore>` does not, unless the layer is given one
+//! The names and attribute keys are constants in [`names`]; the attribute values are the enums
+//! [`Operation`], [`Executor`], [`Outcome`], [`Rejection`] and [`limit::Scope`], so the series
+//! are bounded whatever comes in. Names from config go through [`Operation::from_str_lossy`] /
+//! [`Executor::from_str_lossy`] or `FromStr`, whose error lists the valid values. Both
+//! histograms use NeMo Gym's [`OPERATION_BOUNDARIES_MS`](names::OPERATION_BOUNDARIES_MS), from
+//! 1 ms to 30 minutes.
+//!
+//! ## What a series is, and reading the numbers
+//!
+//! - **A series is (operation, executor)**, from the values a layer is given, not from its
+//!   route: two routes tagged alike are one series. To tell routes apart, tag them apart, or
+//!   give each its own [named](LimitBuilder::name) limit.
+//! - **Every operation that asks for a permit is exactly one of**: admitted (one queue sample
+//!   and one duration sample with its outcome), rejected (by reason), or abandoned (its caller
+//!   went away while it waited, or after it got its permit but before it was called).
+//! - **`limit`**: a limit shared by two series reports its full capacity under each; a series
+//!   served by limits of 2 and 3 reports 5; one limit reached through two layers counts once. A
+//!   [`Limit`] knows its capacity; an `Arc<Semaphore>` does not, unless the layer is given one
 //!   ([`capacity`](ResourcesOperationLayer::capacity)).
+//! - **`active` is at most `limit`**, except while a lowered capacity drains. `active` and
+//!   `queued` count each operation as it sees its own place: as one ends and its place passes
+//!   to a waiter, a read in between (until the waiter's task is polled) sees one fewer active
+//!   and the waiter still queued. A named limit's `gym.resources.limit.active` counts places,
+//!   and has no such gap.
 //! - **A limit shared by several series** (`/verify` and `/judge` on one [`Limit`]) shows, on
-//!   each series, its whole capacity as `limit` and only that series' share as `active`: neither
-//!   looks full while together they are. [Name the limit](limit::LimitBuilder::name) and it
-//!   reports `gym.resources.limit.{capacity,active,queued}` with
-//!   [`LIMIT_ATTRIBUTE`](metrics::LIMIT_ATTRIBUTE) (`nemo.gym.resources.limit`) = its name,
-//!   whichever series use it: read saturation there. A name is written in code, so the attribute
-//!   stays bounded; limits that share a name add up (their run times: the largest). NeMo Gym's
-//!   series stay as they are.
-//! - **Whose capacity it is.** The named limit's instruments, and `limit`, carry
-//!   [`LIMIT_SCOPE_ATTRIBUTE`](metrics::LIMIT_SCOPE_ATTRIBUTE)
-//!   (`nemo.gym.resources.limit.scope`, a [`limit::Scope`]): `process` for a limit of the
+//!   each series, its whole capacity as `limit` and only that series' share as `active`:
+//!   neither looks full while together they are. [Name the limit](LimitBuilder::name) and it
+//!   reports `gym.resources.limit.{capacity,active,queued}` with `nemo.gym.resources.limit` =
+//!   its name, whichever series use it: read saturation there. A name is written in code, so
+//!   the attribute stays bounded; limits that share a name add up.
+//! - **Whose capacity it is**: `limit` and the named limit's instruments carry
+//!   `nemo.gym.resources.limit.scope` ([`limit::Scope`]): `process` for a limit of the
 //!   process, whose capacity adds up over the processes that report it; `fleet` for one limit
-//!   shared by a whole fleet (the companion crate's `RedisLimit`), whose capacity every
-//!   replica reports alike, to read once; `share` for a fleet limit running on its replica's
-//!   share while its store is away, to add up. The shipped dashboard and alerts read each by
-//!   its scope.
-//! - **An [adaptive] limit** sets its own capacity: `limit` and
-//!   `gym.resources.limit.capacity` follow it, and, named, it reports what its controller
-//!   measured (`gym.resources.limit.adaptive.{baseline,estimate}_ms`), next to the queue time and
-//!   run time its decisions come from.
+//!   shared by a whole fleet, whose capacity every replica reports alike, to read once; `share`
+//!   for a fleet limit running on its replica's share while its store is away, to add up.
+//! - **An [adaptive] limit** sets its own capacity: `limit` and `gym.resources.limit.capacity`
+//!   follow it.
 //! - Live counts add up over every limit that reports through one [`OperationMetrics`] (clones
 //!   share them). A series given explicit metrics reports 0 from the moment a layer makes a
 //!   service for it; with the global metrics, from the first request a service of the layer
-//!   serves. A [per-request](per_request) layer whose chooser knows its rules
-//!   ([`ByMatchedPath`](per_request::ByMatchedPath), [`ByGrpcMethod`](per_request::ByGrpcMethod),
-//!   or your own [`choices`](per_request::KnownChoices::choices)) reports every series they
-//!   name the same way, before any request chooses it.
+//!   serves. A [per-request](per_request) layer whose chooser knows its rules reports every
+//!   series they name the same way, before any request chooses it.
 //! - Mistakes that would record nothing, or the wrong thing, are reported once each as a
-//!   `tracing` warning: no meter provider installed (then [`OperationMetrics::global`] is
-//!   disabled: `global().is_enabled()` is the check to call), a second [`OperationMetrics`]
-//!   alive (two from one meter hide each other's live counts), a per-request choice naming a
-//!   limit its layer was not given.
+//!   `tracing` warning (on standard error without the `tracing` feature, or without a
+//!   subscriber): no meter provider installed (then [`OperationMetrics::global`] is disabled:
+//!   `global().is_enabled()` is the check to call), a second [`OperationMetrics`] alive, a
+//!   per-request choice naming a limit its layer was not given, a layer of one operation over a
+//!   whole Router, one limit twice on a request's path.
 //! - [`OperationMetrics::disabled`] reports nothing: the layer then only enters the limit. An
 //!   adaptive limit's controller hears each operation's end from the limit itself, so it learns
 //!   with metrics off too.
 //!
-//! The histograms' buckets are NeMo Gym's ([`OPERATION_BOUNDARIES_MS`]), given to
-//! OpenTelemetry as advice. A quantile is interpolated between two boundaries, and they are far
-//! apart: a 205 ms verifier falls in (100, 500] and reads as a p50 of 300 ms, and waits of 1.1 s
-//! fall in (1000, 5000] and read as a p95 of 4.7 s. The means (`_sum` / `_count`) are exact.
-//! Where the buckets are too coarse for your work, replace them, for the queue time and the run
-//! time, with an OpenTelemetry View on your meter provider; the crate does not change. (A
-//! base-2 exponential histogram does not reach Prometheus through `opentelemetry-prometheus`
-//! 0.33, which drops it: use explicit buckets there.)
+//! The histograms' buckets are far apart: a quantile interpolated between two boundaries is
+//! coarse (a 205 ms verifier reads as a p50 of 300 ms), while the means (`_sum` / `_count`) are
+//! exact. Where they are too coarse for your work, replace them with an OpenTelemetry View on
+//! your meter provider; the crate does not change:
 //!
 //! ```
 //! use opentelemetry_sdk::metrics::{Aggregation, Instrument, SdkMeterProvider, Stream};
-//! use tower_resources_operation::{DURATION_INSTRUMENT, QUEUE_DURATION_INSTRUMENT};
+//! use tower_resources_operation::names::{DURATION_INSTRUMENT, QUEUE_DURATION_INSTRUMENT};
 //!
 //! let finer_run_times = |instrument: &Instrument| {
 //!     let name = instrument.name();
@@ -275,31 +269,28 @@
 //!
 //! # Outcomes
 //!
-//! Where an operation's outcome is decided, for every way it can end:
+//! NeMo Gym's rules, checked in this order for every form:
 //!
-//! 1. [`set_outcome`] inside the work wins over everything below (NeMo Gym's
-//!    `op.outcome = ...`).
+//! 1. [`set_outcome`] called inside the work wins (NeMo Gym's `op.outcome = ...`).
 //! 2. The inner service answered: the classifier decides ([`classify::DefaultClassifier`]: the
 //!    response says ([`classify::OperationOutput`]: an `http::Response` by its status or its
 //!    `grpc-status`, a process's `Output` by its exit status, a plain value `ok`), `Err` is
 //!    `error`; [`classify::TimeoutClassifier`] also makes tower's and tokio's `Elapsed`
-//!    `timeout`; [`classify::HttpClassifier`] and [`classify::GrpcClassifier`] read the status,
-//!    with rules you can change; [`classify::ResultClassifier`] counts every answer `ok`). A
+//!    `timeout`; [`classify::HttpClassifier`] reads the status with rules you can change). A
 //!    classifier that panics costs the operation its outcome (`error`), never the response.
 //! 3. The inner `poll_ready` failed: `error`, and the permit goes back.
 //! 4. A panic in the inner `poll_ready`, in `call`, or while polling its future or body:
 //!    `crashed`, the permit goes back, and the panic goes on.
-//! 5. Dropped before the end (the caller went away), or a permit taken by `poll_ready` that
-//!    `call` never used: `cancelled`, or `timeout` once the caller's deadline has passed (see
-//!    [`protocol`]).
+//! 5. Dropped once called, before the end (the caller went away): `cancelled`, or `timeout` once
+//!    the caller's deadline has passed (see [`protocol`]). Dropped with its permit before it
+//!    was called: abandoned, not an outcome.
 //! 6. In the body-end form, the end of the stream ends the operation with the head's outcome,
 //!    or the trailers' when the classifier lets them decide
 //!    ([`ClassifyOutcome::classify_at_end`](classify::ClassifyOutcome::classify_at_end): a gRPC
 //!    stream's status); a body error is `error`.
 //!
-//! An operation turned away (`rejected`) or given up while queued (`abandoned`) was never
-//! admitted: it has no queue or duration sample. Recording never fails a request: a meter, a
-//! classifier, a chooser or a deadline reader that panics costs a measurement, never an answer.
+//! Recording never fails a request: a meter, a classifier, a chooser or a deadline reader that
+//! panics costs a measurement, never an answer.
 //!
 //! # Where the other layers go
 //!
@@ -332,19 +323,18 @@
 //! would halve the limit, and deadlock once every place is held by a request that waits for
 //! another: what tower's limits do. The inner layer records nothing of its own: the operation
 //! is the outer layer's, with its tags, its queue time, its run time (the inner work included)
-//! and its outcome ([`set_outcome`] inside sets it), and it holds one place in `active`. The
-//! limit is known by [`Acquire::id`] ([`Limit`], `Arc<Semaphore>`; a limit of your own says
-//! which it is with [`limit::LimitId`]), and the place held is seen on the thread that polls
-//! the request, as `set_outcome` is: work spawned on a task of its own is another request. A
-//! request that passes another limit between the two layers of one is checked against the
-//! innermost only.
+//! and its outcome ([`set_outcome`] inside sets it). The limit is known by [`Acquire::id`]
+//! ([`Limit`], `Arc<Semaphore>`; a limit of your own says which it is with
+//! [`limit::LimitId`]), and the place held is seen on the thread that polls the request, as
+//! `set_outcome` is: work spawned on a task of its own is another request. A request that
+//! passes another limit between the two layers of one is checked against the innermost only.
 //!
 //! ## A verifier subprocess
 //!
 //! Spawn it with `kill_on_drop(true)`. `active` counts places: when a caller goes away, its
-//! operation ends and its place goes back at once. tokio does not kill a child when its
-//! handle is dropped, so a verifier spawned without it runs on after its request is gone: work
-//! the limit no longer sees, while the limit admits another in its place.
+//! operation ends and its place goes back at once. tokio does not kill a child when its handle
+//! is dropped, so a verifier spawned without it runs on after its request is gone: work the
+//! limit no longer sees, while the limit admits another in its place.
 //!
 //! ```
 //! use tower::{service_fn, Layer, ServiceExt};
@@ -371,22 +361,81 @@
 //! # In the request's trace
 //!
 //! The metrics say that a limit binds; a trace says which request waited, how long, and behind
-//! how many. With the `tracing` feature (on by default), each operation makes a `DEBUG` wait span
-//! while it waits for its limit and a run span while it runs, children of the span current when
-//! the request reached the layer (tower-http's `TraceLayer` request span), with NeMo Gym's
-//! attribute keys, the queue and run times the histograms record, and how it ended. Filtered
-//! out, or with no subscriber, they cost a flag and a level read. The [`trace`] module has the
-//! names, the fields, why two spans and why `DEBUG`, and what exemplars need.
+//! how many. With the `tracing` feature (on by default), every operation makes, at `DEBUG`
+//! level under the target `tower_resources_operation`:
+//!
+//! - a **wait span**, [`WAIT_SPAN`](names::WAIT_SPAN), from the moment it starts to wait for
+//!   its limit until it is admitted, turned away or abandoned. Every operation that waits, or
+//!   is turned away, has a wait span (one turned away at once, a wait span of no length); one
+//!   admitted at once has only its run span.
+//! - a **run span**, [`RUN_SPAN`](names::RUN_SPAN), until its end (for
+//!   [`until_body_end`](ResourcesOperationLayer::until_body_end), the end of the response
+//!   body), entered while its work is called and polled, so that spans made by the work are its
+//!   children.
+//!
+//! Both are children of the span current when the operation arrived: with the layer inside
+//! tower-http's `TraceLayer`, the request span; for [`resources_operation`], whatever span
+//! calls it. With no span current, the run span is the wait span's child, so that the wait and
+//! the request stay one trace.
+//!
+//! | field | wait span | run span |
+//! |---|---|---|
+//! | `nemo.gym.resources.operation`, `nemo.gym.resources.executor` | yes | yes |
+//! | `nemo.gym.resources.limit`: the limit's name, if it has one | yes | yes |
+//! | [`QUEUED_AHEAD_ATTRIBUTE`](names::QUEUED_AHEAD_ATTRIBUTE): operations waiting ahead of it when it started to wait, or was turned away | for a limit that reports its queue | |
+//! | [`QUEUE_DURATION_ATTRIBUTE`](names::QUEUE_DURATION_ATTRIBUTE): the queue time, in ms | yes | yes (0 if it did not wait) |
+//! | [`WAIT_ATTRIBUTE`](names::WAIT_ATTRIBUTE): `admitted`, `rejected` or `abandoned` | yes | |
+//! | `nemo.gym.resources.operation.rejection`: why it was turned away | rejected | |
+//! | [`DURATION_ATTRIBUTE`](names::DURATION_ATTRIBUTE): the run time, in ms | | yes |
+//! | `nemo.gym.resources.operation.outcome` | | yes |
+//!
+//! The queue and run times are the values the histograms record, and every ending closes its
+//! span with its result.
+//!
+//! **Why `DEBUG`.** Recorded through `tracing-opentelemetry` and the SDK, a span costs an
+//! operation microseconds, many times what the layer itself costs (`BENCHMARKS.md`); at `INFO`,
+//! the level most services run at, every operation would pay it. At `DEBUG`, the level of
+//! tower-http's `TraceLayer` request spans by default, a filter that shows those shows these
+//! under them, and one that hides them hides these too. Filtered out, or with no subscriber, an
+//! operation reads one word, `tracing`'s max level. To leave them out whatever the level,
+//! filter the target: `tower_resources_operation=info`; to build without them, turn the
+//! `tracing` feature off.
+//!
+//! **Exemplars.** The queue-time histogram is recorded while the wait span is entered (the run
+//! span, for an operation that did not wait), and the run-time histogram while the run span
+//! is: an OpenTelemetry SDK that takes exemplars from the current context then links a slow
+//! bucket to its trace, given `tracing-opentelemetry`'s layer in your subscriber.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use tower::{service_fn, ServiceBuilder, ServiceExt};
+//! use tower_resources_operation::{Operation, ResourcesOperationLayer};
+//! use tracing::Instrument;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! // With a subscriber that records the target's DEBUG spans (in production, tracing-subscriber's
+//! // registry with tracing-opentelemetry's layer), the operation's spans are the request's
+//! // children.
+//! let verifier = ServiceBuilder::new()
+//!     .layer(ResourcesOperationLayer::new(2).operation(Operation::Verify))
+//!     .service(service_fn(|answer: String| async move {
+//!         Ok::<_, Infallible>(answer == "42")
+//!     }));
+//! let request = tracing::info_span!("request");
+//! let correct = verifier.oneshot("42".to_owned()).instrument(request).await;
+//! assert!(correct.unwrap());
+//! # }
+//! ```
 //!
 //! # A limit for the whole fleet
 //!
 //! A [`Limit`] of N on each of 8 replicas is a fleet limit of 8N, wrong as soon as one dies or
 //! one is added. The companion crate `tower-resources-operation-redis` is one limit of N for
-//! every process that names it, kept in the Redis they all reach: leases refreshed while held,
-//! a queue served first come, first served across the fleet, a capacity changed at runtime for
-//! the whole fleet. It is an [`Acquire`], so it goes wherever a [`Limit`] goes, and it reports
-//! through the same seams any limit of your own can use: [`limit::Capacity::of_limit`] for its
-//! name, capacity and live counts, [`Acquire::ended`] for what its controller hears. Each
+//! every process that names it, kept in the Redis they all reach. It is an [`Acquire`], so it
+//! goes wherever a [`Limit`] goes, and it reports through the same seams any limit of your own
+//! can use: [`limit::Capacity`] for its name, capacity and live counts, [`Acquire::ended`] for
+//! what its controller hears, [`adaptive::Window`] for an adaptive limit's windows. Each
 //! replica reports its own queue time, run time, `queued` and `active`; the `limit` gauge is
 //! the fleet's capacity, so the fleet's saturation is `active` summed over instances against
 //! `limit` (the fleet row of `dashboards/grafana/resources-operations.json`).
@@ -402,24 +451,24 @@
 //!   answered, not a panic: the operation is turned away as `unavailable` (HTTP `503`, gRPC
 //!   `UNAVAILABLE`, [`RejectAsError`](protocol::RejectAsError)'s error, `Err(Rejected)` from
 //!   [`resources_operation`], with the limit's own error as the [`Rejected`]'s `source()`), and
-//!   waiters are woken to that answer. Only a generic layer whose
-//!   protocol cannot answer ([`Plain`](protocol::Plain), the default of
-//!   [`new`](ResourcesOperationLayer::new)) still panics at `poll_ready`, in every build, with a
-//!   message naming the limit and the cause. tower panics there only in debug builds, and at
-//!   `call` with an unrelated message in release.
+//!   waiters are woken to that answer. Only a generic layer whose protocol cannot answer
+//!   (none, the generic layer of [`new`](ResourcesOperationLayer::new)) still
+//!   panics at `poll_ready`, in every build, with a message naming the limit and the cause.
+//!   tower panics there only in debug builds, and at `call` with an unrelated message in
+//!   release.
 //! - **A limit that turns operations away** (a queue bound, a queue timeout, a fleet limit that
-//!   fails closed) makes `poll_ready`
-//!   ready, and `call` answers the rejection as the layer's [`protocol`] says, without calling
-//!   the inner service, as tower's `LoadShed` does. A generic layer answers only once given a
-//!   protocol that can ([`protocol::RejectAsError`] for a `BoxError` service); until then it
+//!   fails closed) makes `poll_ready` ready, and `call` answers the rejection as the layer's
+//!   [`protocol`] says, without calling the inner service, as tower's `LoadShed` does. A
+//!   generic layer answers only once given a protocol that can
+//!   ([`RejectAsError`](protocol::RejectAsError) for a `BoxError` service); until then it
 //!   refuses, when it makes its service, a limit that may reject.
 //! - Otherwise the same: the permit is taken in `poll_ready`, waiters are served first come
 //!   first served, a clone starts without a permit, the permit goes back when the response
 //!   future completes, errors or is dropped, or when a service holding an unused permit is
-//!   dropped; `call` without `poll_ready` panics, saying so. (tower's `new(0)` is never
-//!   ready; here a limit of 0 is refused when it is built, naming the value: one rule for
-//!   every bad value, a panic at build as tower does, or an error from `try_new` / `try_build`.) `Response`
-//!   and `Error` are the inner service's, `tower::load::Load` is forwarded, and
+//!   dropped; `call` without `poll_ready` panics, saying so. (tower's `new(0)` is never ready;
+//!   here a limit of 0 is refused when it is built, naming the value: a panic at build as tower
+//!   does, or an error from [`Limit::try_new`] / [`LimitBuilder::try_build`].) `Response` and
+//!   `Error` are the inner service's, `tower::load::Load` is forwarded, and
 //!   [`ResourcesOperation::new`] makes the service without the layer.
 //!
 //! # Compile errors, and what to do about them
@@ -486,23 +535,22 @@
 //! `Verdict` ended" (E0277), or, where the service's method is called (`svc.oneshot(req)`),
 //! only "the method `oneshot` exists for struct `ResourcesOperation<..>`, but its trait bounds
 //! were not satisfied" (E0599). Implement [`classify::OperationOutput`] for the type (its
-//! verdict), or give the layer [`classify::ResultClassifier`], which counts every answer as
-//! `ok`: the [`DefaultClassifier`](classify::DefaultClassifier) shows both.
+//! verdict), or give the layer a classifier of your own: the
+//! [`DefaultClassifier`](classify::DefaultClassifier) shows both.
 //!
 //! # Cargo features
 //!
-//! - `tonic`: the layered services implement tonic's `NamedService`, so a layered gRPC
-//!   service can go to `Server::add_service`.
-//! - `axum`: [`per_request::ByMatchedPath`], which chooses each request's operation by axum's
-//!   matched route.
+//! - `tracing` (default): each operation in its request's trace, as a wait span and a run span
+//!   at `DEBUG` ([above](#in-the-requests-trace)), and the crate's warnings through `tracing`;
+//!   without it, no spans, the warnings go to standard error, and `tracing` is not in the
+//!   dependency tree.
+//! - `tonic`: the layered services implement tonic's `NamedService`, so a layered gRPC service
+//!   can go to `Server::add_service`.
+//! - `axum`: [`per_request::ByRoute`] reads the route axum matched.
 //! - `serde`: [`Operation`], [`Executor`], [`Outcome`] and [`Rejection`] (de)serialize as their
 //!   attribute strings.
 //! - `load`: the service implements tower's `Load`, forwarded from the inner service (for
 //!   tower's balancers; tower's `load` brings `tracing` with it).
-//! - `tracing` (default): each operation in its request's trace, as a wait span and a run span
-//!   at `DEBUG` (the [`trace`] module), and the warnings above, through `tracing`; without it,
-//!   no spans, and the warnings go to standard error. Off, `tracing` is not in the dependency
-//!   tree.
 //! - `experimental-bound-instruments`: records through OpenTelemetry's bound instruments
 //!   (`Histogram::bind`), several times cheaper per record. Turn on `opentelemetry_sdk`'s
 //!   `experimental_metrics_bound_instruments` feature too: without it the SDK silently drops
@@ -518,29 +566,33 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 
 pub mod adaptive;
+mod admission;
 mod attributes;
+mod body;
 pub mod classify;
+mod config;
 mod diagnostics;
+mod error;
+mod future;
 mod guard;
-pub mod layer;
+mod layer;
 pub mod limit;
-pub mod metrics;
-mod names;
+mod metrics;
+pub mod names;
 mod operation;
 pub mod per_request;
 pub mod protocol;
 mod scoped;
-pub mod trace;
+mod service;
 
-pub use attributes::{Executor, Operation, Outcome, ParseAttributeError, Rejection};
-pub use layer::{GrpcLayer, HttpLayer, ResourcesOperation, ResourcesOperationLayer};
-pub use limit::{Acquire, Limit};
+pub use attributes::{Executor, Operation, Outcome, Rejection};
+pub use body::{AtBodyEnd, OperationBody};
+pub use error::{ConfigError, Rejected};
+pub use future::ResponseFuture;
+pub use layer::{HttpLayer, ResourcesOperationLayer};
+pub use limit::acquire::{Acquire, IntoLimit};
+pub use limit::local::{Limit, LimitBuilder};
 pub use metrics::OperationMetrics;
-pub use names::{
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS,
-    OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOMES, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
-};
 pub use operation::set_outcome;
-pub use protocol::Rejected;
-pub use scoped::{resources_operation, resources_operation_with};
+pub use scoped::resources_operation;
+pub use service::{HttpService, ResourcesOperation};

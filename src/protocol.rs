@@ -1,19 +1,26 @@
 //! How a layer speaks its protocol: how it answers an operation that its limit turned away, and
 //! where it reads how long a caller waits.
 //!
-//! A layer's constructor picks its protocol: [`Plain`] for
+//! A layer's constructor picks its protocol: none (`()`) for
 //! [`new`](crate::ResourcesOperationLayer::new), [`Http`] for
-//! [`new_for_http`](crate::ResourcesOperationLayer::new_for_http), [`Grpc`] for
-//! [`new_for_grpc`](crate::ResourcesOperationLayer::new_for_grpc);
+//! [`new_for_http`](crate::ResourcesOperationLayer::new_for_http), and its gRPC form
+//! ([`Http::grpc`]) for [`new_for_grpc`](crate::ResourcesOperationLayer::new_for_grpc);
 //! [`protocol`](crate::ResourcesOperationLayer::protocol) changes it. A rejection makes the
 //! service's `poll_ready` ready, and `call` answers it without calling the inner service, as
 //! tower's `LoadShed` does.
 //!
 //! A limit that cannot admit an operation (closed, or its store out of reach) turns it away too,
 //! with [`Rejection::Unavailable`]: every protocol that answers a rejection answers that one
-//! (HTTP `503`, gRPC `UNAVAILABLE`). [`Plain`] answers none: its layer refuses up front a limit
-//! that [may reject](crate::Acquire::may_reject), and a limit that fails anyway (a semaphore
-//! closed under it) ends the caller with a panic naming the limit, as tower's limit does.
+//! (HTTP `503`, gRPC `UNAVAILABLE`).
+//!
+//! The generic layer's protocol is `()`, no protocol: no answer to a rejection, and no
+//! deadline, as tower's `ConcurrencyLimit`, whose error type need not hold a rejection. So such
+//! a layer refuses, when it makes its service, a limit that may turn an operation away (a queue
+//! bound, a queue timeout, a store that may be out of reach): give it a protocol that answers
+//! first, such as [`RejectAsError`]. A limit that fails all the same (a semaphore closed while
+//! services use it) ends the caller with a panic that names the limit and the cause: there is no
+//! response and no error of the service's type to answer with, and a panic is better than a
+//! caller that waits for good. tower's limit panics there too.
 
 use std::time::Duration;
 
@@ -21,7 +28,7 @@ use http::header::{HeaderName, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Request, Response, StatusCode};
 
 use crate::attributes::Rejection;
-pub use crate::limit::Rejected;
+use crate::error::Rejected;
 
 /// How a layer answers a rejection, and reads a caller's deadline, for a service that takes
 /// `Req` and answers `Res` or fails with `Err`.
@@ -46,7 +53,12 @@ pub use crate::limit::Rejected;
 /// assert!(verifier.oneshot(42).await.unwrap());
 /// # }
 /// ```
-pub trait Protocol<Req, Res, Err>: CanAnswer {
+pub trait Protocol<Req, Res, Err> {
+    /// Whether it answers rejections at all: every protocol does but `()`, none. A layer whose
+    /// protocol does not turns a limit that may reject away when it makes its service, and
+    /// panics, naming the limit, where it would have to answer one.
+    const ANSWERS: bool = true;
+
     /// The answer to an operation turned away for `rejected`.
     fn answer(&self, rejected: Rejected) -> Result<Res, Err>;
 
@@ -75,18 +87,6 @@ pub trait Protocol<Req, Res, Err>: CanAnswer {
     }
 }
 
-/// Whether a protocol can answer a rejection at all: every protocol but [`Plain`]. A layer
-/// whose protocol cannot refuses, when it makes its service, a limit that
-/// [may reject](crate::Acquire::may_reject).
-///
-/// A protocol type of your own says so with an empty `impl CanAnswer for MyProtocol {}`.
-pub trait CanAnswer {
-    /// `true` unless the protocol has no answer to give. Defaults to `true`.
-    const CAN_ANSWER: bool = true;
-}
-
-impl<F, R> CanAnswer for F where F: Fn(Rejected) -> R {}
-
 impl<F, Req, Res, Err> Protocol<Req, Res, Err> for F
 where
     F: Fn(Rejected) -> Result<Res, Err>,
@@ -96,23 +96,11 @@ where
     }
 }
 
-/// The protocol of a generic layer: no answer to a rejection, no deadline.
-///
-/// Its services behave as tower's `ConcurrencyLimit`, whose error type need not hold a
-/// rejection. So such a layer refuses, when it makes its service, a limit that may turn an
-/// operation away (a queue bound, a queue timeout, a store that may be out of reach): give it a
-/// protocol that answers first, such as [`RejectAsError`]. A limit that fails all the same (a
-/// semaphore closed while services use it) ends the caller with a panic that names the limit
-/// and the cause: there is no response and no error of the service's type to answer with, and
-/// a panic is better than a caller that waits for good. tower's limit panics there too.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Plain;
+/// No protocol, the generic layer's: no answer to a rejection, no deadline (see the
+/// [module](self)).
+impl<Req, Res, Err> Protocol<Req, Res, Err> for () {
+    const ANSWERS: bool = false;
 
-impl CanAnswer for Plain {
-    const CAN_ANSWER: bool = false;
-}
-
-impl<Req, Res, Err> Protocol<Req, Res, Err> for Plain {
     #[track_caller]
     fn answer(&self, rejected: Rejected) -> Result<Res, Err> {
         unanswerable::<Self>(rejected)
@@ -123,8 +111,6 @@ impl<Req, Res, Err> Protocol<Req, Res, Err> for Plain {
 /// whose error converts from it, as `BoxError` does (found again with `downcast_ref`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RejectAsError;
-
-impl CanAnswer for RejectAsError {}
 
 impl<Req, Res, Err: From<Rejected>> Protocol<Req, Res, Err> for RejectAsError {
     fn answer(&self, rejected: Rejected) -> Result<Res, Err> {
@@ -154,6 +140,8 @@ pub struct Http {
     status: StatusCode,
     retry_after: Option<HeaderValue>,
     deadline: Deadline,
+    /// Whether it speaks gRPC's form ([`grpc`](Self::grpc)).
+    grpc: bool,
 }
 
 impl Default for Http {
@@ -169,10 +157,35 @@ impl Http {
             status: StatusCode::SERVICE_UNAVAILABLE,
             retry_after: None,
             deadline: Deadline::default(),
+            grpc: false,
         }
     }
 
-    /// Answers rejections with `status` instead (for example `429 Too Many Requests`).
+    /// gRPC's form, for tonic services: a rejection is a trailers-only response with
+    /// `grpc-status` 8, RESOURCE_EXHAUSTED (as tonic answers tower's `Overloaded`), or 14,
+    /// UNAVAILABLE, for a limit that cannot admit ([`Rejection::Unavailable`]); a caller's
+    /// deadline is its `grpc-timeout`, or the server's own timeout (tonic's `Server::timeout`),
+    /// whichever is shorter.
+    ///
+    /// tonic enforces both outside the layer: when one passes it drops the call and answers
+    /// CANCELLED, so the layer sees a drop. With the deadline known, a call dropped while it
+    /// runs, at its deadline, counts as `timeout` rather than `cancelled`; one dropped while it
+    /// still waits for a permit is an abandoned wait, as every caller that gives up in the queue
+    /// is. A client that gives up by its own clock may hang up a little before the server's
+    /// deadline: such a drop counts as `cancelled`.
+    pub fn grpc() -> Self {
+        Self {
+            deadline: Deadline {
+                header: Some(HeaderName::from_static("grpc-timeout")),
+                at_most: None,
+            },
+            grpc: true,
+            ..Self::new()
+        }
+    }
+
+    /// Answers rejections with `status` instead (for example `429 Too Many Requests`); not in
+    /// gRPC's form, whose status is its `grpc-status`.
     pub fn rejection_status(mut self, status: StatusCode) -> Self {
         self.status = status;
         self
@@ -202,10 +215,11 @@ impl Http {
     }
 }
 
-impl CanAnswer for Http {}
-
 impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
     fn answer(&self, rejected: Rejected) -> Result<Response<RB>, Err> {
+        if self.grpc {
+            return Ok(grpc_answer(&rejected));
+        }
         let mut response = Response::new(RB::default());
         *response.status_mut() = match rejected.rejection() {
             Rejection::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -228,6 +242,9 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
     /// directly) never went through a Router.
     #[cfg(feature = "axum")]
     fn unrouted(&self, request: &Request<B>) -> bool {
+        if self.grpc {
+            return false;
+        }
         let extensions = request.extensions();
         extensions.get::<axum::extract::MatchedPath>().is_none()
             && extensions.get::<axum::extract::OriginalUri>().is_some()
@@ -238,70 +255,19 @@ impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Http {
     }
 }
 
-/// gRPC: a rejection is a trailers-only response with `grpc-status` 8, RESOURCE_EXHAUSTED (as
-/// tonic answers tower's `Overloaded`), or 14, UNAVAILABLE, for a limit that cannot admit
-/// ([`Rejection::Unavailable`]); a caller's deadline is its `grpc-timeout`, or the server's own
-/// timeout (tonic's `Server::timeout`), whichever is shorter.
-///
-/// tonic enforces both outside the layer: when one passes it drops the call and answers
-/// CANCELLED, so the layer sees a drop. With the deadline known, a call dropped while it runs,
-/// at its deadline, counts as `timeout` rather than `cancelled`; one dropped while it still waits
-/// for a permit is an abandoned wait, as every caller that gives up in the queue is. A client
-/// that gives up by its own clock may hang up a little before the server's deadline: such a drop
-/// counts as `cancelled`.
-#[derive(Clone, Debug)]
-pub struct Grpc {
-    deadline: Deadline,
-}
-
-impl Default for Grpc {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Grpc {
-    /// Deadlines from `grpc-timeout`.
-    pub fn new() -> Self {
-        Self {
-            deadline: Deadline {
-                header: Some(HeaderName::from_static("grpc-timeout")),
-                at_most: None,
-            },
-        }
-    }
-
-    /// The server gives up on every call after `timeout` (tonic's `Server::timeout`).
-    pub fn server_timeout(mut self, timeout: Duration) -> Self {
-        self.deadline.at_most = Some(timeout);
-        self
-    }
-}
-
-impl CanAnswer for Grpc {}
-
-impl<B, RB: Default, Err> Protocol<Request<B>, Response<RB>, Err> for Grpc {
-    fn answer(&self, rejected: Rejected) -> Result<Response<RB>, Err> {
-        let mut response = Response::new(RB::default());
-        let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        let status = match rejected.rejection() {
-            Rejection::Unavailable => "14",
-            Rejection::Deadline => "4",
-            Rejection::QueueFull | Rejection::QueueTimeout => "8",
-        };
-        headers.insert("grpc-status", HeaderValue::from_static(status));
-        headers.insert("grpc-message", HeaderValue::from_static(rejected.message()));
-        Ok(response)
-    }
-
-    fn deadline(&self, request: &Request<B>) -> Option<Duration> {
-        self.deadline.read(request)
-    }
-
-    fn server_deadline(&self) -> Option<Duration> {
-        self.deadline.at_most
-    }
+/// gRPC's answer to a rejection: a trailers-only response.
+fn grpc_answer<RB: Default>(rejected: &Rejected) -> Response<RB> {
+    let mut response = Response::new(RB::default());
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    let status = match rejected.rejection() {
+        Rejection::Unavailable => "14",
+        Rejection::Deadline => "4",
+        Rejection::QueueFull | Rejection::QueueTimeout => "8",
+    };
+    headers.insert("grpc-status", HeaderValue::from_static(status));
+    headers.insert("grpc-message", HeaderValue::from_static(rejected.message()));
+    response
 }
 
 /// Where a caller's deadline comes from: a request header, a server-wide timeout, or both.
@@ -393,7 +359,7 @@ mod tests {
 
     #[test]
     fn the_shorter_of_the_header_and_the_server_timeout_counts() {
-        let grpc = Grpc::new().server_timeout(Duration::from_secs(1));
+        let grpc = Http::grpc().server_timeout(Duration::from_secs(1));
         let request = |timeout: Option<&str>| {
             let mut request = Request::new(());
             if let Some(timeout) = timeout {

@@ -11,10 +11,10 @@ use crate::attributes::Rejection;
 use crate::attributes::{Executor, Operation, SeriesKey};
 use crate::classify::OperationOutput;
 use crate::diagnostics::{self, Mistake};
-use crate::limit::{self, Acquire};
+use crate::error::Rejected;
+use crate::limit::Acquire;
 use crate::metrics::OperationMetrics;
-use crate::operation::{scope, Ending, Lifecycle};
-use crate::protocol::Rejected;
+use crate::operation::{scope, Asking, Ending, Lifecycle};
 
 /// Runs `work` inside `limit` and reports it through [`OperationMetrics::global`]; returns the
 /// work's output, or [`Rejected`] if the limit turned the operation away.
@@ -32,7 +32,7 @@ use crate::protocol::Rejected;
 /// wins over all of them.
 ///
 /// `limit` is any [`Acquire`]: `&Semaphore`, `&Arc<Semaphore>`, `&Limit`, or a limit of your
-/// own; [`Acquire::queue_timeout`] bounds how long it waits. Its permit is held for exactly the
+/// own. Its permit is held for exactly the work; [`OperationMetrics::resources_operation_with`] lends it to the
 /// work. Called from work that already holds a place of `limit` (a handler behind a layer on the
 /// same limit), it runs on that place rather than wait for a second one, and records nothing
 /// of its own (see [one limit twice](crate#one-limit-twice-on-a-requests-path)). A limit that cannot admit the operation (a closed semaphore, a store out of reach)
@@ -72,40 +72,6 @@ where
 {
     OperationMetrics::global()
         .resources_operation(limit, operation, executor, work)
-        .await
-}
-
-/// [`resources_operation`] for work that uses its permit: `work` is given the permit (a
-/// resource checked out of a pool, say), and the permit goes back when the work is done.
-///
-/// ```
-/// use tokio::sync::Semaphore;
-/// use tower_resources_operation::{resources_operation_with, Executor, Operation};
-///
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let slots = Semaphore::new(3);
-/// let held = resources_operation_with(&slots, Operation::Tool, Executor::Thread, async |permit| {
-///     Ok::<_, std::io::Error>(permit.num_permits())
-/// })
-/// .await??;
-/// assert_eq!(held, 1);
-/// # Ok(())
-/// # }
-/// ```
-pub async fn resources_operation_with<A, W, T>(
-    limit: A,
-    operation: Operation,
-    executor: Executor,
-    work: W,
-) -> Result<T, Rejected>
-where
-    A: Acquire,
-    W: AsyncFnOnce(&A::Permit) -> T,
-    T: OperationOutput,
-{
-    OperationMetrics::global()
-        .resources_operation_with(limit, operation, executor, work)
         .await
 }
 
@@ -159,7 +125,25 @@ impl OperationMetrics {
         Ok(output)
     }
 
-    /// [`resources_operation_with`] reporting through these metrics instead of the global ones.
+    /// [`resources_operation`] for work that uses its permit: `work` is given the permit (a
+    /// resource checked out of a pool, say), and the permit goes back when the work is done.
+    ///
+    /// ```
+    /// use tokio::sync::Semaphore;
+    /// use tower_resources_operation::{Executor, Operation, OperationMetrics};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let slots = Semaphore::new(3);
+    /// let held = OperationMetrics::global()
+    ///     .resources_operation_with(&slots, Operation::Tool, Executor::Thread, async |permit| {
+    ///         Ok::<_, std::io::Error>(permit.num_permits())
+    ///     })
+    ///     .await??;
+    /// assert_eq!(held, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn resources_operation_with<A, W, T>(
         &self,
         limit: A,
@@ -196,7 +180,11 @@ impl OperationMetrics {
         let series = self.series(operation, executor, capacity.as_ref());
         let mut asked = Lifecycle::new();
         let wait = pin!(limit.acquire());
-        let mut asking = limit::in_place(limit, wait);
+        let mut asking = InPlace {
+            limit,
+            wait,
+            waiting: false,
+        };
         let records = series.is_some() || limit.hears_ends();
         // Turned away, the caller gets the limit's error as it was made (a failed limit's
         // cause is its `source()`).
@@ -214,7 +202,9 @@ impl OperationMetrics {
         })
         .await?;
         // Its work is called at once, with no deadline of the caller's.
-        Ok(asked.called(|| ((), None)).lend_permit())
+        Ok(asked
+            .called(|| ((), None), || capacity.as_ref())
+            .lend_permit())
     }
 }
 
@@ -285,5 +275,35 @@ impl<F: Future, A: Acquire> Future for Scoped<'_, '_, F, A> {
         let running = &mut **this.running;
         let permit = running.permit;
         running.operation.run_lent(Some(permit), || work.poll(cx))
+    }
+}
+
+/// A wait on the `async` block's stack: `limit`'s [`acquire`](Acquire::acquire) future, made up
+/// front and polled only if the operation has to wait.
+struct InPlace<'a, L, F> {
+    limit: &'a L,
+    wait: Pin<&'a mut F>,
+    waiting: bool,
+}
+
+impl<L, F> Asking for InPlace<'_, L, F>
+where
+    L: Acquire,
+    F: Future<Output = Result<L::Permit, Rejected>>,
+{
+    type Permit = L::Permit;
+
+    fn is_waiting(&self) -> bool {
+        self.waiting
+    }
+
+    fn try_now(&mut self) -> Option<Result<L::Permit, Rejected>> {
+        self.limit.try_acquire()
+    }
+
+    fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<L::Permit, Rejected>> {
+        let polled = self.wait.as_mut().poll(cx);
+        self.waiting = polled.is_pending();
+        polled
     }
 }

@@ -32,16 +32,16 @@ use tower_test::mock;
 use limits::{Checkout, Sandboxes, Weighted};
 use support::{abandoned, live, panic_message, panic_of, settle, Telemetry, DEADLINE};
 use tower_resources_operation::classify::DefaultClassifier;
-use tower_resources_operation::limit::AcquireError;
 use tower_resources_operation::limit::Capacity;
-use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, LIMIT_INSTRUMENT,
+    OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
+    REJECTION_ATTRIBUTE,
 };
 use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{
     Acquire, Executor, Limit, Operation, OperationMetrics, Rejected, Rejection, ResourcesOperation,
-    ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    ResourcesOperationLayer,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -74,12 +74,12 @@ impl HandsOver {
 impl Acquire for HandsOver {
     type Permit = Checkout;
 
-    fn acquire(&self) -> impl Future<Output = Result<Checkout, AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<Checkout, Rejected>> + Send {
         let checking_out = self.0.acquire();
         async move { checking_out.await.map(Self::hand_over) }
     }
 
-    fn try_acquire(&self) -> Option<Result<Checkout, AcquireError>> {
+    fn try_acquire(&self) -> Option<Result<Checkout, Rejected>> {
         let checked_out = self.0.try_acquire()?;
         Some(checked_out.map(Self::hand_over))
     }
@@ -123,16 +123,16 @@ impl Never {
 impl Acquire for Never {
     type Permit = ();
 
-    fn acquire(&self) -> impl Future<Output = Result<(), AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<(), Rejected>> + Send {
         self.asked.fetch_add(1, Ordering::SeqCst);
         let dropped = CountOnDrop(Arc::clone(&self.dropped));
         async move {
             let _dropped = dropped;
-            std::future::pending::<Result<(), AcquireError>>().await
+            std::future::pending::<Result<(), Rejected>>().await
         }
     }
 
-    fn try_acquire(&self) -> Option<Result<(), AcquireError>> {
+    fn try_acquire(&self) -> Option<Result<(), Rejected>> {
         self.tried.fetch_add(1, Ordering::SeqCst);
         None
     }
@@ -180,13 +180,13 @@ fn assert_keeps_the_limits_error(error: &Rejected) {
 impl Acquire for Unreachable {
     type Permit = ();
 
-    fn acquire(&self) -> impl Future<Output = Result<(), AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<(), Rejected>> + Send {
         let after = self.after;
         async move {
             if !after.is_zero() {
                 tokio::time::sleep(after).await;
             }
-            Err(AcquireError::failed(StoreUnreachable {
+            Err(Rejected::failed(StoreUnreachable {
                 address: "127.0.0.1:6390",
                 cause: std::io::ErrorKind::ConnectionRefused.into(),
             }))
@@ -215,7 +215,7 @@ impl Slow {
 impl Acquire for Slow {
     type Permit = <Weighted as Acquire>::Permit;
 
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send {
         // The units' future asks for nothing until it is first polled, after the delay.
         let (asking, delay) = (self.units.acquire(), self.delay);
         async move {

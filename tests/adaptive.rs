@@ -14,7 +14,7 @@ mod support;
 
 use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use support::simulation::{run, within, Above, Figure, Figures, Form, Scenario, Server};
@@ -22,14 +22,14 @@ use support::Telemetry;
 use tokio::sync::oneshot;
 use tower::{service_fn, Layer as _, ServiceExt as _};
 use tower_resources_operation::adaptive::{Adaptive, Aimd, Algorithm, Gradient, Sample};
-use tower_resources_operation::limit::{Control, Ended, MakeControl, Resize};
-use tower_resources_operation::metrics::{
+use tower_resources_operation::limit::{Ended, LimitPermit};
+use tower_resources_operation::names::{
     LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT,
-    LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT, LIMIT_SCOPE_ATTRIBUTE,
+    LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT, LIMIT_SCOPE_ATTRIBUTE, OPERATION_ATTRIBUTE,
 };
-use tower_resources_operation::per_request::{choose_fn, Choice};
+use tower_resources_operation::per_request::{Choice, ChooseFn};
 use tower_resources_operation::{
-    Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer, OPERATION_ATTRIBUTE,
+    Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
 };
 
 const MS: Duration = Duration::from_millis(1);
@@ -494,7 +494,7 @@ async fn a_per_request_named_limit_adapts() {
     let server = flat();
     let layer = ResourcesOperationLayer::new(64)
         .metrics(telemetry.metrics.clone())
-        .per_request(choose_fn(|_: &()| {
+        .per_request(ChooseFn::new(|_: &()| {
             Choice::limited(Operation::Judge, Executor::Inline).on("judges")
         }))
         .limits([judges.clone()]);
@@ -554,30 +554,50 @@ async fn metrics_off_still_adapts() {
     assert_eq!(scoped_limit.capacity(), 16);
 }
 
-/// A controller that keeps the series of every end it hears.
-#[derive(Clone, Debug, Default)]
-struct Listens(Arc<std::sync::Mutex<Vec<(Operation, Executor)>>>);
-
-impl Control for Listens {
-    fn ended(&self, ended: &Ended, _: usize) {
-        let series = (ended.operation(), ended.executor());
-        self.0.lock().unwrap().push(series);
-    }
-}
-
-impl MakeControl for Listens {
-    fn bounds(&self) -> RangeInclusive<usize> {
-        1..=4
-    }
-
-    fn make(&self, _: Weak<dyn Resize>, _: usize) -> Arc<dyn Control> {
-        Arc::new(self.clone())
-    }
+/// A limit that keeps the series of every end it hears: a `Limit` underneath.
+#[derive(Clone, Debug)]
+struct Listens {
+    limit: Limit,
+    heard: Arc<std::sync::Mutex<Vec<(Operation, Executor)>>>,
 }
 
 impl Listens {
+    fn new(limit: Limit) -> Self {
+        Self {
+            limit,
+            heard: Arc::default(),
+        }
+    }
+
     fn take(&self) -> Vec<(Operation, Executor)> {
-        std::mem::take(&mut self.0.lock().unwrap())
+        std::mem::take(&mut self.heard.lock().unwrap())
+    }
+}
+
+impl tower_resources_operation::Acquire for Listens {
+    type Permit = (
+        LimitPermit,
+        Arc<std::sync::Mutex<Vec<(Operation, Executor)>>>,
+    );
+
+    async fn acquire(&self) -> Result<Self::Permit, tower_resources_operation::Rejected> {
+        let permit = self.limit.acquire().await?;
+        Ok((permit, Arc::clone(&self.heard)))
+    }
+
+    fn capacity(&self) -> Option<tower_resources_operation::limit::Capacity> {
+        tower_resources_operation::Acquire::capacity(&self.limit)
+    }
+
+    fn hears_ends(&self) -> bool {
+        true
+    }
+
+    fn ended((_, heard): &Self::Permit, ended: &Ended) {
+        heard
+            .lock()
+            .unwrap()
+            .push((ended.operation(), ended.executor()));
     }
 }
 
@@ -587,8 +607,8 @@ impl Listens {
 async fn every_form_tells_the_limit_each_operations_series_metrics_on_or_off() {
     let telemetry = Telemetry::new();
     for metrics in [telemetry.metrics.clone(), OperationMetrics::disabled()] {
-        let listens = Listens::default();
-        let limit = Limit::builder(4).adaptive(listens.clone()).build();
+        let listens = Listens::new(Limit::new(4));
+        let limit = listens.clone();
         let layer = ResourcesOperationLayer::new(limit.clone())
             .operation(Operation::Verify)
             .executor(Executor::Subprocess)
@@ -607,13 +627,14 @@ async fn every_form_tells_the_limit_each_operations_series_metrics_on_or_off() {
         assert_eq!(listens.take(), [(Operation::Judge, Executor::Inline)]);
 
         // Per request, into a named limit: the series each request chose.
-        let named = Limit::builder(4)
-            .name("shared")
-            .adaptive(listens.clone())
-            .build();
-        let per_request = ResourcesOperationLayer::new(4)
+        let named = Listens {
+            limit: Limit::builder(4).name("shared").build(),
+            heard: Arc::clone(&listens.heard),
+        };
+        let own = Listens::new(Limit::new(4));
+        let per_request = ResourcesOperationLayer::new(own)
             .metrics(metrics.clone())
-            .per_request(choose_fn(|operation: &Operation| {
+            .per_request(ChooseFn::new(|operation: &Operation| {
                 Choice::limited(*operation, Executor::Thread).on("shared")
             }))
             .limits([named]);

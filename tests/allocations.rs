@@ -19,13 +19,14 @@ use http_body_util::{BodyExt, Full};
 use support::Telemetry;
 use tower::{Layer, Service, ServiceExt};
 use tower_resources_operation::adaptive::{Adaptive, Algorithm, Sample};
-use tower_resources_operation::metrics::REJECTED_INSTRUMENT;
-use tower_resources_operation::per_request::{choose_fn, Choice};
+use tower_resources_operation::names::{
+    DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, REJECTED_INSTRUMENT,
+};
+use tower_resources_operation::per_request::{Choice, ChooseFn};
 use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{
     resources_operation, set_outcome, Acquire, Executor, Limit, Operation, OperationMetrics,
-    Outcome, Rejected, ResourcesOperationLayer, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
-    OUTCOME_ATTRIBUTE,
+    Outcome, Rejected, ResourcesOperationLayer,
 };
 
 /// Counts allocations of the current thread, so other test threads do not disturb the count.
@@ -353,7 +354,7 @@ fn no_allocation_per_body_end_operation_with_metrics_enabled_or_disabled() {
 fn per_request_steady_state_allocations(metrics: OperationMetrics) -> u64 {
     let layer = ResourcesOperationLayer::new(4)
         .metrics(metrics)
-        .per_request(choose_fn(|n: &u32| match n % 2 {
+        .per_request(ChooseFn::new(|n: &u32| match n % 2 {
             1 => Choice::limited(Operation::Verify, Executor::Inline),
             _ => Choice::Unlimited,
         }));

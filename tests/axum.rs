@@ -15,11 +15,11 @@ use tokio::sync::{Barrier, Semaphore};
 
 use support::http::serve;
 use support::{Load, Telemetry, DEADLINE};
-use tower_resources_operation::{
-    Executor, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
+use tower_resources_operation::{Executor, Operation, ResourcesOperationLayer};
 
 /// How long each handler holds its permit.
 const WORK: Duration = Duration::from_millis(100);

@@ -5,7 +5,7 @@
 //! going (and the default head-end form does not), a client that hangs up mid-stream ends it
 //! `cancelled`, a body error ends it `error`, and a limit of 1 makes a second request wait for
 //! the first body's end. With `oneshot` on layered services and `http_body` bodies: an empty body
-//! ends at once, trailers end it (and decide the outcome with the `GrpcClassifier`), `size_hint`,
+//! ends at once, trailers end it (and decide the outcome with the `HttpClassifier`), `size_hint`,
 //! `is_end_stream` and data frames pass through, `set_outcome` in `poll_frame` (or in the service,
 //! before the head) wins, a panic in `poll_frame` is `crashed`, a body dropped past the request's
 //! deadline is `timeout` (before it `cancelled`; one that ends on its own keeps its outcome), and
@@ -41,13 +41,14 @@ use tower::{Layer, Service, ServiceExt};
 use support::http::{serve, verify_layer, Client};
 use support::reliability::{quiet_expected_panics, EXPECTED_PANIC};
 use support::{eventually, only, panic_message, Telemetry, DEADLINE};
-use tower_resources_operation::classify::{GrpcClassifier, HttpClassifier};
-use tower_resources_operation::layer::AtBodyEnd;
-use tower_resources_operation::protocol::{Grpc, Http};
+use tower_resources_operation::classify::HttpClassifier;
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+};
+use tower_resources_operation::protocol::Http;
 use tower_resources_operation::{
-    set_outcome, Limit, OperationMetrics, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
+    set_outcome, AtBodyEnd, Limit, OperationMetrics, Outcome, ResourcesOperationLayer,
 };
 
 /// Chunks of a streamed body.
@@ -472,7 +473,7 @@ async fn with_a_limit_of_one_a_second_request_waits_for_the_first_body_to_end() 
 // ---------------------------------------------------------------------------------------------
 
 type HttpBodyEnd = ResourcesOperationLayer<HttpClassifier, Limit, Http, AtBodyEnd>;
-type GrpcBodyEnd = ResourcesOperationLayer<GrpcClassifier, Limit, Grpc, AtBodyEnd>;
+type GrpcBodyEnd = tower_resources_operation::HttpLayer<Limit, AtBodyEnd>;
 
 /// An HTTP layer on `limit`, in the body-end form.
 fn http_layer(telemetry: &Telemetry, limit: &Limit) -> HttpBodyEnd {
@@ -735,7 +736,7 @@ async fn the_grpc_classifier_given_to_classifier_reads_the_trailers_too() {
     for (code, outcome) in [("0", "ok"), ("4", "timeout"), ("13", "error")] {
         let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
         let layer = ResourcesOperationLayer::new(limit.clone())
-            .classifier(GrpcClassifier)
+            .classifier(HttpClassifier::grpc())
             .metrics(telemetry.metrics.clone())
             .until_body_end();
         let body = Frames::data(&["message"]).with_trailers(trailers(&[("grpc-status", code)]));

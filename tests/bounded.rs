@@ -25,12 +25,15 @@ use tower_test::mock;
 
 use support::{abandoned, live, panic_message, rejection_of, settle, take, Telemetry};
 use tower_resources_operation::classify::DefaultClassifier;
-use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTIONS, REJECTION_ATTRIBUTE};
-use tower_resources_operation::per_request::{choose_fn, Choice};
-use tower_resources_operation::protocol::{Http, Plain, RejectAsError};
+use tower_resources_operation::names::{
+    DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
+    REJECTION_ATTRIBUTE,
+};
+use tower_resources_operation::per_request::{Choice, ChooseFn};
+use tower_resources_operation::protocol::{Http, RejectAsError};
 use tower_resources_operation::{
     Acquire, Executor, Limit, Operation, OperationMetrics, Rejected, Rejection,
-    ResourcesOperationLayer, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT,
+    ResourcesOperationLayer,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -650,7 +653,7 @@ async fn a_per_request_layer_answers_a_rejection_from_its_response_future() {
     });
     let service = ResourcesOperationLayer::new_for_http(limit.clone())
         .metrics(t.metrics.clone())
-        .per_request(choose_fn(choose))
+        .per_request(ChooseFn::new(choose))
         .layer(inner);
     let get = |path: &str| Request::get(path).body(()).unwrap();
 
@@ -679,14 +682,14 @@ fn a_per_request_layer_that_cannot_answer_refuses_a_limit_with_a_bound_and_an_ht
         || service_fn(|_: Request<()>| async { Ok::<_, Infallible>(Response::new(String::new())) });
     let plain = ResourcesOperationLayer::new(limit.clone())
         .metrics(OperationMetrics::disabled())
-        .per_request(choose_fn(choose));
+        .per_request(ChooseFn::new(choose));
     let message = refusal(&plain, inner());
     assert!(message.contains("cannot answer a rejection"), "{message}");
 
     // An HTTP layer answers rejections from the start.
     let _ = ResourcesOperationLayer::new_for_http(limit)
         .metrics(OperationMetrics::disabled())
-        .per_request(choose_fn(choose))
+        .per_request(ChooseFn::new(choose))
         .layer(inner());
 }
 
@@ -747,14 +750,15 @@ async fn a_layer_that_cannot_answer_refuses_a_limit_made_with_a_bound_and_one_ma
         message.contains(std::any::type_name::<Limit>()),
         "{message}"
     );
-    // A queue timeout may turn operations away too, whatever the limit: on a layer that cannot
-    // answer it does not build (the `compile_fail` example of `queue_timeout`); a protocol that
-    // cannot answer, given after it, is refused at that call.
+    // A queue timeout may turn operations away too, whatever the limit: a layer that cannot
+    // answer refuses it where it is set (the `should_panic` example of `queue_timeout`); no
+    // protocol (`()`), given after it, is refused where its service is first asked.
     let timed = quiet(&Limit::new(1))
         .protocol(RejectAsError)
         .queue_timeout(Duration::from_secs(1));
-    let refused = catch_unwind(AssertUnwindSafe(|| drop(timed.protocol(Plain))));
-    let message = panic_message(&*refused.expect_err("Plain is refused"));
+    let (mut service, _) = mock::spawn_layer::<(), (), _>(timed.protocol(()));
+    let refused = catch_unwind(AssertUnwindSafe(|| service.poll_ready()));
+    let message = panic_message(&*refused.expect_err("no protocol is refused"));
     assert!(message.contains("cannot answer a rejection"), "{message}");
 
     // Each way of answering takes the limit.
@@ -848,9 +852,9 @@ async fn rejections_are_counted_per_series_by_reason() {
     assert_eq!(rejected(&t, "judge", "unavailable"), 0);
     let points = t.live(REJECTED_INSTRUMENT);
     assert!(
-        points
-            .iter()
-            .all(|p| REJECTIONS.contains(&p.attributes[REJECTION_ATTRIBUTE].as_str())),
+        points.iter().all(|p| p.attributes[REJECTION_ATTRIBUTE]
+            .parse::<Rejection>()
+            .is_ok()),
         "{points:?}"
     );
     assert_eq!(abandoned(&t, "verify") + abandoned(&t, "judge"), 0);

@@ -7,24 +7,23 @@ mod support;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use http::{HeaderValue, Response, StatusCode};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use tower::{service_fn, Layer as _, ServiceExt as _};
 
 use support::reliability::{self, assert_books, quiet_expected_panics, Books, EXPECTED_PANIC};
 use support::{Data, Telemetry};
-use tower_resources_operation::classify::{
-    ClassifyOutcome, GrpcClassifier, HttpClassifier, TimeoutClassifier,
-};
-use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, LIMIT_SCOPE_ATTRIBUTE, REJECTED_INSTRUMENT, REJECTIONS,
-    REJECTION_ATTRIBUTE, SCOPES,
+use tower_resources_operation::classify::{ClassifyOutcome, HttpClassifier, TimeoutClassifier};
+use tower_resources_operation::limit::Scope;
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE,
+    LIMIT_INSTRUMENT, LIMIT_SCOPE_ATTRIBUTE, OPERATIONS, OPERATION_ATTRIBUTE, OUTCOMES,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
+    REJECTION_ATTRIBUTE,
 };
 use tower_resources_operation::{
-    Executor, Limit, Operation, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
-    DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS, OPERATION_ATTRIBUTE, OUTCOMES,
-    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    Executor, Limit, Operation, Outcome, Rejection, ResourcesOperationLayer,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -133,7 +132,7 @@ async fn run(
     let result = match &answer {
         Answer::Grpc(_) => {
             let service = base
-                .classifier(TimeoutClassifier::wrap(GrpcClassifier))
+                .classifier(TimeoutClassifier::wrap(HttpClassifier::grpc()))
                 .layer(inner);
             tokio::task::spawn_local(service.oneshot(answer.clone())).await
         }
@@ -186,9 +185,9 @@ fn assert_series_bounded(telemetry: &Telemetry) {
             * if with_outcome {
                 OUTCOMES.len()
             } else if with_rejection {
-                REJECTIONS.len()
+                Rejection::ALL.len()
             } else if with_scope {
-                SCOPES.len()
+                Scope::ALL.len()
             } else {
                 1
             };
@@ -221,10 +220,15 @@ fn assert_series_bounded(telemetry: &Telemetry) {
                 assert!(OUTCOMES.contains(&attributes[OUTCOME_ATTRIBUTE].as_str()));
             }
             if with_rejection {
-                assert!(REJECTIONS.contains(&attributes[REJECTION_ATTRIBUTE].as_str()));
+                let rejection = attributes[REJECTION_ATTRIBUTE].parse::<Rejection>();
+                assert!(rejection.is_ok(), "{:?}", attributes[REJECTION_ATTRIBUTE]);
             }
             if with_scope {
-                assert!(SCOPES.contains(&attributes[LIMIT_SCOPE_ATTRIBUTE].as_str()));
+                let scope = attributes[LIMIT_SCOPE_ATTRIBUTE].as_str();
+                assert!(
+                    Scope::ALL.iter().any(|known| known.as_str() == scope),
+                    "{scope}"
+                );
             }
         }
     }
@@ -294,7 +298,7 @@ fn arbitrary_names_statuses_headers_errors_and_panics_stay_within_nemo_gyms_seri
     reliability::assert_live_counts_zero(&telemetry);
 }
 
-/// The longest [`ParseAttributeError`] message for `attribute`: the fixed text, the quotes, and
+/// The longest [`ConfigError`] message for `attribute`: the fixed text, the quotes, and
 /// at most 64 echoed bytes, each of which `{:?}` escapes to at most 6 characters (`\u{1f}`).
 fn message_bound(attribute: &str, valid: &[&str]) -> usize {
     format!(
@@ -317,7 +321,7 @@ fn echoed(input: &str) -> &str {
 
 fn check_parse<T>(input: &str, attribute: &str, valid: &[&str]) -> Result<(), TestCaseError>
 where
-    T: std::str::FromStr<Err = tower_resources_operation::ParseAttributeError> + std::fmt::Display,
+    T: std::str::FromStr<Err = tower_resources_operation::ConfigError> + std::fmt::Display,
 {
     match input.parse::<T>() {
         Ok(value) => {
@@ -326,7 +330,7 @@ where
         }
         Err(error) => {
             prop_assert!(!valid.contains(&input));
-            prop_assert_eq!(error.attribute(), attribute);
+            prop_assert_eq!(error.setting(), attribute);
             prop_assert_eq!(error.valid_values(), valid);
             let message = error.to_string();
             prop_assert!(
@@ -410,14 +414,16 @@ proptest! {
         let Ok(value) = HeaderValue::from_bytes(&bytes) else {
             return Ok(());
         };
-        let mut headers = HeaderMap::new();
+        let mut response = http::Response::new(());
+        let headers = response.headers_mut();
+        headers.insert("content-type", HeaderValue::from_static("application/grpc"));
         headers.insert("grpc-status", value);
         if let Some(second) = second {
             // A repeated header: the first value decides.
             headers.append("grpc-status", HeaderValue::from_bytes(&second).unwrap());
         }
         prop_assert_eq!(
-            GrpcClassifier::classify_headers(&headers),
+            ClassifyOutcome::<_, std::convert::Infallible>::classify(&HttpClassifier::grpc(), Ok(&response)),
             expected_outcome(&Answer::Grpc(Some(bytes)))
         );
     }

@@ -16,9 +16,8 @@ use std::time::Duration;
 use tower::util::BoxCloneService;
 use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_resources_operation::classify::TimeoutClassifier;
-use tower_resources_operation::{
-    Limit, ResourcesOperation, ResourcesOperationLayer, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE,
-};
+use tower_resources_operation::names::{DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE};
+use tower_resources_operation::{Limit, ResourcesOperation, ResourcesOperationLayer};
 
 /// The inner service of these tests: echoes its request, and fails with a `BoxError` on 0.
 async fn zero_fails(n: u32) -> Result<u32, BoxError> {

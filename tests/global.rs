@@ -13,11 +13,13 @@ use std::convert::Infallible;
 use tokio::sync::{Mutex, MutexGuard};
 
 use tower::{service_fn, Layer, ServiceExt};
-use tower_resources_operation::per_request::{ByGrpcMethod, Choice};
-use tower_resources_operation::{
-    resources_operation, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
+use tower_resources_operation::names::{
     ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
     QUEUE_DURATION_INSTRUMENT,
+};
+use tower_resources_operation::per_request::{ByRoute, Choice};
+use tower_resources_operation::{
+    resources_operation, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
 };
 
 use support::{pipeline, Telemetry};
@@ -177,7 +179,7 @@ async fn global_metrics_are_one_set_per_provider_so_live_counts_are_not_hidden()
 #[tokio::test]
 async fn a_per_request_layer_on_the_default_resolves_the_provider_when_it_first_serves() {
     let _turn = global_provider_turn().await;
-    let layer = ResourcesOperationLayer::new_for_http(2).per_request(ByGrpcMethod::new().service(
+    let layer = ResourcesOperationLayer::new_for_http(2).per_request(ByRoute::new().service(
         "pkg.Verifier",
         Choice::limited(Operation::Verify, Executor::Process),
     ));

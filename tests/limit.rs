@@ -14,10 +14,13 @@ use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
 use tower_test::{assert_request_eq, mock};
 
 use support::{panic_message, rejection_of, take, Telemetry};
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT,
+};
 use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{
     Executor, Limit, Operation, OperationMetrics, Rejection, ResourcesOperationLayer,
-    DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
 
 /// A limit of `max` that records nothing, so no test depends on the global provider.
@@ -90,17 +93,16 @@ async fn limit_of_two_admits_two_calls_and_third_waits_unwoken_until_a_response_
     )
     .await;
 
-    // The metrics were really on: three operations ran to `ok`, and five were admitted (the
-    // last two only reserved their permits, and their services were dropped: `cancelled`).
+    // The metrics were really on: three operations ran to `ok`. Two more only reserved their
+    // permits, and their services were dropped before they were called: abandoned, with no
+    // queue sample and no outcome (their work never began).
     assert_eq!(
         telemetry.count(DURATION_INSTRUMENT, &[(OUTCOME_ATTRIBUTE, "ok")]),
         3
     );
-    assert_eq!(telemetry.count(QUEUE_DURATION_INSTRUMENT, &[]), 5);
-    assert_eq!(
-        telemetry.count(DURATION_INSTRUMENT, &[(OUTCOME_ATTRIBUTE, "cancelled")]),
-        2
-    );
+    assert_eq!(telemetry.count(QUEUE_DURATION_INSTRUMENT, &[]), 3);
+    assert_eq!(telemetry.count(DURATION_INSTRUMENT, &[]), 3);
+    assert_eq!(telemetry.live_value(ABANDONED_INSTRUMENT, &[]), 2);
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -279,7 +281,7 @@ fn a_limit_of_zero_is_refused_when_it_is_built_naming_the_value() {
     // tower's `ConcurrencyLimit::new(0)` is never ready; a limit of 0 here is a mistake caught
     // where it is made.
     let error = Limit::try_new(0).unwrap_err();
-    assert_eq!(error.capacity(), 0);
+    assert_eq!(error.setting(), "capacity");
     assert!(error.to_string().contains("a limit of 0"), "{error}");
     assert!(Limit::builder(0).try_build().is_err());
     let panic = std::panic::catch_unwind(|| quiet(0)).unwrap_err();
@@ -342,9 +344,9 @@ async fn under_a_layer_that_cannot_answer_closing_the_semaphore_wakes_a_waiter_t
     assert_eq!(telemetry.live_value(QUEUED_INSTRUMENT, &[]), 0);
     assert_eq!(
         telemetry.live_value(
-            tower_resources_operation::metrics::REJECTED_INSTRUMENT,
+            tower_resources_operation::names::REJECTED_INSTRUMENT,
             &[(
-                tower_resources_operation::metrics::REJECTION_ATTRIBUTE,
+                tower_resources_operation::names::REJECTION_ATTRIBUTE,
                 "unavailable"
             )]
         ),
@@ -479,13 +481,11 @@ impl Drop for WatchedPermit {
 impl tower_resources_operation::Acquire for Watched {
     type Permit = WatchedPermit;
 
-    async fn acquire(
-        &self,
-    ) -> Result<WatchedPermit, tower_resources_operation::limit::AcquireError> {
+    async fn acquire(&self) -> Result<WatchedPermit, tower_resources_operation::Rejected> {
         let place = Arc::clone(&self.places)
             .acquire_owned()
             .await
-            .map_err(|_| tower_resources_operation::limit::AcquireError::closed())?;
+            .map_err(|_| tower_resources_operation::Rejected::closed())?;
         Ok(WatchedPermit {
             _place: place,
             on_release: Arc::clone(&self.on_release),
@@ -505,7 +505,7 @@ async fn an_operation_is_recorded_as_ended_before_its_permit_goes_back() {
             let (telemetry, seen) = (Arc::clone(&telemetry), Arc::clone(&seen));
             Arc::new(move || {
                 let active =
-                    telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &[]);
+                    telemetry.live_value(tower_resources_operation::names::ACTIVE_INSTRUMENT, &[]);
                 seen.lock().unwrap().push(active);
             })
         },
@@ -521,16 +521,21 @@ async fn an_operation_is_recorded_as_ended_before_its_permit_goes_back() {
     // Dropped before it completed.
     assert_ready_ok!(service.poll_ready());
     drop(service.call("dropped"));
-    // Admitted by poll_ready, never called: the service is dropped holding its permit.
+    // Admitted by poll_ready, never called: the service is dropped holding its permit, its
+    // caller gone before its work began: abandoned.
     assert_ready_ok!(service.poll_ready());
     drop(service);
 
     assert_eq!(*seen.lock().unwrap(), [0, 0, 0]);
     assert_eq!(
         telemetry.outcomes(&[]),
-        [("cancelled".to_owned(), 2), ("ok".to_owned(), 1)]
+        [("cancelled".to_owned(), 1), ("ok".to_owned(), 1)]
             .into_iter()
             .collect()
+    );
+    assert_eq!(
+        telemetry.live_value(tower_resources_operation::names::ABANDONED_INSTRUMENT, &[]),
+        1
     );
 }
 

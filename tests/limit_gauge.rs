@@ -21,14 +21,13 @@ use tower::{service_fn, Layer as _, ServiceExt as _};
 
 use support::{held, settle, spawn_held, Telemetry};
 use tower_resources_operation::classify::DefaultClassifier;
-use tower_resources_operation::limit::AcquireError;
 use tower_resources_operation::limit::Capacity;
-use tower_resources_operation::metrics::{
-    LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_INSTRUMENT, LIMIT_QUEUED_INSTRUMENT,
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE, LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE,
+    LIMIT_INSTRUMENT, LIMIT_QUEUED_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
 };
 use tower_resources_operation::{
-    Acquire, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
+    Acquire, Executor, Limit, Operation, OperationMetrics, Rejected, ResourcesOperationLayer,
 };
 
 /// `(operation, executor)` of a series.
@@ -527,12 +526,10 @@ impl OwnLimit {
 impl Acquire for OwnLimit {
     type Permit = tokio::sync::OwnedSemaphorePermit;
 
-    fn acquire(
-        &self,
-    ) -> impl std::future::Future<Output = Result<Self::Permit, AcquireError>> + Send {
+    fn acquire(&self) -> impl std::future::Future<Output = Result<Self::Permit, Rejected>> + Send {
         Arc::clone(&self.places)
             .acquire_owned()
-            .map(|acquired| acquired.map_err(|_| AcquireError::closed()))
+            .map(|acquired| acquired.map_err(|_| Rejected::closed()))
     }
 
     fn capacity(&self) -> Option<Capacity> {

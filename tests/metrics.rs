@@ -16,14 +16,13 @@ use support::{
 use tokio::sync::{oneshot, Semaphore};
 use tokio_test::{assert_pending, task};
 use tower::{service_fn, BoxError, Layer, Service, ServiceExt};
-use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, LIMIT_INSTRUMENT, REJECTED_INSTRUMENT,
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE,
+    LIMIT_INSTRUMENT, OPERATIONS, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOMES,
+    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
 };
 use tower_resources_operation::{
     set_outcome, Executor, Operation, OperationMetrics, Outcome, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS,
-    OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOMES, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
 };
 
 /// Paused time moves in whole milliseconds; a recorded duration may be off by a tick or two.

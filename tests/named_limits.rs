@@ -18,15 +18,13 @@ use tokio::task::JoinHandle;
 
 use support::http::{serve, Client};
 use support::{eventually, Load, Telemetry, DEADLINE};
-use tower_resources_operation::metrics::{
-    LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_CAPACITY_INSTRUMENT, LIMIT_INSTRUMENT,
-    LIMIT_QUEUED_INSTRUMENT, REJECTED_INSTRUMENT,
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE, LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE,
+    LIMIT_CAPACITY_INSTRUMENT, LIMIT_INSTRUMENT, LIMIT_QUEUED_INSTRUMENT, OPERATION_ATTRIBUTE,
+    QUEUED_INSTRUMENT, REJECTED_INSTRUMENT,
 };
-use tower_resources_operation::per_request::{choose_fn, ByMatchedPath, Choice};
-use tower_resources_operation::{
-    Executor, Limit, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, EXECUTOR_ATTRIBUTE,
-    OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
-};
+use tower_resources_operation::per_request::{ByRoute, Choice, ChooseFn};
+use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
 
 /// A gate that handlers wait on until the test opens it.
 struct Gate {
@@ -184,7 +182,7 @@ fn capped_router(
     judge: &Arc<Load>,
     telemetry: &Telemetry,
 ) -> Router {
-    let chooser = ByMatchedPath::new()
+    let chooser = ByRoute::new()
         .route(
             "/verify",
             Choice::limited(Operation::Verify, Executor::Subprocess).on("verifiers"),
@@ -300,7 +298,7 @@ async fn a_choice_naming_an_unknown_limit_takes_the_layers_own() {
     let router = Router::new().route("/verify", gate.route(&load)).layer(
         ResourcesOperationLayer::new_for_http(2)
             .metrics(telemetry.metrics.clone())
-            .per_request(choose_fn(chooser))
+            .per_request(ChooseFn::new(chooser))
             .limits([Limit::builder(4).name("verifiers").build()]),
     );
     let addr = serve(router).await;
@@ -322,7 +320,7 @@ async fn a_choice_naming_an_unknown_limit_takes_the_layers_own() {
 #[should_panic(expected = "chosen by name")]
 fn a_per_request_layer_refuses_an_unnamed_limit() {
     let _ = ResourcesOperationLayer::new(1)
-        .per_request(choose_fn(|_: &()| Choice::Unlimited))
+        .per_request(ChooseFn::new(|_: &()| Choice::Unlimited))
         .limits([Limit::new(2)]);
 }
 
@@ -330,7 +328,7 @@ fn a_per_request_layer_refuses_an_unnamed_limit() {
 #[should_panic(expected = "named \"a\"")]
 fn a_per_request_layer_refuses_two_limits_of_one_name() {
     let _ = ResourcesOperationLayer::new(1)
-        .per_request(choose_fn(|_: &()| Choice::Unlimited))
+        .per_request(ChooseFn::new(|_: &()| Choice::Unlimited))
         .limits([
             Limit::builder(1).name("a").build(),
             Limit::builder(2).name("a").build(),
@@ -355,23 +353,18 @@ fn a_limit_name_outside_the_bounded_alphabet_is_refused() {
     }
 }
 
-/// A name read from configuration needs no `check_name` first: `try_build` returns a bad one as
-/// an error, whichever of the capacity and the name is wrong, and never panics.
+/// A name read from configuration needs no check first: `try_build` returns a bad one as an
+/// error, whichever of the capacity and the name is wrong, and never panics.
 #[test]
 fn try_build_returns_a_bad_name_as_an_error_never_a_panic() {
-    use tower_resources_operation::limit::InvalidLimit;
-
     let built = std::panic::catch_unwind(|| Limit::builder(0).name("my workers").try_build());
-    let refused = built.expect("try_build does not panic");
-    assert!(
-        matches!(refused, Err(InvalidLimit::Capacity(_))),
-        "{refused:?}"
-    );
+    let refused = built.expect("try_build does not panic").unwrap_err();
+    assert_eq!(refused.setting(), "capacity", "{refused:?}");
 
     let from_config = String::from("my workers");
     let built = std::panic::catch_unwind(|| Limit::builder(2).name(from_config).try_build());
     let refused = built.expect("try_build does not panic").unwrap_err();
-    assert!(matches!(refused, InvalidLimit::Name(_)), "{refused:?}");
+    assert_eq!(refused.setting(), "name", "{refused:?}");
     assert!(refused.to_string().contains("\"my workers\""), "{refused}");
 
     let named = Limit::builder(2).name(String::from("workers")).try_build();

@@ -18,9 +18,8 @@ use axum::Router;
 use support::captured::Captured;
 use support::http::{serve, Client};
 use support::{Load, Telemetry};
-use tower_resources_operation::{
-    Executor, Limit, Operation, ResourcesOperationLayer, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
-};
+use tower_resources_operation::names::{DURATION_INSTRUMENT, OPERATION_ATTRIBUTE};
+use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
 
 /// How long each handler holds its place.
 const WORK: Duration = Duration::from_millis(150);

@@ -15,10 +15,10 @@ use tokio_test::{assert_pending, task};
 use tower::timeout::TimeoutLayer;
 use tower::{service_fn, BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_resources_operation::classify::{ClassifyOutcome, TimeoutClassifier};
-use tower_resources_operation::protocol::{CanAnswer, Protocol};
+use tower_resources_operation::names::{ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE};
+use tower_resources_operation::protocol::Protocol;
 use tower_resources_operation::{
     set_outcome, Acquire, Limit, Operation, Outcome, Rejected, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE,
 };
 
 /// The outcomes of the operations tagged `operation`.
@@ -274,8 +274,6 @@ async fn classifier_whose_clone_panics_keeps_the_response_and_records_error() {
 #[derive(Clone)]
 struct PanicsReadingTheDeadline(Panics);
 
-impl CanAnswer for PanicsReadingTheDeadline {}
-
 impl<Req, Res, Err> Protocol<Req, Res, Err> for PanicsReadingTheDeadline {
     fn answer(&self, rejected: Rejected) -> Result<Res, Err> {
         unreachable!("an unbounded limit rejects nothing: {rejected}")
@@ -322,8 +320,10 @@ async fn response_future_dropped_before_completion_is_cancelled() {
     assert_released(&t, &layer);
 }
 
+/// A caller that took its permit (`ready`) and went away before it called: its work never
+/// began, so it is abandoned, with no queue sample and no outcome, and its place goes back.
 #[tokio::test]
-async fn permit_taken_by_poll_ready_and_service_dropped_without_call_is_cancelled() {
+async fn permit_taken_by_poll_ready_and_service_dropped_without_call_is_abandoned() {
     let t = Telemetry::new();
     let layer = layer(&t);
     let mut svc = layer.layer(service_fn(|()| async { Ok::<_, Infallible>(()) }));
@@ -332,7 +332,18 @@ async fn permit_taken_by_poll_ready_and_service_dropped_without_call_is_cancelle
     assert_eq!(layer.limit().available(), 0);
     drop(svc);
 
-    assert_eq!(outcomes(&t), only("cancelled"));
+    assert!(outcomes(&t).is_empty(), "{:?}", outcomes(&t));
+    assert_eq!(
+        t.count(
+            tower_resources_operation::names::QUEUE_DURATION_INSTRUMENT,
+            &[]
+        ),
+        0
+    );
+    assert_eq!(
+        t.live_value(tower_resources_operation::names::ABANDONED_INSTRUMENT, &[]),
+        1
+    );
     assert_released(&t, &layer);
 }
 
@@ -466,7 +477,10 @@ async fn after_a_panic_in_inner_poll_ready_the_same_service_records_every_later_
         BTreeMap::from([("crashed".to_owned(), 1), ("ok".to_owned(), 1)])
     );
     assert_eq!(
-        t.count(tower_resources_operation::QUEUE_DURATION_INSTRUMENT, &[]),
+        t.count(
+            tower_resources_operation::names::QUEUE_DURATION_INSTRUMENT,
+            &[]
+        ),
         2,
         "two admitted operations, two queue samples"
     );

@@ -1,8 +1,7 @@
 //! A limit of your own, written only on the crate's public seams, reports and adapts exactly as
 //! the crate's `Limit` does: its name, capacity and live counts through `Capacity::of_limit`,
 //! each operation's end through `Acquire::ended`, and an adaptive controller through
-//! `MakeControl` and `Resize`. This is what a fleet limit on another store (etcd, Postgres
-//! advisory locks) would be built on.
+//! `Adaptive::controller`.
 
 mod support;
 
@@ -15,18 +14,15 @@ use std::time::Duration;
 use support::Telemetry;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::{service_fn, Layer as _, ServiceExt as _};
-use tower_resources_operation::adaptive::{Adaptive, Algorithm, Sample};
+use tower_resources_operation::adaptive::{Adaptive, Algorithm, Controller, Sample};
 use tower_resources_operation::classify::DefaultClassifier;
-use tower_resources_operation::limit::{
-    AcquireError, Capacity, Control, Ended, MakeControl, Reading, Resize,
-};
-use tower_resources_operation::metrics::{
-    LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_CAPACITY_INSTRUMENT, LIMIT_INSTRUMENT,
-    LIMIT_QUEUED_INSTRUMENT,
+use tower_resources_operation::limit::{Capacity, Ended, Reading};
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_CAPACITY_INSTRUMENT,
+    LIMIT_INSTRUMENT, LIMIT_QUEUED_INSTRUMENT, OPERATION_ATTRIBUTE,
 };
 use tower_resources_operation::{
-    Acquire, Executor, Limit, Operation, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT,
-    OPERATION_ATTRIBUTE,
+    Acquire, Executor, Limit, Operation, Outcome, Rejected, ResourcesOperationLayer,
 };
 
 /// A pool of places on tokio's semaphore, with counts of its own, that can be resized: what a
@@ -44,13 +40,13 @@ struct PoolState {
     /// Places taken out of circulation by a resize down, given back by a resize up.
     parked: Mutex<Vec<OwnedSemaphorePermit>>,
     gauge: Capacity,
-    control: Option<Arc<dyn Control>>,
+    control: Option<Controller>,
     /// What the limit heard, for the test.
     heard: Mutex<Vec<Outcome>>,
 }
 
 impl Pool {
-    fn new(name: &'static str, capacity: usize, control: Option<&dyn MakeControl>) -> Self {
+    fn new(name: &'static str, capacity: usize, adaptive: Option<&Adaptive>) -> Self {
         let state = Arc::new_cyclic(|me: &Weak<PoolState>| {
             let read = {
                 let me = me.clone();
@@ -63,15 +59,22 @@ impl Pool {
                     ))
                 }
             };
-            let limit: Weak<dyn Resize> = me.clone();
+            let control = adaptive.map(|adaptive| {
+                let me = me.clone();
+                adaptive.controller(capacity, move |capacity| {
+                    if let Some(state) = me.upgrade() {
+                        state.resize(capacity);
+                    }
+                })
+            });
             PoolState {
                 places: Arc::new(Semaphore::new(capacity)),
                 capacity: AtomicUsize::new(capacity),
                 held: AtomicUsize::new(0),
                 queued: AtomicUsize::new(0),
                 parked: Mutex::new(Vec::new()),
-                gauge: Capacity::of_limit(Some(name), read),
-                control: control.map(|make| make.make(limit, capacity)),
+                gauge: Capacity::of_limit(Some(name), read).unwrap(),
+                control,
                 heard: Mutex::new(Vec::new()),
             }
         });
@@ -79,11 +82,7 @@ impl Pool {
     }
 }
 
-impl Resize for PoolState {
-    fn capacity(&self) -> usize {
-        self.capacity.load(SeqCst)
-    }
-
+impl PoolState {
     fn resize(&self, capacity: usize) {
         let mut parked = self.parked.lock().unwrap();
         let old = self.capacity.swap(capacity, SeqCst);
@@ -119,13 +118,13 @@ impl Drop for PoolPermit {
 impl Acquire for Pool {
     type Permit = PoolPermit;
 
-    fn acquire(&self) -> impl Future<Output = Result<PoolPermit, AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<PoolPermit, Rejected>> + Send {
         let state = Arc::clone(&self.state);
         async move {
             state.queued.fetch_add(1, SeqCst);
             let place = Arc::clone(&state.places).acquire_owned().await;
             state.queued.fetch_sub(1, SeqCst);
-            let place = place.map_err(|_| AcquireError::closed())?;
+            let place = place.map_err(|_| Rejected::closed())?;
             state.held.fetch_add(1, SeqCst);
             Ok(PoolPermit {
                 _place: place,

@@ -3,11 +3,11 @@
 //! whole axum `Router` (`Router::layer`), each request choosing its operation and executor, or to
 //! go unlimited, over real axum servers on 127.0.0.1 with hyper clients.
 //!
-//! `ByMatchedPath` records each request under the series of the route template it matched, lets
+//! `ByRoute` records each request under the series of the route template it matched, lets
 //! `/metrics` through unlimited and unrecorded (it answers at once while the limit is full), and
 //! sends a 404 to `otherwise`; the limit holds across connections and counts waiters in `queued`
 //! from `call` on; a closure chooser maps arbitrary header values onto the bounded values only;
-//! `ByGrpcMethod` lets method rules win over service rules; a chooser that panics costs the request
+//! `ByRoute` lets method rules win over service rules; a chooser that panics costs the request
 //! only its tags; and an HTTP layer answers a full queue with 503 and counts it in
 //! `gym.resources.operation.rejected`.
 
@@ -33,16 +33,14 @@ use tokio::task::JoinHandle;
 use support::http::{serve, Client};
 use support::{eventually, Load, Telemetry, DEADLINE};
 use tower_resources_operation::classify::HttpClassifier;
-use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
-use tower_resources_operation::per_request::{
-    choose_fn, ByGrpcMethod, ByMatchedPath, Choice, ChooseOperation,
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS,
+    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
+use tower_resources_operation::per_request::{ByRoute, Choice, ChooseFn, ChooseOperation};
 use tower_resources_operation::protocol::Http;
-use tower_resources_operation::{
-    Executor, Limit, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    EXECUTORS, EXECUTOR_ATTRIBUTE, OPERATIONS, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-};
+use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
 
 const VERIFY: Choice = Choice::limited(Operation::Verify, Executor::Subprocess);
 const JUDGE: Choice = Choice::limited(Operation::Judge, Executor::Inline);
@@ -155,7 +153,7 @@ impl Gate {
 /// `/verify`, `/judge/{model}` and `/metrics`, under one per-request layer of limit 4 that
 /// chooses by matched route, with `otherwise` if given.
 async fn matched_path_server(telemetry: &Telemetry, otherwise: Option<Choice>) -> SocketAddr {
-    let mut chooser = ByMatchedPath::new()
+    let mut chooser = ByRoute::new()
         .route("/verify", VERIFY)
         .route("/judge/{model}", JUDGE)
         .route("/metrics", Choice::Unlimited);
@@ -255,7 +253,7 @@ async fn gated_verify_server(
     let router = Router::new()
         .route("/verify", gate.route("verified"))
         .route(unlimited, get(move || async move { answer }));
-    let chooser = ByMatchedPath::new()
+    let chooser = ByRoute::new()
         .route("/verify", VERIFY)
         .route(unlimited, Choice::Unlimited);
     serve_choosing(telemetry, limit, router, chooser).await
@@ -316,7 +314,7 @@ async fn the_limit_holds_across_connections_and_counts_waiters_in_queued_from_ca
         })
     };
     let router = Router::new().route("/verify", work);
-    let chooser = ByMatchedPath::new().route("/verify", VERIFY);
+    let chooser = ByRoute::new().route("/verify", VERIFY);
     let addr = serve_choosing(&telemetry, &limit, router, chooser).await;
 
     let clients: Vec<_> = (0..8).map(|_| spawn_get(addr, "/verify")).collect();
@@ -395,7 +393,7 @@ async fn a_closure_chooser_maps_arbitrary_header_values_onto_the_bounded_values_
         Some(b"health") => Choice::Unlimited,
         _ => Choice::OTHER,
     };
-    let addr = work_server(&telemetry, choose_fn(chooser)).await;
+    let addr = work_server(&telemetry, ChooseFn::new(chooser)).await;
 
     let long = "x".repeat(2000);
     // (HTTP trims whitespace around a header value, so "verify " would arrive as "verify".)
@@ -465,7 +463,7 @@ async fn a_chooser_that_panics_leaves_the_request_served_and_counted_as_other() 
             panic!("chooser bug")
         }
     };
-    let addr = work_server(&telemetry, choose_fn(chooser)).await;
+    let addr = work_server(&telemetry, ChooseFn::new(chooser)).await;
 
     let answer = send(addr, Method::GET, "/work", &[("x-operation", "verify")]).await;
     assert_eq!(answer, (200, "done".into()), "the request is served");
@@ -511,15 +509,15 @@ fn points_attributes(exported: &support::Exported) -> Vec<(String, String)> {
 
 /// A router that answers every POST, under one per-request HTTP layer of limit 4 that chooses
 /// with `chooser`.
-async fn grpc_like_server(telemetry: &Telemetry, chooser: ByGrpcMethod) -> SocketAddr {
+async fn grpc_like_server(telemetry: &Telemetry, chooser: ByRoute) -> SocketAddr {
     let router = Router::new().route("/{*rpc}", post(|| async { "answered" }));
     serve_choosing(telemetry, &Limit::new(4), router, chooser).await
 }
 
-fn verifier_rules() -> ByGrpcMethod {
-    ByGrpcMethod::new()
+fn verifier_rules() -> ByRoute {
+    ByRoute::new()
         .service("nemo.Verifier", VERIFY)
-        .method("nemo.Verifier/Judge", JUDGE)
+        .route("nemo.Verifier/Judge", JUDGE)
         .service("grpc.health.v1.Health", Choice::Unlimited)
 }
 
@@ -624,7 +622,7 @@ async fn per_request_in_the_body_end_form_holds_a_streamed_route_until_its_body_
         .route("/metrics", get(|| async { "# metrics" }))
         .layer(
             http_layer(&telemetry, &limit).until_body_end().per_request(
-                ByMatchedPath::new()
+                ByRoute::new()
                     .route("/stream", JUDGE)
                     .route("/metrics", Choice::Unlimited),
             ),

@@ -24,15 +24,13 @@ use tower_http::timeout::TimeoutLayer;
 use support::http::{serve, Client};
 use support::{eventually, only, Load, Telemetry, DEADLINE};
 use tower_resources_operation::classify::HttpClassifier;
-use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
-use tower_resources_operation::per_request::{ByMatchedPath, Choice};
+use tower_resources_operation::per_request::{ByRoute, Choice};
 use tower_resources_operation::protocol::Http;
-use tower_resources_operation::{
-    Executor, Limit, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE,
-    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-};
+use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
 
 /// The server's own timeout in these tests, and how long the slow handler takes.
 const SERVER_TIMEOUT: Duration = Duration::from_millis(100);
@@ -144,7 +142,7 @@ async fn a_timeout_outside_the_layer_told_with_server_timeout_is_recorded_as_tim
 
 /// A per-request layer over the Router, and the server's timeout in front of it, Router-wide.
 fn router_wide(telemetry: &Telemetry, server_timeout: Option<Duration>) -> Router {
-    let chooser = ByMatchedPath::new()
+    let chooser = ByRoute::new()
         .route(
             "/verify",
             Choice::limited(Operation::Verify, Executor::Subprocess),

@@ -15,8 +15,9 @@ use support::http::serve;
 use support::prometheus::label::{EXECUTOR, OPERATION, OUTCOME, REJECTION};
 use support::prometheus::Exporter;
 use support::within;
-use tower_resources_operation::metrics::{LIMIT_SCOPE_ATTRIBUTE, METER_NAME};
-use tower_resources_operation::OPERATION_BOUNDARIES_MS;
+use tower_resources_operation::names::{
+    LIMIT_SCOPE_ATTRIBUTE, METER_NAME, OPERATION_BOUNDARIES_MS, QUEUE_DURATION_INSTRUMENT,
+};
 
 /// The label the exporter adds: the name of the meter the series come from.
 const SCOPE: &str = "otel_scope_name";
@@ -464,7 +465,7 @@ async fn the_exporters_default_appends_milliseconds_to_the_histogram_names() {
 #[tokio::test]
 async fn a_named_adaptive_limit_shows_its_controllers_series() {
     use tower_resources_operation::adaptive::{Adaptive, Aimd};
-    use tower_resources_operation::metrics::LIMIT_ATTRIBUTE;
+    use tower_resources_operation::names::LIMIT_ATTRIBUTE;
 
     let exporter = Exporter::without_units();
     let judges = tower_resources_operation::Limit::builder(1)
@@ -521,7 +522,7 @@ async fn a_named_adaptive_limit_shows_its_controllers_series() {
 async fn an_exponential_histogram_view_loses_the_instrument_through_the_prometheus_exporter() {
     use opentelemetry::metrics::MeterProvider as _;
     use opentelemetry_sdk::metrics::{Aggregation, Instrument, SdkMeterProvider, Stream};
-    use tower_resources_operation::{OperationMetrics, QUEUE_DURATION_INSTRUMENT};
+    use tower_resources_operation::OperationMetrics;
 
     let registry = prometheus::Registry::new();
     let exporter = opentelemetry_prometheus::exporter()

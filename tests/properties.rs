@@ -32,10 +32,10 @@ use support::reliability::{
     StreamOp, StreamRoute, Waits, LIMIT_KINDS,
 };
 use support::{within, Telemetry};
-use tower_resources_operation::{
-    Executor, Limit, Operation, OperationMetrics, Outcome, Rejection, DURATION_INSTRUMENT,
-    OUTCOME_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT,
+use tower_resources_operation::names::{
+    DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT,
 };
+use tower_resources_operation::{Executor, Limit, Operation, OperationMetrics, Outcome, Rejection};
 
 /// The two series that share the limit.
 const VERIFY: Series = (Operation::Verify, Executor::Inline);

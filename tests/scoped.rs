@@ -14,11 +14,13 @@ use support::{live, only, panic_message, settle, Telemetry};
 use tokio::sync::{oneshot, Semaphore};
 use tokio_test::{assert_pending, assert_ready, task};
 use tower::BoxError;
-use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
+use tower_resources_operation::names::{
+    DURATION_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
+    REJECTION_ATTRIBUTE,
+};
 use tower_resources_operation::{
-    resources_operation, set_outcome, Executor, Operation, OperationMetrics, Outcome,
-    ParseAttributeError, Rejected, Rejection, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
-    QUEUE_DURATION_INSTRUMENT,
+    resources_operation, set_outcome, ConfigError, Executor, Operation, OperationMetrics, Outcome,
+    Rejected, Rejection,
 };
 
 const TOLERANCE_MS: f64 = 3.0;
@@ -398,11 +400,11 @@ async fn free_function_returns_the_output_and_limits() {
 
 /// The error of parsing `input` as a `T`, checked to be about `attribute` and to name every one
 /// of `valid` in its message.
-fn parse_error<T: FromStr<Err = ParseAttributeError>>(
+fn parse_error<T: FromStr<Err = ConfigError>>(
     input: &str,
     attribute: &str,
     valid: &[&str],
-) -> ParseAttributeError {
+) -> ConfigError {
     let Err(error) = input.parse::<T>() else {
         panic!("{input:?} parsed as a {attribute}")
     };
@@ -410,7 +412,7 @@ fn parse_error<T: FromStr<Err = ParseAttributeError>>(
     for value in valid {
         assert!(message.contains(value), "{message} lacks {value}");
     }
-    assert_eq!(error.attribute(), attribute);
+    assert_eq!(error.setting(), attribute);
     error
 }
 

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use tower_resources_operation::{Executor, Operation, Outcome, EXECUTORS, OPERATIONS, OUTCOMES};
+use tower_resources_operation::names::{EXECUTORS, OPERATIONS, OUTCOMES};
+use tower_resources_operation::{Executor, Operation, Outcome};
 
 /// A limit as a service might read it from its config file.
 #[derive(Debug, PartialEq, Serialize, Deserialize)]

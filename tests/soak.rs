@@ -27,11 +27,11 @@ use support::reliability::{
 };
 use support::{eventually, within, Telemetry};
 use tower_resources_operation::classify::HttpClassifier;
-use tower_resources_operation::protocol::Http;
-use tower_resources_operation::{
-    Executor, Operation, Outcome, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT,
 };
+use tower_resources_operation::protocol::Http;
+use tower_resources_operation::{Executor, Operation, Outcome, ResourcesOperationLayer};
 
 /// `/ok` and `/fail`.
 const VERIFY: Series = (Operation::Verify, Executor::Subprocess);

@@ -16,9 +16,8 @@ use tokio::sync::mpsc;
 
 use support::http::{get_request, serve, Client};
 use support::{live, Telemetry};
-use tower_resources_operation::{
-    Executor, Limit, Operation, ResourcesOperationLayer, DURATION_INSTRUMENT, OPERATION_ATTRIBUTE,
-};
+use tower_resources_operation::names::{DURATION_INSTRUMENT, OPERATION_ATTRIBUTE};
+use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
 
 /// Whether process `pid` still runs: its `/proc` entry is there and it is not a zombie.
 fn running(pid: u32) -> bool {

@@ -28,12 +28,11 @@ use support::grpc::{
     serve_with, Backend, GrpcLayer, Served,
 };
 use support::{assert_idle, eventually, within, Telemetry, DEADLINE};
-use tower_resources_operation::classify::GrpcClassifier;
-use tower_resources_operation::protocol::{Grpc, Plain};
-use tower_resources_operation::{
-    Executor, Limit, Operation, ResourcesOperation, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
 };
+use tower_resources_operation::{Executor, Limit, Operation};
 
 /// One `Check` of `service` per entry, each on its own connection, all connected first and then
 /// sent at once; returns each result, in order.
@@ -100,7 +99,7 @@ async fn serve_verify_subprocess(max: usize) -> (Telemetry, Limit, Served) {
 
 #[test]
 fn the_layered_service_keeps_the_grpc_service_name() {
-    type Limited = ResourcesOperation<HealthServer<Backend>, GrpcClassifier, Limit, Grpc>;
+    type Limited = tower_resources_operation::HttpService<HealthServer<Backend>>;
     assert_eq!(<Limited as NamedService>::NAME, "grpc.health.v1.Health");
 }
 
@@ -340,8 +339,8 @@ async fn deadlines_enforced_by_tonic_end_the_operation_as_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_layer_that_reads_no_deadline_counts_tonics_deadline_as_cancelled() {
     let (telemetry, slots) = (Telemetry::new(), Limit::new(1));
-    // The gRPC classifier, with the `Plain` protocol: no `grpc-timeout` is read.
-    let channel = serve(verify_subprocess(&telemetry, &slots).protocol(Plain))
+    // The gRPC classifier, with no protocol (`()`): no `grpc-timeout` is read.
+    let channel = serve(verify_subprocess(&telemetry, &slots).protocol(()))
         .await
         .channel;
     let series = VERIFY_SUBPROCESS;

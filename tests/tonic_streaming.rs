@@ -34,15 +34,12 @@ use support::grpc::{
     serve_timing_out, serve_with, serving, watch, Backend, GrpcLayer, Served, WatchCall,
 };
 use support::{assert_idle, eventually, within, Telemetry, DEADLINE};
-use tower_resources_operation::classify::GrpcClassifier;
-use tower_resources_operation::layer::AtBodyEnd;
-use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
-use tower_resources_operation::per_request::{ByGrpcMethod, Choice};
-use tower_resources_operation::protocol::{Grpc, Plain};
-use tower_resources_operation::{
-    Executor, Limit, Operation, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT,
-    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
+    QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
+use tower_resources_operation::per_request::{ByRoute, Choice};
+use tower_resources_operation::{AtBodyEnd, Executor, Limit, Operation, ResourcesOperationLayer};
 
 /// The series of the per-service layers of this file.
 const TOOL_PROCESS: [(&str, &str); 2] = [
@@ -62,7 +59,7 @@ fn at_head(telemetry: &Telemetry, limit: &Limit) -> GrpcLayer {
 fn body_end(
     telemetry: &Telemetry,
     limit: &Limit,
-) -> ResourcesOperationLayer<GrpcClassifier, Limit, Grpc, AtBodyEnd> {
+) -> tower_resources_operation::HttpLayer<Limit, AtBodyEnd> {
     at_head(telemetry, limit).until_body_end()
 }
 
@@ -380,7 +377,7 @@ async fn the_one_operation_ended(telemetry: &Telemetry, outcome: &str) {
 /// The client sends its deadline as `grpc-timeout` and gives up at it, mid-stream: it drops the
 /// stream, the client resets it, the server drops the body. `new_for_grpc` reads the deadline
 /// (its `Grpc` protocol), so the operation ends `timeout`, not `cancelled`; a layer that reads no
-/// deadline (`.protocol(Plain)`) sees the same drop as `cancelled`. (tonic's server
+/// deadline (`.protocol(())`) sees the same drop as `cancelled`. (tonic's server
 /// applies `grpc-timeout` to the response head only: a stream goes on until someone drops it.) A
 /// stream that ends before the client's deadline is still `ok`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -409,7 +406,7 @@ async fn a_client_deadline_that_fires_mid_stream_ends_the_operation_as_timeout()
 
     // The contrast: a body-end layer that reads no deadline.
     let (telemetry, limit) = (Telemetry::new(), Limit::new(1));
-    let mut served = serve(body_end(&telemetry, &limit).protocol(Plain)).await;
+    let mut served = serve(body_end(&telemetry, &limit).protocol(())).await;
 
     give_up_at_the_deadline_mid_stream(&mut served, &limit, client_deadline).await;
     the_one_operation_ended(&telemetry, "cancelled").await;
@@ -567,12 +564,12 @@ async fn a_client_that_hangs_up_mid_stream_ends_the_operation_cancelled_and_free
 async fn per_request_over_a_whole_server_limits_and_records_watch_but_not_check() {
     let (telemetry, limit) = (Telemetry::new(), Limit::new(2));
     let layer = grpc_layer(&telemetry, &limit).until_body_end().per_request(
-        ByGrpcMethod::new()
-            .method(
+        ByRoute::new()
+            .route(
                 "grpc.health.v1.Health/Watch",
                 Choice::limited(Operation::Judge, Executor::Inline),
             )
-            .method("grpc.health.v1.Health/Check", Choice::Unlimited),
+            .route("grpc.health.v1.Health/Check", Choice::Unlimited),
     );
     let mut served = serve_with(|health, incoming| {
         Server::builder()

@@ -24,15 +24,13 @@ use tower_http::trace::TraceLayer;
 use support::http::{get_request, serve, verify_layer, Client};
 use support::traces::{attributes, length, number, string, traces, Trace};
 use support::{eventually, Telemetry};
-use tower_resources_operation::metrics::{LIMIT_ATTRIBUTE, REJECTION_ATTRIBUTE};
-use tower_resources_operation::trace::{
-    DURATION_ATTRIBUTE, QUEUED_AHEAD_ATTRIBUTE, QUEUE_DURATION_ATTRIBUTE, RUN_SPAN, WAIT_ATTRIBUTE,
-    WAIT_SPAN,
+use tower_resources_operation::names::{
+    DURATION_ATTRIBUTE, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, LIMIT_ATTRIBUTE,
+    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_AHEAD_ATTRIBUTE, QUEUED_INSTRUMENT,
+    QUEUE_DURATION_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT, REJECTION_ATTRIBUTE, RUN_SPAN,
+    WAIT_ATTRIBUTE, WAIT_SPAN,
 };
-use tower_resources_operation::{
-    Executor, Limit, Operation, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE,
-    OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
-};
+use tower_resources_operation::{Executor, Limit, Operation};
 
 /// How long the request ahead holds the place.
 const HELD: Duration = Duration::from_millis(200);
@@ -49,7 +47,7 @@ async fn one_behind_another(
 ) {
     let ahead = tokio::spawn(async move { Client::open(addr).await.get(first).await });
     eventually("the first runs", || {
-        telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &VERIFY) == 1
+        telemetry.live_value(tower_resources_operation::names::ACTIVE_INSTRUMENT, &VERIFY) == 1
     })
     .await;
     assert_eq!(Client::open(addr).await.get(second).await.0, 200);
@@ -123,7 +121,7 @@ async fn serve_held(telemetry: &Telemetry, limit: &Limit, rest: Router) -> Held 
     let addr = serve(app).await;
     let holder = tokio::spawn(async move { Client::open(addr).await.get("/hold").await });
     eventually("the place is held", || {
-        telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &VERIFY) == 1
+        telemetry.live_value(tower_resources_operation::names::ACTIVE_INSTRUMENT, &VERIFY) == 1
     })
     .await;
     Held {
@@ -440,7 +438,7 @@ async fn a_grpc_call_that_waits_has_its_wait_span_under_its_request() {
     let ahead = tokio::spawn(async move { check(&channel, "slow").await });
     let other = [(OPERATION_ATTRIBUTE, "other")];
     eventually("the first runs", || {
-        telemetry.live_value(tower_resources_operation::ACTIVE_INSTRUMENT, &other) == 1
+        telemetry.live_value(tower_resources_operation::names::ACTIVE_INSTRUMENT, &other) == 1
     })
     .await;
     within("the second check", check(&served.channel, "slow"))
@@ -479,14 +477,14 @@ async fn a_grpc_call_that_waits_has_its_wait_span_under_its_request() {
 #[cfg(feature = "axum")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_per_request_form_traces_the_operation_each_request_chose() {
-    use tower_resources_operation::per_request::{ByMatchedPath, Choice};
+    use tower_resources_operation::per_request::{ByRoute, Choice};
     use tower_resources_operation::ResourcesOperationLayer;
 
     let traces = traces();
     let telemetry = Telemetry::new();
     let limit = verifiers(8);
     let verify = Choice::limited(Operation::Verify, Executor::Subprocess);
-    let chooser = ByMatchedPath::new()
+    let chooser = ByRoute::new()
         .route("/chosen/first", verify)
         .route("/chosen/second", verify);
     let per_request = ResourcesOperationLayer::new_for_http(limit.clone())

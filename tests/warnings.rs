@@ -15,7 +15,7 @@ use opentelemetry_sdk::metrics::SdkMeterProvider;
 use support::captured::Captured;
 use tower::{service_fn, Layer, ServiceExt};
 
-use tower_resources_operation::per_request::{choose_fn, Choice};
+use tower_resources_operation::per_request::{Choice, ChooseFn};
 use tower_resources_operation::{
     resources_operation, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
 };
@@ -58,7 +58,7 @@ async fn each_silent_mistake_is_reported_once() {
     // reported once.
     let layer = ResourcesOperationLayer::new(1)
         .metrics(first)
-        .per_request(choose_fn(|_: &u32| {
+        .per_request(ChooseFn::new(|_: &u32| {
             Choice::limited(Operation::Tool, Executor::Thread).on("missing")
         }))
         .limits([Limit::builder(2).name("present").build()]);

@@ -130,7 +130,7 @@ async fn router_wide_layer_counts_two_404s(metrics: OperationMetrics) {
 async fn per_request_layer_places_two_404s(metrics: OperationMetrics) {
     use axum::{routing::get, Router};
     use tower::ServiceExt as _;
-    use tower_resources_operation::per_request::{ByMatchedPath, Choice};
+    use tower_resources_operation::per_request::{ByRoute, Choice};
     use tower_resources_operation::ResourcesOperationLayer;
 
     let chosen = Router::new()
@@ -138,7 +138,7 @@ async fn per_request_layer_places_two_404s(metrics: OperationMetrics) {
         .layer(
             ResourcesOperationLayer::new_for_http(2)
                 .metrics(metrics)
-                .per_request(ByMatchedPath::new().otherwise(Choice::OTHER)),
+                .per_request(ByRoute::new().otherwise(Choice::OTHER)),
         );
     for _ in 0..2 {
         let answer = chosen.clone().oneshot(unrouted()).await.unwrap();

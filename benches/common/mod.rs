@@ -16,11 +16,11 @@ use opentelemetry_sdk::metrics::{InMemoryMetricExporterBuilder, PeriodicReader, 
 use tokio::runtime::Runtime;
 use tower::limit::ConcurrencyLimit;
 use tower::{Service, ServiceExt};
-use tower_resources_operation::{
-    Executor, Operation, OperationMetrics, ResourcesOperationLayer, DURATION_INSTRUMENT,
-    EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS, OUTCOME_ATTRIBUTE,
-    QUEUE_DURATION_INSTRUMENT,
+use tower_resources_operation::names::{
+    DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OPERATION_BOUNDARIES_MS,
+    OUTCOME_ATTRIBUTE, QUEUE_DURATION_INSTRUMENT,
 };
+use tower_resources_operation::{Executor, Operation, OperationMetrics, ResourcesOperationLayer};
 
 /// The cheapest inner service there is.
 #[derive(Clone, Copy)]

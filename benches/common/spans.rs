@@ -56,7 +56,7 @@ impl Spans {
             .with_simple_exporter(Discard)
             .build();
         let filter = Targets::new()
-            .with_target(tower_resources_operation::trace::TARGET, level)
+            .with_target(tower_resources_operation::names::TARGET, level)
             .with_default(Level::INFO);
         let subscriber = tracing_subscriber::registry()
             .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("bench")))

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use super::baseline::Baselines;
 use super::served::{decrease, Occupancy, Retiring, Served};
-use super::{in_range, Algorithm, Average, Handover, Sample, SeriesBaseline};
+use super::{in_range, Algorithm, Average, Handover, Sample};
 
 #[cfg(doc)]
 use super::Adaptive;
@@ -227,13 +227,19 @@ impl Algorithm for Aimd {
         self.recent.duration()
     }
 
-    fn baselines(&self) -> Vec<SeriesBaseline> {
-        self.baseline.handover()
+    fn handover(&self) -> String {
+        Handover {
+            capacity: 0,
+            baselines: self.baseline.handover(),
+            estimate: self.estimate(),
+        }
+        .encode()
     }
 
     /// Past the slow start: one step per round trip from the capacity. A ratio to the
     /// baseline is read against the handed baselines from the first window.
-    fn resume(&mut self, handover: &Handover) {
+    fn resume(&mut self, capacity: usize, handover: &str) {
+        let handover = &Handover::parse(capacity, handover);
         self.slow_start = false;
         self.baseline.resume(&handover.baselines);
         self.recent = Average {

@@ -51,9 +51,8 @@ pub struct Sample {
     /// The standard deviation of the run times of the operations that ended `ok`; `None` with
     /// fewer than 2 of them. How much of a change in the mean run time is noise.
     pub run_time_deviation: Option<Duration>,
-    /// The same, series by series (an [`Operation`] on an [`Executor`]): every series with an
-    /// end in the window, each with its own operations' run times.
-    pub series: BySeries,
+    /// The same, series by series: see [`series`](Self::series).
+    pub(crate) series: BySeries,
     /// The run times of every operation that ended `ok` in the window, whenever it was
     /// admitted, summed: over [`elapsed`](Self::elapsed), how many operations the backend
     /// served at once (Little's law; see [`served_in_flight`](Self::served_in_flight)).
@@ -143,6 +142,17 @@ impl Sample {
     pub fn served_in_flight(&self) -> Option<f64> {
         (!self.elapsed.is_zero()).then(|| self.served.as_secs_f64() / self.elapsed.as_secs_f64())
     }
+
+    /// The window series by series (an [`Operation`] on an [`Executor`]): every series with an
+    /// end in it, each with its own operations' run times, in a fixed order.
+    pub fn series(&self) -> impl Iterator<Item = &SeriesSample> + '_ {
+        self.series.iter()
+    }
+
+    /// The series of `operation` on `executor`, if it had an end in the window.
+    pub fn series_of(&self, operation: Operation, executor: Executor) -> Option<&SeriesSample> {
+        self.series.get(operation, executor)
+    }
 }
 
 /// What one series' operations showed in a window: a [`Sample`] of one kind of work.
@@ -150,9 +160,9 @@ impl Sample {
 #[non_exhaustive]
 pub struct SeriesSample {
     /// What kind of work.
-    pub operation: Operation,
+    pub(crate) operation: Operation,
     /// Where it ran.
-    pub executor: Executor,
+    pub(crate) executor: Executor,
     /// Its operations that ended in the window, whenever admitted, whatever their outcome.
     pub ended: u64,
     /// Those of them that ended `ok`.
@@ -203,33 +213,33 @@ impl SeriesSample {
 /// A window's [`SeriesSample`]s, one per series with an end in it: a table of fixed size (an
 /// [`Operation`] on an [`Executor`], 20 at most), so that making a sample allocates nothing.
 #[derive(Clone, Default, PartialEq, Eq)]
-pub struct BySeries {
+pub(crate) struct BySeries {
     entries: [Option<SeriesSample>; SeriesKey::COUNT],
 }
 
 impl BySeries {
     /// Every series in it, in a fixed order.
-    pub fn iter(&self) -> impl Iterator<Item = &SeriesSample> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &SeriesSample> + '_ {
         self.entries.iter().flatten()
     }
 
     /// The series of `operation` on `executor`, if it is in it.
-    pub fn get(&self, operation: Operation, executor: Executor) -> Option<&SeriesSample> {
+    pub(crate) fn get(&self, operation: Operation, executor: Executor) -> Option<&SeriesSample> {
         self.entries[SeriesKey::new(operation, executor).index()].as_ref()
     }
 
     /// Puts `series` in, in place of what it had of the same series.
-    pub fn insert(&mut self, series: SeriesSample) {
+    pub(crate) fn insert(&mut self, series: SeriesSample) {
         self.entries[series.key().index()] = Some(series);
     }
 
     /// How many series are in it.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.iter().count()
     }
 
     /// Whether none is.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
@@ -282,67 +292,44 @@ pub trait Algorithm: Send + 'static {
         None
     }
 
-    /// What it measured that another instance taking its limit over should start from: the
-    /// run time at low load of each kind of work it has heard of lately (see
-    /// [`resume`](Self::resume)). A fleet's leader stores them with each decision. Defaults to
-    /// none.
-    fn baselines(&self) -> Vec<SeriesBaseline> {
-        Vec::new()
+    /// What another instance taking its limit over should start from (a fleet's new leader,
+    /// whose predecessor died), as text the fleet's store keeps with each decision: what it
+    /// measured, such as the run time at low load of each kind of work. Defaults to nothing.
+    fn handover(&self) -> String {
+        String::new()
     }
 
-    /// Takes over a limit that another instance of the algorithm decided until now: a fleet's
-    /// new leader, whose predecessor died. Called once, before the first
-    /// [`update`](Self::update). Defaults to doing nothing.
+    /// Takes over a limit at `capacity` that another instance of the algorithm decided until
+    /// now, from what its [`handover`](Self::handover) said (empty if nothing reached it).
+    /// Called once, before the first [`update`](Self::update). Defaults to doing nothing.
     ///
-    /// The limit is not new, so the algorithm starts past its slow start, at
-    /// [`Handover::capacity`]: the next windows raise it by at most one of its additive steps
-    /// each, until its own measurements say more (a new leader that slow-started from the
-    /// fleet's capacity overshot it by half, then by half again). And it reads its first
-    /// window against the [baselines](Handover::baselines) its predecessor measured: a
-    /// first window run with a queue at the backend is then a queue, not the run time at low
-    /// load.
-    fn resume(&mut self, handover: &Handover) {
-        let _ = handover;
+    /// The limit is not new, so the built-in algorithms start past their slow start, at
+    /// `capacity`: the next windows raise it by at most one of their additive steps each, until
+    /// their own measurements say more (a new leader that slow-started from the fleet's
+    /// capacity overshot it by half, then by half again). And they read their first window
+    /// against the baselines their predecessor measured: a first window run with a queue at the
+    /// backend is then a queue, not the run time at low load.
+    fn resume(&mut self, capacity: usize, handover: &str) {
+        let _ = (capacity, handover);
     }
 }
 
-/// What one instance of an [`Algorithm`] hands to another that takes its limit over
+/// What one instance of a built-in [`Algorithm`] hands to another that takes its limit over
 /// ([`Algorithm::resume`]): the capacity it decided last, and what it measured.
 ///
-/// ```
-/// use std::time::Duration;
-/// use tower_resources_operation::adaptive::{Algorithm, Handover, Sample, Vegas};
-///
-/// // A leader that learned the backend's run time at low load, 100 ms...
-/// let mut leader = Vegas::default();
-/// for capacity in [4, 6] {
-///     let mut sample = Sample::new(capacity, 1, 64);
-///     (sample.ended, sample.peak_in_flight, sample.in_flight) = (capacity as u64, capacity, capacity as f64);
-///     sample.mean_run_time = Some(Duration::from_millis(100));
-///     leader.update(&sample);
-/// }
-/// // ...dies; its successor starts from the fleet's capacity and what the leader measured.
-/// let mut handover = Handover::new(9);
-/// handover.baselines = leader.baselines();
-/// let mut successor = Vegas::default();
-/// successor.resume(&handover);
-/// assert_eq!(successor.baseline(), Some(Duration::from_millis(100)));
-/// ```
 #[derive(Clone, Debug, Default, PartialEq)]
-#[non_exhaustive]
-pub struct Handover {
+pub(crate) struct Handover {
     /// The limit's capacity now.
-    pub capacity: usize,
-    /// The run time at low load of each kind of work, as the predecessor's
-    /// [`Algorithm::baselines`] said them.
-    pub baselines: Vec<SeriesBaseline>,
+    pub(crate) capacity: usize,
+    /// The run time at low load of each kind of work, as the predecessor measured them.
+    pub(crate) baselines: Vec<SeriesBaseline>,
     /// The predecessor's last [estimate](Algorithm::estimate), if it kept one.
-    pub estimate: Option<Duration>,
+    pub(crate) estimate: Option<Duration>,
 }
 
 impl Handover {
     /// A handover at `capacity`, with nothing measured.
-    pub fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         Self {
             capacity,
             baselines: Vec::new(),
@@ -354,27 +341,26 @@ impl Handover {
 /// The run time at low load of one series (an [`Operation`] on an [`Executor`]), as an
 /// algorithm measured it: what a [`Handover`] carries.
 #[derive(Clone, Copy, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct SeriesBaseline {
+pub(crate) struct SeriesBaseline {
     /// What kind of work.
-    pub operation: Operation,
+    pub(crate) operation: Operation,
     /// Where it ran.
-    pub executor: Executor,
+    pub(crate) executor: Executor,
     /// Its run time at low load.
-    pub run_time: Duration,
+    pub(crate) run_time: Duration,
     /// The most operations in flight at which that run time still held.
-    pub level: f64,
+    pub(crate) level: f64,
     /// The standard deviation of one operation's run time, if known: how much of a rise is
     /// chance.
-    pub deviation: Option<Duration>,
+    pub(crate) deviation: Option<Duration>,
     /// About how many operations it rests on.
-    pub support: f64,
+    pub(crate) support: f64,
 }
 
 impl SeriesBaseline {
     /// `operation` on `executor` takes `run_time` at low load (one operation in flight,
     /// measured once, its spread unknown).
-    pub fn new(operation: Operation, executor: Executor, run_time: Duration) -> Self {
+    pub(crate) fn new(operation: Operation, executor: Executor, run_time: Duration) -> Self {
         Self {
             operation,
             executor,
@@ -383,5 +369,97 @@ impl SeriesBaseline {
             deviation: None,
             support: 1.0,
         }
+    }
+}
+
+/// `duration` in whole microseconds.
+fn micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
+}
+
+impl Handover {
+    /// What [`Algorithm::handover`] says: one word for the estimate (`e:<µs>`), then one per
+    /// series, `<operation>/<executor>/<run time µs>/<level>/<deviation µs, -1 for
+    /// none>/<support>`, separated by spaces (NeMo Gym's values have neither `/` nor spaces).
+    pub(crate) fn encode(&self) -> String {
+        let estimate = self.estimate.map(|e| format!("e:{}", micros(e)));
+        let baselines = self.baselines.iter().map(|b| {
+            let deviation = b
+                .deviation
+                .map_or(-1, |d| i64::try_from(micros(d)).unwrap_or(i64::MAX));
+            format!(
+                "{}/{}/{}/{:.3}/{deviation}/{:.3}",
+                b.operation,
+                b.executor,
+                micros(b.run_time),
+                b.level,
+                b.support
+            )
+        });
+        estimate
+            .into_iter()
+            .chain(baselines)
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// [`encode`](Self::encode) read back, at `capacity`. A word it did not write is skipped.
+    pub(crate) fn parse(capacity: usize, text: &str) -> Self {
+        let mut handover = Self::new(capacity);
+        for word in text.split(' ') {
+            if let Some(us) = word.strip_prefix("e:") {
+                handover.estimate = us.parse().ok().map(Duration::from_micros);
+            } else if let Some(baseline) = SeriesBaseline::parse(word) {
+                handover.baselines.push(baseline);
+            }
+        }
+        handover
+    }
+}
+
+impl SeriesBaseline {
+    fn parse(word: &str) -> Option<Self> {
+        let mut parts = word.split('/');
+        let operation = parts.next()?.parse::<Operation>().ok()?;
+        let executor = parts.next()?.parse::<Executor>().ok()?;
+        let run_time = Duration::from_micros(parts.next()?.parse().ok()?);
+        let mut baseline = SeriesBaseline::new(operation, executor, run_time);
+        baseline.level = parts.next()?.parse().ok()?;
+        let deviation: i64 = parts.next()?.parse().ok()?;
+        baseline.deviation = u64::try_from(deviation).ok().map(Duration::from_micros);
+        baseline.support = parts.next()?.parse().ok()?;
+        parts.next().is_none().then_some(baseline)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_handover_reads_back_what_it_wrote_and_skips_what_it_did_not() {
+        let mut verify = SeriesBaseline::new(
+            Operation::Verify,
+            Executor::Subprocess,
+            Duration::from_micros(100_250),
+        );
+        (verify.level, verify.deviation, verify.support) =
+            (6.5, Some(Duration::from_micros(4_000)), 32.0);
+        let judge = SeriesBaseline::new(Operation::Judge, Executor::Inline, Duration::from_secs(1));
+        let handover = Handover {
+            capacity: 9,
+            baselines: vec![verify, judge],
+            estimate: Some(Duration::from_millis(120)),
+        };
+        let text = handover.encode();
+        assert_eq!(Handover::parse(9, &text), handover);
+        let noisy = format!("x/y/1 {text} verify/inline/oops e:nope");
+        let read = Handover::parse(4, &noisy);
+        assert_eq!((read.capacity, read.baselines.len()), (4, 2));
+        assert_eq!(
+            read.estimate, None,
+            "the last estimate word wins, unreadable: none"
+        );
+        assert_eq!(Handover::parse(3, ""), Handover::new(3));
     }
 }

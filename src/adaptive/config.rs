@@ -8,22 +8,22 @@ use std::time::Duration;
 use super::algorithm::Algorithm;
 
 /// The controller of an adaptive [`Limit`](crate::Limit): its algorithm, the bounds of its capacity, and
-/// how long its windows are. Give it to [`LimitBuilder::adaptive`](crate::limit::LimitBuilder::adaptive).
+/// how long its windows are. Give it to [`LimitBuilder::adaptive`](crate::LimitBuilder::adaptive).
 ///
 /// Each limit built gets its own copy of the algorithm, in its initial state. Its settings can
 /// be read back ([`bounds`](Self::bounds), [`tolerated_share`](Self::tolerated_share),
-/// [`windows`](Self::windows), [`interval`](Self::interval), and a fresh algorithm from
-/// [`new_algorithm`](Self::new_algorithm)), so that a controller outside this crate (a fleet's)
-/// decides as a `Limit`'s does from the same value.
+/// [`interval`](Self::interval), and a fresh algorithm from
+/// [`new_algorithm`](Self::new_algorithm)), so that a controller whose windows are kept
+/// outside the process ([`Window`](super::Window)) decides as a `Limit`'s does from the same
+/// value.
 ///
 /// ```
 /// use std::time::Duration;
-/// use tower_resources_operation::adaptive::{Adaptive, Vegas, Windows};
+/// use tower_resources_operation::adaptive::{Adaptive, Vegas};
 ///
 /// let adaptive = Adaptive::new(Vegas::default(), 1..=64).tolerance(0.05);
 /// assert_eq!(adaptive.bounds(), 1..=64);
 /// assert_eq!(adaptive.tolerated_share(), 0.05);
-/// assert_eq!(adaptive.windows(), Windows::RoundTrip { operations: 1 });
 /// assert_eq!(adaptive.interval(), Duration::from_secs(1));
 /// let _fresh = adaptive.new_algorithm();
 /// ```
@@ -41,7 +41,7 @@ pub struct Adaptive {
 /// How a controller's windows are measured (see [`Adaptive::window`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Windows {
+pub(crate) enum Windows {
     /// One round trip: the operations admitted after the window opened, at least `operations`
     /// of them and as many as the capacity (the default, with `operations` 1).
     RoundTrip {
@@ -147,7 +147,7 @@ impl Adaptive {
     }
 
     /// How its windows are measured: round trips, or fixed counts ([`window`](Self::window)).
-    pub fn windows(&self) -> Windows {
+    pub(crate) fn windows(&self) -> Windows {
         self.windows
     }
 

@@ -1,7 +1,7 @@
-//! [`Controller`]: which window each end of an adaptive limit's operations belongs to, when a
-//! window closes, and the close that runs the algorithm once per window. It is made of the
-//! public pieces a fleet's controller is made of: a [`Tally`] that each end adds to, the
-//! [`News`] rule, and [`Counts::sample`].
+//! [`WindowControl`]: which window each end of an adaptive limit's operations belongs to, when a
+//! window closes, and the close that runs the algorithm once per window: a [`Tally`] that each
+//! end adds to, the [`News`] rule, and [`Counts::sample`]. [`Controller`] is the same for a
+//! limit of your own.
 //!
 //! A window lasts one round trip: it measures the operations admitted after it opened (an
 //! operation's admission is its end less its run time, so nothing is tracked while it runs),
@@ -18,7 +18,7 @@
 
 use std::fmt;
 use std::ops::RangeInclusive;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -42,14 +42,14 @@ const MAX_SCALE: u64 = 1 << 16;
 
 /// One limit's controller: the window that operations add to, and the algorithm that reads it
 /// when it closes.
-pub(super) struct Controller {
+pub(super) struct WindowControl {
     window: Tally,
-    /// Whether a failure is news: marks are nanoseconds (see [`Controller::nanos`]).
+    /// Whether a failure is news: marks are nanoseconds (see [`WindowControl::nanos`]).
     news: News,
     /// Which operations its limit lets it hear: one in `sampling + 1` (a power of two), at
     /// random ([`Resize::hear_one_in`]).
     sampling: AtomicU32,
-    /// When the current window opened, in nanoseconds (see [`Controller::nanos`]); 0 for the
+    /// When the current window opened, in nanoseconds (see [`WindowControl::nanos`]); 0 for the
     /// first window, which every operation belongs to.
     opened: AtomicU64,
     /// Ends added to the current window that ended no later than it opened (at the same
@@ -83,7 +83,7 @@ pub(super) struct Controller {
     tolerance: f64,
 }
 
-impl Controller {
+impl WindowControl {
     /// The controller `adaptive` describes, for `limit`, which starts at `capacity`.
     pub(super) fn new(adaptive: &Adaptive, limit: Weak<dyn Resize>, capacity: usize) -> Self {
         let controller = Self {
@@ -333,7 +333,7 @@ fn one_in(after: u64, scale: u64, age: Option<u64>) -> u32 {
     (1u64 << (63 - wanted.leading_zeros())) as u32
 }
 
-impl Control for Controller {
+impl Control for WindowControl {
     #[inline]
     fn ended(&self, ended: &Ended, in_flight: usize) {
         let at = ended.at().map(|at| self.nanos(at));
@@ -372,10 +372,10 @@ impl Drop for Reopen<'_> {
     }
 }
 
-impl fmt::Debug for Controller {
+impl fmt::Debug for WindowControl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (baseline, estimate) = self.measured();
-        f.debug_struct("Controller")
+        f.debug_struct("WindowControl")
             .field("bounds", &self.settings.bounds())
             .field("windows", &self.windows)
             .field("baseline", &baseline)
@@ -391,7 +391,103 @@ impl MakeControl for Adaptive {
     }
 
     fn make(&self, limit: Weak<dyn Resize>, capacity: usize) -> Arc<dyn Control> {
-        Arc::new(Controller::new(self, limit, capacity))
+        Arc::new(WindowControl::new(self, limit, capacity))
+    }
+}
+
+/// The controller of a limit of your own, made by [`Adaptive::controller`]: it hears how each
+/// of the limit's operations ended, and sets the limit's capacity, as the controller of an
+/// adaptive [`Limit`](crate::Limit) does.
+///
+/// Call [`ended`](Self::ended) from the limit's [`Acquire::ended`](crate::Acquire::ended), on
+/// the operation's own task (a few atomic operations; the window's close runs the algorithm,
+/// once per window, on the task whose end closes it).
+///
+/// ```
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use tower_resources_operation::adaptive::{Adaptive, Vegas};
+/// use tower_resources_operation::limit::Ended;
+/// use tower_resources_operation::Outcome;
+///
+/// // A pool of your own, whose size the controller sets.
+/// let size = Arc::new(AtomicUsize::new(2));
+/// let resized = Arc::clone(&size);
+/// let controller = Adaptive::new(Vegas::default(), 1..=16)
+///     .controller(2, move |capacity| resized.store(capacity, Ordering::Relaxed));
+/// // From the pool's `Acquire::ended`: each operation's end, with the places it held.
+/// controller.ended(&Ended::new(Outcome::Ok, Duration::from_millis(40), None), 2);
+/// # drop(size);
+/// ```
+pub struct Controller {
+    control: Arc<dyn Control>,
+    /// What the control resizes (it holds it weakly).
+    _limit: Arc<dyn Resize>,
+}
+
+/// A limit of your own, as a controller resizes it: through `resize`.
+struct Resized<F> {
+    capacity: AtomicUsize,
+    resize: F,
+}
+
+impl<F: Fn(usize) + Send + Sync> Resize for Resized<F> {
+    fn capacity(&self) -> usize {
+        self.capacity.load(Relaxed)
+    }
+
+    fn resize(&self, capacity: usize) {
+        self.capacity.store(capacity, Relaxed);
+        (self.resize)(capacity);
+    }
+}
+
+impl Adaptive {
+    /// The controller of a limit of your own, which starts at `capacity` (brought within the
+    /// bounds) and whose capacity `resize` sets: see [`Controller`].
+    pub fn controller(
+        &self,
+        capacity: usize,
+        resize: impl Fn(usize) + Send + Sync + 'static,
+    ) -> Controller {
+        let bounds = self.bounds();
+        let capacity = capacity.clamp(*bounds.start(), *bounds.end());
+        let limit: Arc<dyn Resize> = Arc::new(Resized {
+            capacity: AtomicUsize::new(capacity),
+            resize,
+        });
+        Controller {
+            control: self.make(Arc::downgrade(&limit), capacity),
+            _limit: limit,
+        }
+    }
+}
+
+impl Controller {
+    /// An admitted operation of the limit ended as `ended` says, with `in_flight` operations of
+    /// the limit holding a place (itself included) as it did. Before its place goes back.
+    pub fn ended(&self, ended: &Ended, in_flight: usize) {
+        self.control.ended(ended, in_flight);
+    }
+
+    /// The limit turned an operation away by a rule of its own (a full queue).
+    pub fn rejected(&self) {
+        self.control.rejected();
+    }
+
+    /// What its algorithm measured: the run time it takes as normal, and its recent estimate,
+    /// for the limit's [`Reading`](crate::limit::Reading).
+    pub fn measured(&self) -> (Option<Duration>, Option<Duration>) {
+        self.control.measured()
+    }
+}
+
+impl fmt::Debug for Controller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Controller")
+            .field("control", &self.control)
+            .finish_non_exhaustive()
     }
 }
 
@@ -432,7 +528,7 @@ mod tests {
     }
 
     struct Harness {
-        controller: Controller,
+        controller: WindowControl,
         limit: Arc<Fixed>,
         samples: Arc<Mutex<Vec<Sample>>>,
         next: Arc<AtomicUsize>,
@@ -449,7 +545,7 @@ mod tests {
             let limit = Arc::new(Fixed(AtomicUsize::new(capacity)));
             let weak: Weak<dyn Resize> = Arc::downgrade(&limit) as Weak<dyn Resize>;
             let adaptive = Adaptive::new(recorder, 1..=100);
-            let controller = Controller::new(&adaptive, weak, capacity);
+            let controller = WindowControl::new(&adaptive, weak, capacity);
             Self {
                 controller,
                 limit,
@@ -587,7 +683,7 @@ mod tests {
             admitted: AtomicU32::new(0),
         });
         let weak: Weak<dyn Resize> = Arc::downgrade(&limit) as Weak<dyn Resize>;
-        let controller = Controller::new(&Adaptive::new(recorder, 1..=100), weak, 80);
+        let controller = WindowControl::new(&Adaptive::new(recorder, 1..=100), weak, 80);
         let start = Instant::now();
         // An end every 1.4 us (714 a millisecond), each after 80 us, 80 in flight, for 42 ms.
         let us = Duration::from_micros;
@@ -662,7 +758,7 @@ mod tests {
         };
         let adaptive = Adaptive::new(recorder, 1..=8).window(1, Duration::from_secs(3600));
         let weak: Weak<dyn Resize> = Arc::downgrade(&limit) as Weak<dyn Resize>;
-        let controller = Controller::new(&adaptive, weak, 2);
+        let controller = WindowControl::new(&adaptive, weak, 2);
         let start = Instant::now();
         let ms = Duration::from_millis;
         for at in 1..=4 {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use super::baseline::Baselines;
 use super::served::{decrease, Occupancy, Retiring, Served};
-use super::{in_range, working, Algorithm, Average, Handover, Sample, SeriesBaseline};
+use super::{in_range, working, Algorithm, Average, Handover, Sample};
 
 /// A latency gradient, in the manner of Netflix's Gradient2 and Envoy's adaptive concurrency:
 /// the capacity follows the ratio of the recent run time to the run time at low load (the
@@ -252,15 +252,21 @@ impl Algorithm for Gradient {
         self.estimate.map(Duration::from_secs_f64)
     }
 
-    fn baselines(&self) -> Vec<SeriesBaseline> {
-        self.baseline.handover()
+    fn handover(&self) -> String {
+        Handover {
+            capacity: 0,
+            baselines: self.baseline.handover(),
+            estimate: self.estimate(),
+        }
+        .encode()
     }
 
     /// Past the slow start, from the capacity: above it, one place at a time, until a decrease
     /// says where the backend's room ends (no ceiling to reach, whose passing would start a
     /// slow start again). Its first window is read against the handed baselines, and its
     /// average ratio starts from the handed estimate over them.
-    fn resume(&mut self, handover: &Handover) {
+    fn resume(&mut self, capacity: usize, handover: &str) {
+        let handover = &Handover::parse(capacity, handover);
         let capacity = handover.capacity as f64;
         self.limit = Some(capacity);
         self.slow_start = false;

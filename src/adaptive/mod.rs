@@ -26,7 +26,7 @@
 //! Each operation that ends feeds the controller its run time, when it ended (so when it was
 //! admitted), its series (its [`Operation`](crate::Operation) and
 //! [`Executor`](crate::Executor)), and whether its outcome is a sign of congestion
-//! ([`is_congestion`]: `timeout`, `error`, `crashed`; not `ok`, nor `cancelled`, whose caller went
+//! (`timeout`, `error`, `crashed`; not `ok`, nor `cancelled`, whose caller went
 //! away). The controller adds them to the current *window*, which lasts about one round trip:
 //!
 //! - it measures the operations admitted after it opened, which ran at the capacity it set;
@@ -40,8 +40,8 @@
 //! operations a second or fewer is not affected; a busier one decides at most 500 times a
 //! second, on a sample (see [Cost](#cost)).
 //!
-//! A failure of an operation admitted before the capacity was last lowered is not news
-//! ([`News`]): the decrease answered it, however late the failure comes (a judge given up after
+//! A failure of an operation admitted before the capacity was last lowered is not news: the
+//! decrease answered it, however late the failure comes (a judge given up after
 //! three seconds, seconds after a decrease decided on verifies of 100 ms). So a server that fails
 //! everything above its capacity gets one decrease per round trip, however many operations it
 //! fails, and cuts never compound.
@@ -95,67 +95,26 @@
 //! # Every form
 //!
 //! A controller belongs to its limit, and hears each operation's end from the limit itself
-//! ([`Acquire::ended`](crate::limit::Acquire::ended)), not through the metrics: the layer,
+//! ([`Acquire::ended`](crate::Acquire::ended)), not through the metrics: the layer,
 //! [`resources_operation`](crate::resources_operation), several routes' layers on clones of one
 //! limit, and a per-request layer's named limits all feed the same one, with metrics on or
-//! [off](crate::OperationMetrics::disabled). A limit of your own that can
-//! [`Resize`](crate::limit::Resize) is adapted the same way: [`Adaptive`] is a
-//! [`MakeControl`](crate::limit::MakeControl).
+//! [off](crate::OperationMetrics::disabled).
 //!
-//! # A controller of your own, or a fleet's
+//! # A limit whose windows are kept elsewhere
 //!
-//! The controller of a [`Limit`] is made of public pieces, so that a controller that keeps its
-//! window elsewhere (the companion crate `tower-resources-operation-redis` keeps a fleet's in
-//! Redis) decides as a `Limit`'s does, from the same [`Adaptive`]:
-//!
-//! - [`Tally`]: what each end adds to a window, lock-free and store-agnostic, per series; its
-//!   [`Counts`] are plain numbers, added up across processes (`+=`), and turned into the
-//!   [`Sample`] an algorithm reads by [`Counts::sample`].
-//! - [`News`]: whether a failure is news, on marks of your choosing (a clock, or a fleet's window
-//!   numbers).
-//! - [`Adaptive`]'s settings, read back: [`bounds`](Adaptive::bounds),
-//!   [`tolerated_share`](Adaptive::tolerated_share), [`windows`](Adaptive::windows),
-//!   [`interval`](Adaptive::interval), and a fresh algorithm from
-//!   [`new_algorithm`](Adaptive::new_algorithm).
-//!
-//! ```
-//! use std::time::Duration;
-//! use tower_resources_operation::adaptive::{Adaptive, Counted, Counts, News, Tally, Vegas};
-//! use tower_resources_operation::limit::Ended;
-//! use tower_resources_operation::{Executor, Operation, Outcome};
-//!
-//! let adaptive = Adaptive::new(Vegas::default(), 1..=64);
-//! let mut algorithm = adaptive.new_algorithm();
-//! // One tally and one rule per process; marks are the fleet's window numbers.
-//! let (tally, news, window) = (Tally::new(), News::new(), 7);
-//! for ms in [100, 104, 98, 102] {
-//!     let admitted_in = window;
-//!     let ended = Ended::new(Outcome::Ok, Duration::from_millis(ms), None)
-//!         .with_series(Operation::Verify, Executor::Subprocess);
-//!     let counted = Counted {
-//!         own: admitted_in == window,
-//!         news: news.is_news(admitted_in),
-//!         in_flight: 0,
-//!     };
-//!     tally.add(&ended, counted);
-//! }
-//! // Every process's counts, added up where the fleet keeps its window.
-//! let mut fleet = Counts::default();
-//! fleet += tally.take();
-//! // The leader decides on the whole fleet's window.
-//! let mut sample = fleet.sample(4, &adaptive);
-//! (sample.in_flight, sample.peak_in_flight) = (4.0, 4);
-//! sample.elapsed = Duration::from_millis(210);
-//! let next = algorithm.update(&sample);
-//! assert!(next > 4, "no queue yet: a slow start");
-//! ```
+//! A limit shared by many processes (the companion crate `tower-resources-operation-redis`
+//! keeps a fleet's in Redis) decides as a `Limit`'s controller does, from the same
+//! [`Adaptive`]: each process counts its ends in a [`Window`], the store adds the windows up,
+//! and the process that decides turns the sum into the [`Sample`] its
+//! [`new_algorithm`](Adaptive::new_algorithm) reads. A new decider takes the limit over from
+//! what the last one [handed over](Algorithm::handover).
 //!
 //! # What it decided, in the metrics
 //!
 //! `gym.resources.operation.limit` and, for a named limit, `gym.resources.limit.capacity`
 //! follow the capacity it sets. A named adaptive limit also reports what its algorithm measured:
-//! [`LIMIT_BASELINE_INSTRUMENT`](crate::metrics::LIMIT_BASELINE_INSTRUMENT) (the run time it
-//! takes as normal) and [`LIMIT_ESTIMATE_INSTRUMENT`](crate::metrics::LIMIT_ESTIMATE_INSTRUMENT)
+//! [`LIMIT_BASELINE_INSTRUMENT`](crate::names::LIMIT_BASELINE_INSTRUMENT) (the run time it
+//! takes as normal) and [`LIMIT_ESTIMATE_INSTRUMENT`](crate::names::LIMIT_ESTIMATE_INSTRUMENT)
 //! (the recent run time it compares with it), in milliseconds, with the limit's name as their
 //! only attribute.
 //!
@@ -168,17 +127,16 @@
 //! algorithm, once per window, before that operation's place goes back. A limit without a
 //! controller pays one `Option` check per end.
 //!
-//! A busy limit's controller hears a sample: as each window opens, it asks its limit
-//! ([`Resize::hear_one_in`](crate::limit::Resize::hear_one_in)) to let it hear one in `2^k`
-//! operations, picked at random as each is admitted, so that a window of 2 ms hears about 32
+//! A busy limit's controller hears a sample: as each window opens, it asks its limit to let it
+//! hear one in `2^k` operations, picked at random as each is admitted, so that a window of 2 ms hears about 32
 //! of them; its counts are scaled back up for the algorithm. The others are neither timed nor
 //! counted for it: with metrics off they cost what they cost with a plain limit (a random
 //! number from the thread's own generator, a few instructions, aside). A failure is then heard
 //! with the same odds, which at that rate is still within a window. The scale falls by half at
 //! most per window, so that a window open through an idle spell costs one window that hears
 //! twice as many, not a burst that hears all; a rate that falls for good is heard in full again
-//! within a few windows. `cargo bench --bench adaptive` measures an adaptive limit at 1.00 to
-//! 1.07x a plain one, metrics on or off, uncontended or contended (`BENCHMARKS.md`).
+//! within a few windows. `cargo bench --bench adaptive` measures what an adaptive limit costs
+//! beside a plain one (`BENCHMARKS.md`).
 
 mod aimd;
 mod algorithm;
@@ -192,12 +150,15 @@ mod tally;
 mod vegas;
 
 pub use aimd::Aimd;
-pub use algorithm::{Algorithm, BySeries, Handover, Sample, SeriesBaseline, SeriesSample};
-pub use config::{Adaptive, Windows};
+mod window;
+
+pub use algorithm::{Algorithm, Sample, SeriesSample};
+use algorithm::{Handover, SeriesBaseline};
+pub use config::Adaptive;
+pub use controller::Controller;
 pub use gradient::Gradient;
-pub use news::{is_congestion, News};
-pub use tally::{Counted, Counts, Running, SeriesCounts, Tally};
 pub use vegas::Vegas;
+pub use window::Window;
 
 #[cfg(doc)]
 use crate::limit::Limit;
@@ -272,6 +233,7 @@ fn working(estimate: &mut Option<f64>, capacity: usize) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use super::algorithm::BySeries;
     use super::*;
     use std::time::Duration;
 
@@ -317,7 +279,7 @@ mod tests {
         for (name, algorithm, step) in shipped {
             let mut fresh = dyn_clone(&*algorithm, name);
             let mut resumed = algorithm;
-            resumed.resume(&Handover::new(20));
+            resumed.resume(20, "");
             let mut capacity = 20;
             for window in 0..3 {
                 let next = resumed.update(&sample(capacity));
@@ -349,7 +311,8 @@ mod tests {
                 low.ended = capacity as u64 * 2;
                 capacity = leader.update(&low);
             }
-            let baselines = leader.baselines();
+            let handed = Handover::parse(0, &leader.handover());
+            let baselines = &handed.baselines;
             assert_eq!(baselines.len(), 1, "{name}: {baselines:?}");
             assert_eq!(baselines[0].run_time, Duration::from_millis(100), "{name}");
             // The leader dies at 10; the first window after it ran with 6 waiting at the backend
@@ -357,18 +320,15 @@ mod tests {
             let mut queued = sample(10);
             queued.mean_run_time = Some(Duration::from_millis(250));
             queued.min_run_time = queued.mean_run_time;
-            let mut handover = Handover::new(10);
-            handover.baselines = baselines;
-            handover.estimate = leader.estimate();
             let mut informed = dyn_clone(&Vegas::default(), name);
-            informed.resume(&handover);
+            informed.resume(10, &leader.handover());
             assert_eq!(
                 informed.baseline(),
                 Some(Duration::from_millis(100)),
                 "{name}"
             );
             let mut blind = dyn_clone(&Vegas::default(), name);
-            blind.resume(&Handover::new(10));
+            blind.resume(10, "");
             let (informed, blind) = (informed.update(&queued), blind.update(&queued));
             assert!(
                 blind >= 10,
@@ -403,8 +363,8 @@ mod tests {
         let mut vegas = Vegas::default();
         let mut handover = Handover::new(8);
         handover.baselines = vec![judge, verify];
-        vegas.resume(&handover);
-        let back = vegas.baselines();
+        vegas.resume(8, &handover.encode());
+        let back = Handover::parse(8, &vegas.handover()).baselines;
         assert_eq!(back.len(), 2, "{back:?}");
         let verify_back = back
             .iter()

@@ -10,7 +10,7 @@ use crate::attributes::Outcome;
 ///
 /// A rejection from *downstream* (a `503`, RESOURCE_EXHAUSTED) is the `error` the classifier
 /// makes of it.
-pub fn is_congestion(outcome: Outcome) -> bool {
+pub(crate) fn is_congestion(outcome: Outcome) -> bool {
     matches!(
         outcome,
         Outcome::Error | Outcome::Timeout | Outcome::Crashed
@@ -30,26 +30,15 @@ pub fn is_congestion(outcome: Outcome) -> bool {
 /// process knew when it was admitted, a decrease with the window it was decided in), which
 /// every process hears. Lock-free: one relaxed atomic.
 ///
-/// ```
-/// use tower_resources_operation::adaptive::News;
-///
-/// // A fleet's windows: the capacity was lowered as window 7 closed.
-/// let news = News::new();
-/// assert!(news.is_news(3), "nothing was lowered yet");
-/// assert!(news.decreased(7), "the mark moved");
-/// assert!(!news.decreased(5), "an older decrease, heard late");
-/// assert!(!news.is_news(7), "admitted before the decrease: answered by it");
-/// assert!(news.is_news(8), "admitted at the lowered capacity, and still failed");
-/// ```
 #[derive(Debug, Default)]
-pub struct News {
+pub(crate) struct News {
     /// The mark of the last decrease; 0 for none.
     decreased: AtomicU64,
 }
 
 impl News {
     /// A rule for a limit whose capacity was never lowered: every sign of congestion is news.
-    pub const fn new() -> Self {
+    pub(crate) const fn new() -> Self {
         Self {
             decreased: AtomicU64::new(0),
         }
@@ -60,22 +49,14 @@ impl News {
     /// moved: if it did, what was judged before against an older mark was judged too kindly
     /// (a fleet's process that hears of a decrease late moves what it counted since as news to
     /// the decrease's, as stale).
-    pub fn decreased(&self, mark: u64) -> bool {
+    pub(crate) fn decreased(&self, mark: u64) -> bool {
         self.decreased.fetch_max(mark, Relaxed) < mark
     }
 
     /// Whether the failure of an operation admitted at `admitted` is news: whether it was
     /// admitted after the last decrease.
     #[inline]
-    pub fn is_news(&self, admitted: u64) -> bool {
+    pub(crate) fn is_news(&self, admitted: u64) -> bool {
         admitted > self.decreased.load(Relaxed)
-    }
-
-    /// The mark of the last decrease, if there was one.
-    pub fn last_decrease(&self) -> Option<u64> {
-        match self.decreased.load(Relaxed) {
-            0 => None,
-            mark => Some(mark),
-        }
     }
 }

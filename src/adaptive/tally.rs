@@ -50,43 +50,17 @@ pub(super) const NONE: u64 = u64::MAX;
 /// relaxed atomics per end, no lock, no allocation. [`take`](Tally::take) reads it as plain
 /// numbers ([`Counts`]) and starts it again from nothing.
 ///
-/// It is the one thing an operation's end touches, and it knows nothing of where the window
-/// is kept: a [`Limit`](crate::Limit)'s controller closes its window in the process; a fleet of
-/// processes sharing one limit (the companion crate `tower-resources-operation-redis`) gives
-/// each process a `Tally`, adds their [`Counts`] up in its store every tick, and turns the sum
-/// into the [`Sample`] its algorithm reads with [`Counts::sample`].
+/// It is the one thing an operation's end touches: a [`Limit`](crate::Limit)'s controller
+/// closes its window in the process. (A window kept outside the process is a
+/// [`Window`](super::Window).)
 ///
 /// Run times are kept per series (an [`Operation`] on an [`Executor`], 20 of them at most, in
 /// a table of fixed size), so that an [`Algorithm`](super::Algorithm) can compare an
 /// operation's run time with what is normal for its kind: a verify of 100 ms and a judge of
 /// 1 s that share a limit are two series, not one mean.
 ///
-/// ```
-/// use std::time::Duration;
-/// use tower_resources_operation::adaptive::{Adaptive, Counted, Tally, Vegas};
-/// use tower_resources_operation::limit::Ended;
-/// use tower_resources_operation::{Executor, Operation, Outcome};
-///
-/// let tally = Tally::new();
-/// let verify = |ms| {
-///     Ended::new(Outcome::Ok, Duration::from_millis(ms), None)
-///         .with_series(Operation::Verify, Executor::Subprocess)
-/// };
-/// // Two of the window's own operations, one admitted before it opened.
-/// let own = Counted { own: true, news: false, in_flight: 2 };
-/// tally.add(&verify(100), own);
-/// tally.add(&verify(120), own);
-/// tally.add(&verify(900), Counted { own: false, ..own });
-///
-/// // Another process's counts, added as plain numbers.
-/// let mut counts = tally.take();
-/// counts += Tally::new().take();
-/// let sample = counts.sample(2, &Adaptive::new(Vegas::default(), 1..=64));
-/// assert_eq!(sample.ended, 2);
-/// assert_eq!(sample.mean_run_time, Some(Duration::from_millis(110)));
-/// ```
 #[repr(align(64))]
-pub struct Tally {
+pub(crate) struct Tally {
     /// The window's own ends, and its signs of congestion that are news and that are not,
     /// `COUNT_BITS` each.
     counts: AtomicU64,
@@ -115,29 +89,29 @@ struct SeriesCell {
 
 /// How a window counts one end: what its controller knows of it that the end does not say.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counted {
+pub(crate) struct Counted {
     /// The operation was admitted after the window opened, so it ran at the capacity the
     /// window opened with: its run time measures that capacity. An operation admitted earlier
     /// counts only as an end of its series and, if it failed, as a sign of congestion.
-    pub own: bool,
+    pub(crate) own: bool,
     /// Its failure (if it is a sign of congestion: see [`is_congestion`]) is news: see
     /// [`News`](super::News). Ignored for other outcomes.
-    pub news: bool,
+    pub(crate) news: bool,
     /// The operations of the limit holding a place as it ended, itself included; 0 where a
     /// controller measures the load otherwise (a fleet samples its leases held).
-    pub in_flight: usize,
+    pub(crate) in_flight: usize,
 }
 
 /// What a window adds up to after an end: what tells whether it is due to close.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Running {
+pub(crate) struct Running {
     /// Its own operations that ended.
-    pub ended: u64,
+    pub(crate) ended: u64,
     /// Its signs of congestion that are news.
-    pub congested: u64,
+    pub(crate) congested: u64,
     /// Its signs of congestion that are not.
-    pub stale: u64,
+    pub(crate) stale: u64,
 }
 
 impl Running {
@@ -152,7 +126,7 @@ impl Running {
 
 impl Tally {
     /// A window with nothing in it.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             counts: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
@@ -170,7 +144,7 @@ impl Tally {
 
     /// Adds the end of an operation, `counted` so; returns what the window adds up to now.
     #[inline]
-    pub fn add(&self, ended: &Ended, counted: Counted) -> Running {
+    pub(crate) fn add(&self, ended: &Ended, counted: Counted) -> Running {
         let outcome = ended.outcome();
         let ok = outcome == Outcome::Ok;
         let cell = &self.series[ended.series().index()];
@@ -211,19 +185,19 @@ impl Tally {
     }
 
     /// The limit turned an operation away by a rule of its own (a full queue).
-    pub fn rejected(&self) {
+    pub(crate) fn rejected(&self) {
         self.rejected.fetch_add(1, Relaxed);
     }
 
     /// What it adds up to now.
-    pub fn running(&self) -> Running {
+    pub(crate) fn running(&self) -> Running {
         Running::of(self.counts.load(Relaxed))
     }
 
     /// Takes what it added up to, and starts again from nothing. An end racing this may land
     /// some of its counts in these and the rest in the next: a small error, once in a while,
     /// for no lock on the operations' path. Nothing is counted twice, and nothing is lost.
-    pub fn take(&self) -> Counts {
+    pub(crate) fn take(&self) -> Counts {
         let mut counts = Counts {
             in_flight_sum: self.in_flight.swap(0, Relaxed),
             peak: self.peak.swap(0, Relaxed) as u64,
@@ -290,40 +264,40 @@ impl fmt::Debug for Tally {
 /// A store keeps them as integers: each field, and each series'
 /// ([`series`](Counts::series), [`series_mut`](Counts::series_mut)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counts {
+pub(crate) struct Counts {
     /// The window's own operations that ended, whatever their outcome.
-    pub ended: u64,
+    pub(crate) ended: u64,
     /// Signs of congestion that were news.
-    pub congested: u64,
+    pub(crate) congested: u64,
     /// Signs of congestion that were not.
-    pub stale: u64,
+    pub(crate) stale: u64,
     /// The operations in flight that the window's own ends saw, summed (0 where the load is
     /// measured otherwise).
-    pub in_flight_sum: u64,
+    pub(crate) in_flight_sum: u64,
     /// The most operations in flight that an end saw.
-    pub peak: u64,
+    pub(crate) peak: u64,
     /// Operations the limit turned away by a rule of its own.
-    pub rejected: u64,
-    series: [SeriesCounts; SeriesKey::COUNT],
+    pub(crate) rejected: u64,
+    pub(super) series: [SeriesCounts; SeriesKey::COUNT],
 }
 
 /// One series' counts in a window.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SeriesCounts {
+pub(crate) struct SeriesCounts {
     /// Its operations that ended in the window, whenever admitted, whatever their outcome.
-    pub ended: u64,
+    pub(crate) ended: u64,
     /// Those of them that ended `ok`.
-    pub ok: u64,
+    pub(crate) ok: u64,
     /// The run times of those, summed, in microseconds: what the backend served of it.
-    pub served_us: u64,
+    pub(crate) served_us: u64,
     /// Those of its own operations (admitted in the window) that ended `ok`: the ones timed.
-    pub timed: u64,
+    pub(crate) timed: u64,
     /// Their run times summed, in microseconds.
-    pub sum_us: u64,
+    pub(crate) sum_us: u64,
     /// The squares of their run times in µs², divided by 1024, summed.
-    pub squares: u64,
+    pub(crate) squares: u64,
     /// The shortest of them, in microseconds.
-    pub min_us: Option<u64>,
+    pub(crate) min_us: Option<u64>,
 }
 
 impl AddAssign for SeriesCounts {
@@ -357,7 +331,7 @@ impl AddAssign for Counts {
 
 impl Counts {
     /// The series with an end in the window, and their counts.
-    pub fn series(&self) -> impl Iterator<Item = (Operation, Executor, &SeriesCounts)> + '_ {
+    pub(crate) fn series(&self) -> impl Iterator<Item = (Operation, Executor, &SeriesCounts)> + '_ {
         self.series
             .iter()
             .enumerate()
@@ -368,17 +342,12 @@ impl Counts {
             })
     }
 
-    /// The counts of the series of `operation` on `executor`, to fill or change.
-    pub fn series_mut(&mut self, operation: Operation, executor: Executor) -> &mut SeriesCounts {
-        &mut self.series[SeriesKey::new(operation, executor).index()]
-    }
-
     /// These counts, added to a window after the one they were taken in: what any window
     /// counts of an end whenever its operation was admitted (each series' ends, `ok` ends and
     /// what was served, the signs of congestion, the limit's rejections, the load), without
     /// what only the window the operations were admitted in counts (its own ends, and their run
     /// times). For a fleet whose process took its counts just as the fleet's window changed.
-    pub fn into_next_window(mut self) -> Self {
+    pub(crate) fn into_next_window(mut self) -> Self {
         self.ended = 0;
         self.in_flight_sum = 0;
         for series in &mut self.series {
@@ -425,7 +394,7 @@ impl Counts {
     /// [`overdue`](Sample::overdue) (0), and, where the load was not counted with each end
     /// ([`Counted::in_flight`] 0), [`in_flight`](Sample::in_flight) and
     /// [`peak_in_flight`](Sample::peak_in_flight).
-    pub fn sample(&self, capacity: usize, adaptive: &Adaptive) -> Sample {
+    pub(crate) fn sample(&self, capacity: usize, adaptive: &Adaptive) -> Sample {
         let bounds = adaptive.bounds();
         let mut sample = Sample::new(capacity, *bounds.start(), *bounds.end());
         let tolerance = adaptive.tolerated_share();
@@ -641,7 +610,7 @@ mod tests {
             in_flight_sum: sum.in_flight_sum,
             ..Counts::default()
         };
-        *rebuilt.series_mut(Operation::Verify, Executor::Other) = verify;
+        rebuilt.series[SeriesKey::new(Operation::Verify, Executor::Other).index()] = verify;
         assert_eq!(rebuilt, sum);
         // Taken as the window changed: its own operations' counts stay with it.
         let late = sum.into_next_window();

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::baseline::Baselines;
 use super::served::{decrease, Occupancy, Served};
-use super::{in_range, working, Algorithm, Average, Handover, Sample, SeriesBaseline};
+use super::{in_range, working, Algorithm, Average, Handover, Sample};
 
 #[cfg(doc)]
 use super::Adaptive;
@@ -308,14 +308,20 @@ impl Algorithm for Vegas {
         self.estimate.duration()
     }
 
-    fn baselines(&self) -> Vec<SeriesBaseline> {
-        self.baseline.handover()
+    fn handover(&self) -> String {
+        Handover {
+            capacity: 0,
+            baselines: self.baseline.handover(),
+            estimate: self.estimate(),
+        }
+        .encode()
     }
 
     /// Past the slow start, below a ceiling one place above the capacity, with its most
     /// patience: as a limit that settled there, it holds, probes one place up, and holds again
     /// before it looks for more room. Its first window is read against the handed baselines.
-    fn resume(&mut self, handover: &Handover) {
+    fn resume(&mut self, capacity: usize, handover: &str) {
+        let handover = &Handover::parse(capacity, handover);
         let capacity = handover.capacity as f64;
         self.limit = Some(capacity);
         self.slow_start = false;

@@ -1,9 +1,9 @@
-//! Classifiers for HTTP and gRPC responses.
+//! [`HttpClassifier`]: HTTP responses by their status, gRPC responses by their `grpc-status`.
 
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderName, Response, StatusCode};
 
-use super::{ClassifyOutcome, ClassifyTrailers, OperationOutput};
+use super::{ClassifyOutcome, OperationOutput};
 use crate::attributes::Outcome;
 
 /// Lowest and highest status code an [`HttpClassifier`] can be told about.
@@ -11,7 +11,9 @@ const FIRST_STATUS: u16 = 100;
 const LAST_STATUS: u16 = 999;
 const WORDS: usize = (LAST_STATUS - FIRST_STATUS) as usize / 64 + 1;
 
-/// Classifies `http::Response`s by status code.
+/// Classifies `http::Response`s by status code ([`new`](Self::new)), or gRPC responses by
+/// their `grpc-status` ([`grpc`](Self::grpc), the classifier of
+/// [`new_for_grpc`](crate::ResourcesOperationLayer::new_for_grpc)).
 ///
 /// - `504 Gateway Timeout` and `408 Request Timeout` are [`Outcome::Timeout`];
 /// - `499` (client closed the request) is [`Outcome::Cancelled`];
@@ -23,6 +25,20 @@ const WORDS: usize = (LAST_STATUS - FIRST_STATUS) as usize / 64 + 1;
 /// Which statuses count as errors can be changed; the three above keep their outcome. In the
 /// body-end form the status decides at the head; a body that fails or is dropped before its end
 /// still ends the operation as `error` or `cancelled`.
+///
+/// In gRPC's form, a response is read by its `grpc-status` (gRPC answers `200` whatever the
+/// call did): `0` (OK) is `ok`, `1` (CANCELLED) `cancelled`, `4` (DEADLINE_EXCEEDED)
+/// `timeout`, any other code `error`.
+///
+/// - **At the head** (the default form of the layer): the `grpc-status` header of a trailers-only
+///   response, which is how tonic answers a handler's `Err(Status)`; no header is `ok`. A status
+///   sent in the trailers, after a body, is not seen there.
+/// - **At the end of the body** (the layer's
+///   [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form): a trailers-only
+///   response still decides at the head; any other decides at the end of its stream, from the
+///   `grpc-status` of its trailers, so a server stream that fails midway is an error. A stream
+///   that ends without trailers, or trailers without `grpc-status`, is `ok`, as tower-http's
+///   `GrpcErrorsAsFailures` says.
 ///
 /// ```
 /// use http::StatusCode;
@@ -39,6 +55,8 @@ const WORDS: usize = (LAST_STATUS - FIRST_STATUS) as usize / 64 + 1;
 pub struct HttpClassifier {
     /// Bit `code - 100` is set for each status that counts as an error.
     errors: [u64; WORDS],
+    /// Whether it reads `grpc-status` rather than the status.
+    grpc: bool,
 }
 
 impl Default for HttpClassifier {
@@ -50,7 +68,20 @@ impl Default for HttpClassifier {
 impl HttpClassifier {
     /// Every `5xx` is an error.
     pub const fn new() -> Self {
-        Self { errors: [0; WORDS] }.with_error_range(500, 599)
+        Self {
+            errors: [0; WORDS],
+            grpc: false,
+        }
+        .with_error_range(500, 599)
+    }
+
+    /// gRPC's form: each response by its `grpc-status`, in its head or, in the body-end form,
+    /// in its trailers.
+    pub const fn grpc() -> Self {
+        Self {
+            grpc: true,
+            ..Self::new()
+        }
     }
 
     /// Also counts `status` as an error.
@@ -91,7 +122,7 @@ impl HttpClassifier {
         self.errors[bit / 64] & (1 << (bit % 64)) != 0
     }
 
-    /// The outcome of a response with `status`.
+    /// The outcome of an HTTP response with `status`.
     pub const fn classify_status(&self, status: StatusCode) -> Outcome {
         match status.as_u16() {
             408 | 504 => Outcome::Timeout,
@@ -105,70 +136,46 @@ impl HttpClassifier {
 impl<B, E> ClassifyOutcome<Response<B>, E> for HttpClassifier {
     fn classify(&self, result: Result<&Response<B>, &E>) -> Outcome {
         match result {
+            Ok(response) if self.grpc => grpc_outcome(response.headers()),
             Ok(response) => self.classify_status(response.status()),
             Err(_) => Outcome::Error,
         }
     }
-}
 
-/// Classifies gRPC responses by their `grpc-status`.
-///
-/// `0` (OK) is [`Outcome::Ok`], `1` (CANCELLED) [`Outcome::Cancelled`], `4` (DEADLINE_EXCEEDED)
-/// [`Outcome::Timeout`], any other code [`Outcome::Error`]. An `Err` from the service is
-/// [`Outcome::Error`].
-///
-/// - **At the head** (the default form of the layer): the `grpc-status` header of a trailers-only
-///   response, which is how tonic answers a handler's `Err(Status)`; no header is `ok`. A status
-///   sent in the trailers, after a body, is not seen there.
-/// - **At the end of the body** (the layer's
-///   [`until_body_end`](crate::ResourcesOperationLayer::until_body_end) form): a trailers-only
-///   response still decides at the head; any other decides at the end of its stream, from the
-///   `grpc-status` of its trailers, so a server stream that fails midway is an error. A stream
-///   that ends without trailers, or trailers without `grpc-status`, is `ok`, as tower-http's
-///   `GrpcErrorsAsFailures` says.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GrpcClassifier;
-
-impl GrpcClassifier {
-    /// The outcome of a response head, or trailers, with these headers: no `grpc-status` is
-    /// `ok`.
-    pub fn classify_headers(headers: &HeaderMap) -> Outcome {
-        match headers.get(GRPC_STATUS) {
-            None => Outcome::Ok,
-            Some(value) => match value.as_bytes() {
-                b"0" => Outcome::Ok,
-                b"1" => Outcome::Cancelled,
-                b"4" => Outcome::Timeout,
-                _ => Outcome::Error,
-            },
+    /// In gRPC's form, a response whose head carries no `grpc-status` (a stream) ends with the
+    /// `grpc-status` of its trailers; one whose head does (trailers-only) is decided at the head.
+    fn classify_at_end(&self, response: &Response<B>) -> Option<fn(Option<&HeaderMap>) -> Outcome> {
+        match self.grpc && !response.headers().contains_key(GRPC_STATUS) {
+            true => Some(grpc_trailers),
+            false => None,
         }
     }
 }
 
-impl<B, E> ClassifyOutcome<Response<B>, E> for GrpcClassifier {
-    fn classify(&self, result: Result<&Response<B>, &E>) -> Outcome {
-        match result {
-            Ok(response) => Self::classify_headers(response.headers()),
-            Err(_) => Outcome::Error,
-        }
+/// The outcome of a gRPC response head, or trailers, with these headers: no `grpc-status` is
+/// `ok`.
+fn grpc_outcome(headers: &HeaderMap) -> Outcome {
+    match headers.get(GRPC_STATUS) {
+        None => Outcome::Ok,
+        Some(value) => match value.as_bytes() {
+            b"0" => Outcome::Ok,
+            b"1" => Outcome::Cancelled,
+            b"4" => Outcome::Timeout,
+            _ => Outcome::Error,
+        },
     }
+}
 
-    /// A response whose head carries no `grpc-status` (a stream) ends with the `grpc-status`
-    /// of its trailers; one whose head does (trailers-only) is decided at the head.
-    fn classify_at_end(&self, response: &Response<B>) -> Option<ClassifyTrailers> {
-        if response.headers().contains_key(GRPC_STATUS) {
-            None
-        } else {
-            Some(|trailers| trailers.map_or(Outcome::Ok, GrpcClassifier::classify_headers))
-        }
-    }
+/// The outcome of a gRPC stream at its end: its trailers' `grpc-status`; no trailers is `ok`.
+fn grpc_trailers(trailers: Option<&HeaderMap>) -> Outcome {
+    trailers.map_or(Outcome::Ok, grpc_outcome)
 }
 
 /// The header, made once: a `&str` would be parsed into a header name at every lookup.
 const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 
 /// An `http::Response` says how its operation ended by its status, or, for gRPC, by its
-/// `grpc-status`: what [`HttpClassifier::new`] and [`GrpcClassifier`] read.
+/// `grpc-status`: what [`HttpClassifier::new`] reads.
 impl<B> OperationOutput for Response<B> {
     #[inline]
     fn outcome(&self) -> Outcome {
@@ -176,18 +183,15 @@ impl<B> OperationOutput for Response<B> {
         // HTTP 200 carries none, and is `ok` either way. Any other status is HTTP's to read.
         const SERVER_ERRORS: HttpClassifier = HttpClassifier::new();
         match self.status() {
-            StatusCode::OK if is_grpc(self.headers()) => {
-                GrpcClassifier::classify_headers(self.headers())
-            }
+            StatusCode::OK if is_grpc(self.headers()) => grpc_outcome(self.headers()),
             status => SERVER_ERRORS.classify_status(status),
         }
     }
 
-    fn outcome_at_end(&self) -> Option<ClassifyTrailers> {
-        if is_grpc(self.headers()) {
-            ClassifyOutcome::<Self, ()>::classify_at_end(&GrpcClassifier, self)
-        } else {
-            None
+    fn outcome_at_end(&self) -> Option<fn(Option<&HeaderMap>) -> Outcome> {
+        match is_grpc(self.headers()) && !self.headers().contains_key(GRPC_STATUS) {
+            true => Some(grpc_trailers),
+            false => None,
         }
     }
 }
@@ -281,7 +285,7 @@ mod tests {
     #[test]
     fn grpc_status_header_rules() {
         let mut headers = HeaderMap::new();
-        assert_eq!(GrpcClassifier::classify_headers(&headers), Outcome::Ok);
+        assert_eq!(grpc_outcome(&headers), Outcome::Ok);
         for (code, expected) in [
             ("0", Outcome::Ok),
             ("1", Outcome::Cancelled),
@@ -291,11 +295,7 @@ mod tests {
             ("garbage", Outcome::Error),
         ] {
             headers.insert("grpc-status", code.parse().unwrap());
-            assert_eq!(
-                GrpcClassifier::classify_headers(&headers),
-                expected,
-                "{code}"
-            );
+            assert_eq!(grpc_outcome(&headers), expected, "{code}");
         }
     }
 }

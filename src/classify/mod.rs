@@ -2,8 +2,8 @@
 //!
 //! - [`ClassifyOutcome`] reads a service's result, once, when the inner future completes; in
 //!   the body-end form it reads the response head, and the trailers at the end of the stream.
-//!   [`DefaultClassifier`], [`ResultClassifier`], [`TimeoutClassifier`], [`HttpClassifier`] and
-//!   [`GrpcClassifier`] are the crate's; closures are classifiers too.
+//!   [`DefaultClassifier`], [`TimeoutClassifier`] and [`HttpClassifier`] are the crate's;
+//!   closures are classifiers too.
 //! - [`OperationOutput`] is what a value says of how its operation ended: an `http::Response`
 //!   its status, a process its exit status. The [`DefaultClassifier`] (the classifier of
 //!   [`ResourcesOperationLayer::new`](crate::ResourcesOperationLayer::new)) reads it from a
@@ -25,7 +25,7 @@ use crate::attributes::Outcome;
 mod http;
 mod output;
 
-pub use self::http::{GrpcClassifier, HttpClassifier};
+pub use self::http::HttpClassifier;
 pub use self::output::OperationOutput;
 
 /// Maps the result of the inner service to an [`Outcome`].
@@ -52,8 +52,8 @@ pub use self::output::OperationOutput;
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot tell how an operation that answered `{Res}` ended",
     label = "this layer's classifier cannot read `{Res}`",
-    note = "the `DefaultClassifier` (of `ResourcesOperationLayer::new`) reads a response that implements `classify::OperationOutput`: implement it for `{Res}` (which of its values are an `error`?), or give the layer `.classifier(classify::ResultClassifier)`, which counts every answer as `ok`",
-    note = "`HttpClassifier` and `GrpcClassifier` read an `http::Response`"
+    note = "the `DefaultClassifier` (of `ResourcesOperationLayer::new`) reads a response that implements `classify::OperationOutput`: implement it for `{Res}` (which of its values are an `error`?), or give the layer a classifier of its own: a closure of the result that says its `Outcome`",
+    note = "`HttpClassifier` reads an `http::Response`, and a gRPC one by its `grpc-status`"
 )]
 pub trait ClassifyOutcome<Res, Err> {
     /// The outcome of an operation whose inner future returned `result`.
@@ -61,10 +61,10 @@ pub trait ClassifyOutcome<Res, Err> {
 
     /// In the body-end form ([`until_body_end`](crate::ResourcesOperationLayer::until_body_end)):
     /// whether the end of the stream, rather than the head `response`, decides the outcome, and
-    /// how: from the trailers, if the stream sends any. Defaults to `None`: the head decides.
-    /// The gRPC classifier reads the trailers' `grpc-status` for a response whose head carries
-    /// none.
-    fn classify_at_end(&self, response: &Res) -> Option<ClassifyTrailers> {
+    /// how: from the trailers, or `None` when the stream ended without any. Defaults to `None`:
+    /// the head decides. The crate's classifiers read the trailers' `grpc-status` for a gRPC
+    /// response whose head carries none.
+    fn classify_at_end(&self, response: &Res) -> Option<fn(Option<&HeaderMap>) -> Outcome> {
         let _ = response;
         None
     }
@@ -72,7 +72,7 @@ pub trait ClassifyOutcome<Res, Err> {
 
 /// How the end of a stream decides an operation's outcome: from its trailers, or `None` when
 /// the stream ended without any. See [`ClassifyOutcome::classify_at_end`].
-pub type ClassifyTrailers = fn(Option<&HeaderMap>) -> Outcome;
+pub(crate) type ClassifyTrailers = fn(Option<&HeaderMap>) -> Outcome;
 
 impl<F, Res, Err> ClassifyOutcome<Res, Err> for F
 where
@@ -86,16 +86,16 @@ where
 /// The classifier of [`ResourcesOperationLayer::new`](crate::ResourcesOperationLayer::new): an
 /// answer is what it says of itself ([`OperationOutput`]), an `Err` is [`Outcome::Error`].
 ///
-/// So an `http::Response` is read by its status, as [`HttpClassifier`] reads it (a `5xx` is
-/// `error`, a `408` or `504` `timeout`), a gRPC response by its `grpc-status`, as
-/// [`GrpcClassifier`] reads it, a process's `Output` by its exit status, and a plain value
+/// So an `http::Response` is read as [`HttpClassifier::new`] reads it (by its status: a `5xx` is
+/// `error`, a `408` or `504` `timeout`; a gRPC response by its `grpc-status`), a process's
+/// `Output` by its exit status, and a plain value
 /// (`()`, `bool`, a number, a string) is `ok`. `new(..)` on an axum route, a hyper service or a
 /// tonic service therefore counts a `500` as `error`, as `new_for_http` does.
 ///
 /// It puts no bound on the error type, so a layer with it compiles wherever tower's
 /// `ConcurrencyLimit` does for every response type that implements [`OperationOutput`]. For a
-/// response type of your own, implement [`OperationOutput`] for it, or give the layer the
-/// [`ResultClassifier`], which counts every answer as `ok`:
+/// response type of your own, implement [`OperationOutput`] for it, or give the layer a
+/// classifier of its own (a closure) that counts every answer as `ok`:
 ///
 /// ```compile_fail,E0277
 /// use tower::{service_fn, Layer, ServiceExt};
@@ -116,7 +116,8 @@ where
 ///
 /// ```
 /// use tower::{service_fn, Layer, ServiceExt};
-/// use tower_resources_operation::classify::{OperationOutput, ResultClassifier};
+/// use std::convert::Infallible;
+/// use tower_resources_operation::classify::OperationOutput;
 /// use tower_resources_operation::{Outcome, ResourcesOperationLayer};
 ///
 /// struct Verdict {
@@ -132,13 +133,15 @@ where
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// let verify = |answer: u32| async move {
-///     Ok::<_, std::convert::Infallible>(Verdict { passed: answer == 42 })
-/// };
+/// let verify = |answer: u32| async move { Ok::<_, Infallible>(Verdict { passed: answer == 42 }) };
 /// let read = ResourcesOperationLayer::new(2).layer(service_fn(verify));
 /// assert!(read.oneshot(42).await.unwrap().passed);
 /// // Or count every verdict as `ok`, whatever it says.
-/// let any = ResourcesOperationLayer::new(2).classifier(ResultClassifier).layer(service_fn(verify));
+/// let every_answer_ok = |result: Result<&Verdict, &Infallible>| match result {
+///     Ok(_) => Outcome::Ok,
+///     Err(_) => Outcome::Error,
+/// };
+/// let any = ResourcesOperationLayer::new(2).classifier(every_answer_ok).layer(service_fn(verify));
 /// assert!(!any.oneshot(7).await.unwrap().passed);
 /// # }
 /// ```
@@ -154,33 +157,14 @@ impl<Res: OperationOutput, Err> ClassifyOutcome<Res, Err> for DefaultClassifier 
         }
     }
 
-    fn classify_at_end(&self, response: &Res) -> Option<ClassifyTrailers> {
+    fn classify_at_end(&self, response: &Res) -> Option<fn(Option<&HeaderMap>) -> Outcome> {
         response.outcome_at_end()
     }
 }
 
-/// `Ok` is [`Outcome::Ok`], whatever the response; `Err` is [`Outcome::Error`].
-///
-/// For a service whose responses carry no verdict, of a type that does not implement
-/// [`OperationOutput`]: it puts no bound on the response or the error, so a layer with it
-/// compiles wherever tower's `ConcurrencyLimit` does. Wrapped in a [`TimeoutClassifier`], an
-/// `Elapsed` error is `timeout`.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ResultClassifier;
-
-impl<Res, Err> ClassifyOutcome<Res, Err> for ResultClassifier {
-    #[inline]
-    fn classify(&self, result: Result<&Res, &Err>) -> Outcome {
-        match result {
-            Ok(_) => Outcome::Ok,
-            Err(_) => Outcome::Error,
-        }
-    }
-}
-
 /// Another classifier (by default the [`DefaultClassifier`]), plus: an error that is, or wraps,
-/// tower's or tokio's `Elapsed`, or an `io::Error` of kind `TimedOut`, is [`Outcome::Timeout`]
-/// (see [`error_outcome`]).
+/// tower's or tokio's `Elapsed`, or an `io::Error` of kind `TimedOut`, is [`Outcome::Timeout`]:
+/// the error itself, or one in its source chain.
 ///
 /// It looks into the error through `Any`, so it works for any error type: a boxed error such as
 /// tower's `BoxError` (and its source chain), `std::io::Error`, `Elapsed` itself, `Infallible`.
@@ -209,8 +193,7 @@ pub struct TimeoutClassifier<C = DefaultClassifier> {
 
 impl TimeoutClassifier {
     /// The [`DefaultClassifier`], plus timeouts. For a response type that does not implement
-    /// [`OperationOutput`], wrap the [`ResultClassifier`] instead:
-    /// `TimeoutClassifier::wrap(ResultClassifier)`.
+    /// [`OperationOutput`], wrap a classifier of your own instead ([`wrap`](Self::wrap)).
     pub const fn new() -> Self {
         Self {
             inner: DefaultClassifier,
@@ -241,7 +224,7 @@ where
         }
     }
 
-    fn classify_at_end(&self, response: &Res) -> Option<ClassifyTrailers> {
+    fn classify_at_end(&self, response: &Res) -> Option<fn(Option<&HeaderMap>) -> Outcome> {
         self.inner.classify_at_end(response)
     }
 }
@@ -251,17 +234,7 @@ const MAX_SOURCE_DEPTH: usize = 32;
 
 /// [`Outcome::Timeout`] if `error`, or an error in its source chain, is tower's or tokio's
 /// `Elapsed` or an `std::io::Error` of kind `TimedOut`; [`Outcome::Error`] otherwise.
-///
-/// ```
-/// use tower_resources_operation::classify::error_outcome;
-/// use tower_resources_operation::Outcome;
-///
-/// let elapsed = tower::timeout::error::Elapsed::new();
-/// let wrapped = std::io::Error::other(elapsed);
-/// assert_eq!(error_outcome(&wrapped), Outcome::Timeout);
-/// assert_eq!(error_outcome(&std::fmt::Error), Outcome::Error);
-/// ```
-pub fn error_outcome(error: &(dyn Error + 'static)) -> Outcome {
+pub(crate) fn error_outcome(error: &(dyn Error + 'static)) -> Outcome {
     let mut next = Some(error);
     for _ in 0..MAX_SOURCE_DEPTH {
         let Some(error) = next else { break };
@@ -341,15 +314,13 @@ mod tests {
     }
 
     #[test]
-    fn the_default_reads_what_a_response_says_and_the_result_classifier_only_ok_or_err() {
+    fn the_default_reads_what_a_response_says() {
         let server_error = ::http::Response::builder().status(500).body(()).unwrap();
         let default =
             ClassifyOutcome::<_, BoxError>::classify(&DefaultClassifier, Ok(&server_error));
         assert_eq!(default, Outcome::Error);
-        let result = ClassifyOutcome::<_, BoxError>::classify(&ResultClassifier, Ok(&server_error));
-        assert_eq!(result, Outcome::Ok);
         let boom: BoxError = "boom".into();
-        let failed = ClassifyOutcome::<(), BoxError>::classify(&ResultClassifier, Err(&boom));
+        let failed = ClassifyOutcome::<(), BoxError>::classify(&DefaultClassifier, Err(&boom));
         assert_eq!(failed, Outcome::Error);
     }
 
@@ -366,6 +337,13 @@ mod tests {
         assert_eq!(classify(chained), Outcome::Timeout);
         let timed_out = std::io::Error::from(std::io::ErrorKind::TimedOut);
         assert_eq!(classify(timed_out), Outcome::Timeout);
+    }
+
+    #[test]
+    fn a_timeout_wrapped_in_an_io_error_is_found_and_any_other_error_is_not() {
+        let wrapped = std::io::Error::other(tower::timeout::error::Elapsed::new());
+        assert_eq!(error_outcome(&wrapped), Outcome::Timeout);
+        assert_eq!(error_outcome(&std::fmt::Error), Outcome::Error);
     }
 
     #[test]

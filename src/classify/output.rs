@@ -2,7 +2,9 @@
 
 use std::process::{ExitStatus, Output};
 
-use super::{any_error_outcome, ClassifyTrailers};
+use http::HeaderMap;
+
+use super::any_error_outcome;
 use crate::attributes::Outcome;
 
 /// What a value says of how the operation that returned it ended.
@@ -15,9 +17,9 @@ use crate::attributes::Outcome;
 /// | value | outcome |
 /// |---|---|
 /// | `http::Response` | its status, as [`HttpClassifier`](super::HttpClassifier) reads it: a `5xx` is `error`, a `408` or `504` `timeout`, a `499` `cancelled`, any other `ok` |
-/// | `http::Response` of gRPC (`content-type: application/grpc…`, status 200) | its `grpc-status`, as [`GrpcClassifier`](super::GrpcClassifier) reads it: in the head, or, in the body-end form, in the trailers |
+/// | `http::Response` of gRPC (`content-type: application/grpc…`, status 200) | its `grpc-status`, as [`HttpClassifier`](super::HttpClassifier) reads it: in the head, or, in the body-end form, in the trailers |
 /// | `std::process::Output`, `ExitStatus` | `ok` if the process exited with success, `error` otherwise (a verifier that failed, or was killed) |
-/// | `Result<T, E>` | `ok`; an `Err` is what [`error_outcome`](super::error_outcome) says of the error (`timeout` for an `Elapsed`, `error` otherwise) |
+/// | `Result<T, E>` | `ok`; an `Err` is what [`TimeoutClassifier`](super::TimeoutClassifier) says of the error (`timeout` for an `Elapsed`, `error` otherwise) |
 /// | `()`, `bool`, `char`, numbers, `String`, `str`, `Vec<T>`, `Option<T>` | `ok`: they carry no verdict |
 /// | `&T`, `Box<T>` | what `T` says |
 ///
@@ -27,7 +29,7 @@ use crate::attributes::Outcome;
 #[diagnostic::on_unimplemented(
     message = "tower-resources-operation cannot tell how an operation that returned `{Self}` ended",
     label = "`{Self}` does not implement `OperationOutput`",
-    note = "implement `classify::OperationOutput` for `{Self}` (which of its values are an `error`?), or give the layer a classifier: `.classifier(classify::ResultClassifier)` counts every answer as `ok`"
+    note = "implement `classify::OperationOutput` for `{Self}` (which of its values are an `error`?), or give the layer a classifier of its own (a closure of the result)"
 )]
 pub trait OperationOutput {
     /// The outcome of an operation whose work returned `self`.
@@ -39,7 +41,7 @@ pub trait OperationOutput {
     /// [`ClassifyOutcome::classify_at_end`](super::ClassifyOutcome::classify_at_end) says.
     /// Defaults to `None`; a gRPC response whose head carries no `grpc-status` ends with its
     /// trailers'.
-    fn outcome_at_end(&self) -> Option<ClassifyTrailers> {
+    fn outcome_at_end(&self) -> Option<fn(Option<&HeaderMap>) -> Outcome> {
         None
     }
 }
@@ -75,7 +77,7 @@ impl<T: OperationOutput + ?Sized> OperationOutput for &T {
         (**self).outcome()
     }
 
-    fn outcome_at_end(&self) -> Option<ClassifyTrailers> {
+    fn outcome_at_end(&self) -> Option<fn(Option<&HeaderMap>) -> Outcome> {
         (**self).outcome_at_end()
     }
 }
@@ -86,7 +88,7 @@ impl<T: OperationOutput + ?Sized> OperationOutput for Box<T> {
         (**self).outcome()
     }
 
-    fn outcome_at_end(&self) -> Option<ClassifyTrailers> {
+    fn outcome_at_end(&self) -> Option<fn(Option<&HeaderMap>) -> Outcome> {
         (**self).outcome_at_end()
     }
 }

@@ -3,17 +3,15 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit, TryAcquireError};
 
 use super::feedback::Ended;
 use super::local::Limit;
-use super::queue_timeout::QueueTimeout;
 use super::report::Capacity;
-use super::AcquireError;
 #[cfg(doc)]
 use crate::attributes::Rejection;
+use crate::error::Rejected;
 
 /// A limit: admits operations one permit at a time, and takes the place back when the permit
 /// drops.
@@ -30,15 +28,15 @@ use crate::attributes::Rejection;
 ///   place is up to the implementation (tokio's [`Semaphore`] and [`Limit`] serve first come,
 ///   first served).
 /// - **Never hang on a failure; a failure is answered.** A limit that turns an operation away
-///   returns [`AcquireError::rejected`]. A limit that cannot admit it (closed, shut down, its
-///   store unreachable past a timeout of its own) returns [`AcquireError::closed`] or
-///   [`AcquireError::failed`]: the operation is turned away with
+///   returns [`Rejected::new`] with its reason. A limit that cannot admit it (closed, shut down,
+///   its store unreachable past a timeout of its own) returns [`Rejected::closed`] or
+///   [`Rejected::failed`]: the operation is turned away with
 ///   [`Rejection::Unavailable`]. Either way the layer answers it as its
 ///   [`protocol`](crate::protocol) says (HTTP `503`, gRPC `UNAVAILABLE` for `unavailable`,
 ///   [`RejectAsError`](crate::protocol::RejectAsError)'s error), [`resources_operation`]
 ///   returns [`Rejected`](crate::Rejected), and it is counted in
 ///   `gym.resources.operation.rejected` by reason. Only a layer whose protocol cannot answer
-///   ([`Plain`](crate::protocol::Plain), tower's drop-in) has no answer to give: it ends the
+///   (the generic layer's, `()`: tower's drop-in) has no answer to give: it ends the
 ///   caller of a failed limit with a panic that names the limit's type and the cause, as
 ///   tower's limit does for a closed semaphore, and it refuses up front a limit that says it
 ///   [may reject](Acquire::may_reject). A limit that may fail in the normal course of things
@@ -50,7 +48,7 @@ use crate::attributes::Rejection;
 /// use std::future::Future;
 /// use std::sync::Arc;
 /// use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-/// use tower_resources_operation::{limit::AcquireError, Acquire};
+/// use tower_resources_operation::{Acquire, Rejected};
 ///
 /// /// A limit where a large job takes several places.
 /// #[derive(Clone)]
@@ -62,14 +60,14 @@ use crate::attributes::Rejection;
 /// impl Acquire for Weighted {
 ///     type Permit = OwnedSemaphorePermit;
 ///
-///     fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+///     fn acquire(&self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send {
 ///         let places = Arc::clone(&self.places);
 ///         let weight = self.weight;
 ///         async move {
 ///             places
 ///                 .acquire_many_owned(weight)
 ///                 .await
-///                 .map_err(|_| AcquireError::closed())
+///                 .map_err(|_| Rejected::closed())
 ///         }
 ///     }
 /// }
@@ -81,13 +79,13 @@ pub trait Acquire {
     type Permit;
 
     /// Waits for a permit.
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send;
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send;
 
     /// Waits for a permit, on a limit given away: a service keeps this future across its
     /// `poll_ready` calls, so it must own what it borrows. Defaults to
     /// [`acquire`](Acquire::acquire) on the limit moved into the future; a limit whose handle is
     /// a reference count can move that count into the permit instead of taking another.
-    fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send
+    fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send
     where
         Self: Sized + Send + Sync,
     {
@@ -99,7 +97,7 @@ pub trait Acquire {
     /// Tried before [`acquire`](Acquire::acquire), so that a free place costs no future and no
     /// clock read. Defaults to `None`: every operation goes through `acquire`, and a service
     /// allocates each wait's future (as tokio-util's `PollSemaphore` does).
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+    fn try_acquire(&self) -> Option<Result<Self::Permit, Rejected>> {
         None
     }
 
@@ -113,7 +111,7 @@ pub trait Acquire {
         None
     }
 
-    /// Whether this limit may turn an operation away: with [`AcquireError::rejected`], or with
+    /// Whether this limit may turn an operation away: with [`Rejected::new`], or with
     /// a failure it expects in the normal course of things (a store across a network that
     /// may be out of reach), answered as [`Rejection::Unavailable`].
     ///
@@ -173,24 +171,6 @@ pub trait Acquire {
     fn id_of(permit: &Self::Permit) -> Option<LimitId> {
         let _ = permit;
         None
-    }
-
-    /// This limit, turning away with [`Rejection::QueueTimeout`] an operation that has waited
-    /// `timeout` for its permit.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_resources_operation::{Acquire, Limit};
-    ///
-    /// // Two at once; none waits more than half a second.
-    /// let judges = Limit::new(2).queue_timeout(Duration::from_millis(500));
-    /// assert!(judges.may_reject());
-    /// ```
-    fn queue_timeout(self, timeout: Duration) -> QueueTimeout<Self>
-    where
-        Self: Sized,
-    {
-        QueueTimeout::new(self, timeout)
     }
 }
 
@@ -260,22 +240,17 @@ impl IntoLimit for usize {
 impl<'a> Acquire for &'a Semaphore {
     type Permit = SemaphorePermit<'a>;
 
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send {
         let semaphore: &'a Semaphore = self;
-        async move {
-            semaphore
-                .acquire()
-                .await
-                .map_err(|_| AcquireError::closed())
-        }
+        async move { semaphore.acquire().await.map_err(|_| Rejected::closed()) }
     }
 
     #[inline]
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+    fn try_acquire(&self) -> Option<Result<Self::Permit, Rejected>> {
         match Semaphore::try_acquire(self) {
             Ok(permit) => Some(Ok(permit)),
             Err(TryAcquireError::NoPermits) => None,
-            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
+            Err(TryAcquireError::Closed) => Some(Err(Rejected::closed())),
         }
     }
 }
@@ -292,22 +267,22 @@ impl Acquire for Arc<Semaphore> {
         Some(LimitId::of(&**permit.semaphore()))
     }
 
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send {
         Acquire::acquire_owned(Arc::clone(self))
     }
 
-    async fn acquire_owned(self) -> Result<Self::Permit, AcquireError> {
+    async fn acquire_owned(self) -> Result<Self::Permit, Rejected> {
         Semaphore::acquire_owned(self)
             .await
-            .map_err(|_| AcquireError::closed())
+            .map_err(|_| Rejected::closed())
     }
 
     #[inline]
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+    fn try_acquire(&self) -> Option<Result<Self::Permit, Rejected>> {
         match Arc::clone(self).try_acquire_owned() {
             Ok(permit) => Some(Ok(permit)),
             Err(TryAcquireError::NoPermits) => None,
-            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
+            Err(TryAcquireError::Closed) => Some(Err(Rejected::closed())),
         }
     }
 }
@@ -318,12 +293,12 @@ macro_rules! forward_acquire {
         impl<A: Acquire> Acquire for $handle {
             type Permit = A::Permit;
 
-            fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+            fn acquire(&self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send {
                 (**self).acquire()
             }
 
             #[inline]
-            fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+            fn try_acquire(&self) -> Option<Result<Self::Permit, Rejected>> {
                 (**self).try_acquire()
             }
 

@@ -1,6 +1,6 @@
-//! What a limit hears of the operations it admitted, and what may change its capacity: the seam
-//! between a limit and a controller, as tower's `load::TrackCompletion` is between a service and
-//! its load.
+//! What a limit hears of the operations it admitted ([`Ended`]), and, inside the crate, the seam
+//! between a [`Limit`](crate::Limit) and its adaptive controller, as tower's
+//! `load::TrackCompletion` is between a service and its load.
 //!
 //! Every form of operation (the layer's service, its response future or body, the per-request
 //! layer, [`resources_operation`](crate::resources_operation)) tells its limit how it ended,
@@ -110,7 +110,7 @@ impl Ended {
 }
 
 /// A limit whose capacity can change while it serves: what a controller adjusts.
-pub trait Resize: Send + Sync {
+pub(crate) trait Resize: Send + Sync {
     /// The capacity now.
     fn capacity(&self) -> usize;
 
@@ -134,7 +134,7 @@ pub trait Resize: Send + Sync {
 /// A limit that has one calls [`ended`](Control::ended) from its
 /// [`Acquire::ended`](super::Acquire::ended), on the operation's own task: keep it to a few
 /// atomic operations, and do anything slower once in a while, on whichever call closes a window.
-pub trait Control: Send + Sync + fmt::Debug {
+pub(crate) trait Control: Send + Sync + fmt::Debug {
     /// An admitted operation ended, with `in_flight` operations of the limit holding a place
     /// (itself included) as it did.
     fn ended(&self, ended: &Ended, in_flight: usize);
@@ -154,7 +154,7 @@ pub trait Control: Send + Sync + fmt::Debug {
 /// [`LimitBuilder::adaptive`](super::LimitBuilder::adaptive) (the
 /// [`Adaptive`](crate::adaptive::Adaptive) controllers are one). A limit of your own that can
 /// [`Resize`] takes one the same way.
-pub trait MakeControl: Send + Sync + fmt::Debug {
+pub(crate) trait MakeControl: Send + Sync + fmt::Debug {
     /// The capacities the controller may set.
     fn bounds(&self) -> RangeInclusive<usize>;
 

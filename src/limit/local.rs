@@ -7,12 +7,14 @@ use std::sync::{Arc, Weak};
 
 use tokio::sync::{Semaphore, TryAcquireError};
 
+use super::acquire::{Acquire, LimitId};
 use super::feedback::{Control, Ended, MakeControl, Resize};
 use super::front::{Front, Joined};
-use super::report::{check_name, Capacity, InvalidName, Reading};
+use super::report::{check_name, Capacity, Reading};
 use super::resize::Resizable;
-use super::{Acquire, AcquireError, LimitId};
+use crate::adaptive::Adaptive;
 use crate::attributes::Rejection;
+use crate::error::{ConfigError, Rejected};
 
 /// A limit of operations at once, shared by every clone, that knows its capacity, can bound its
 /// queue, and can be resized while it serves.
@@ -75,7 +77,7 @@ impl Limit {
 
     /// A limit of `max` operations at once, or an error if `max` is 0 or above tokio's
     /// [`Semaphore::MAX_PERMITS`].
-    pub fn try_new(max: usize) -> Result<Self, InvalidCapacity> {
+    pub fn try_new(max: usize) -> Result<Self, ConfigError> {
         check_built(max)?;
         Ok(Self::make(max, usize::MAX, None, None))
     }
@@ -126,7 +128,7 @@ impl Limit {
             State {
                 places: Resizable::new(Front::new(max, Semaphore::new(0)), max),
                 max_queued,
-                gauge: Capacity::of_limit(name, read),
+                gauge: Capacity::of_checked(name, read),
                 control,
                 sampling: AtomicU32::new(0),
             }
@@ -174,7 +176,7 @@ impl Limit {
     /// more may run than the new capacity (the metrics then show `active` above `limit`). No
     /// place is lost or made up, whatever runs meanwhile. An adaptive limit's controller goes
     /// on from the capacity set here, at its next window.
-    pub fn set_capacity(&self, capacity: usize) -> Result<(), InvalidCapacity> {
+    pub fn set_capacity(&self, capacity: usize) -> Result<(), ConfigError> {
         check(capacity)?;
         self.state.places.set_capacity(capacity);
         Ok(())
@@ -184,7 +186,7 @@ impl Limit {
     /// [`Rejection::Unavailable`] (HTTP `503`, gRPC `UNAVAILABLE`, `Err(Rejected)` from
     /// [`resources_operation`](crate::resources_operation)); running operations finish
     /// normally. Under a layer whose protocol cannot answer
-    /// ([`Plain`](crate::protocol::Plain)) they end with a panic that says the limit is closed,
+    /// (the generic layer's, `()`) they end with a panic that says the limit is closed,
     /// as tower's limit does.
     pub fn close(&self) {
         self.state.places.places().close();
@@ -212,11 +214,11 @@ impl State {
 impl State {
     /// The queue is full: the operation is turned away, and the controller hears of it.
     #[cold]
-    fn queue_full(&self) -> AcquireError {
+    fn queue_full(&self) -> Rejected {
         if let Some(control) = &self.control {
             control.rejected();
         }
-        AcquireError::rejected(Rejection::QueueFull)
+        Rejected::new(Rejection::QueueFull)
     }
 }
 
@@ -324,7 +326,12 @@ impl LimitBuilder {
     ///     .build();
     /// assert!(judges.is_adaptive());
     /// ```
-    pub fn adaptive(mut self, controller: impl MakeControl + 'static) -> Self {
+    pub fn adaptive(self, adaptive: Adaptive) -> Self {
+        self.controlled(adaptive)
+    }
+
+    /// Lets `controller` set the capacity: [`adaptive`](Self::adaptive)'s seam.
+    pub(crate) fn controlled(mut self, controller: impl MakeControl + 'static) -> Self {
         self.adaptive = Some(Arc::new(controller));
         self
     }
@@ -346,16 +353,17 @@ impl LimitBuilder {
 
     /// The limit, or an error if its capacity is 0, if it or an adaptive limit's highest is
     /// above tokio's [`Semaphore::MAX_PERMITS`], or if its [name](Self::name) cannot be a metric
-    /// attribute ([`check_name`]).
+    /// attribute (see [`name`](Self::name)).
     ///
     /// ```
-    /// use tower_resources_operation::limit::InvalidLimit;
     /// use tower_resources_operation::Limit;
     ///
-    /// assert!(matches!(Limit::builder(0).name("workers").try_build(), Err(InvalidLimit::Capacity(_))));
-    /// assert!(matches!(Limit::builder(2).name("my workers").try_build(), Err(InvalidLimit::Name(_))));
+    /// let empty = Limit::builder(0).name("workers").try_build().unwrap_err();
+    /// assert_eq!(empty.setting(), "capacity");
+    /// let spaced = Limit::builder(2).name("my workers").try_build().unwrap_err();
+    /// assert_eq!(spaced.setting(), "name");
     /// ```
-    pub fn try_build(self) -> Result<Limit, InvalidLimit> {
+    pub fn try_build(self) -> Result<Limit, ConfigError> {
         check_built(self.max)?;
         if let Some(adaptive) = &self.adaptive {
             check(*adaptive.bounds().end())?;
@@ -373,18 +381,18 @@ impl LimitBuilder {
 }
 
 /// Whether a limit can be set to `max` operations at once while it serves (0 pauses it).
-fn check(max: usize) -> Result<(), InvalidCapacity> {
+fn check(max: usize) -> Result<(), ConfigError> {
     if max > Semaphore::MAX_PERMITS {
-        Err(InvalidCapacity { max })
+        Err(ConfigError::capacity(max))
     } else {
         Ok(())
     }
 }
 
 /// Whether a limit can be built with `max` operations at once: 0 would admit nothing, ever.
-fn check_built(max: usize) -> Result<(), InvalidCapacity> {
+fn check_built(max: usize) -> Result<(), ConfigError> {
     match max {
-        0 => Err(InvalidCapacity { max }),
+        0 => Err(ConfigError::capacity(max)),
         max => check(max),
     }
 }
@@ -392,7 +400,7 @@ fn check_built(max: usize) -> Result<(), InvalidCapacity> {
 impl Acquire for Limit {
     type Permit = LimitPermit;
 
-    async fn acquire(&self) -> Result<Self::Permit, AcquireError> {
+    async fn acquire(&self) -> Result<Self::Permit, Rejected> {
         Acquire::acquire_owned(self.clone()).await
     }
 
@@ -400,7 +408,7 @@ impl Acquire for Limit {
     /// once, whatever the bound on the queue; otherwise a wait in the queue, counted in
     /// `queued`, or a rejection when the queue is full. The handle becomes the permit's, rather
     /// than the permit taking one more.
-    async fn acquire_owned(self) -> Result<Self::Permit, AcquireError> {
+    async fn acquire_owned(self) -> Result<Self::Permit, Rejected> {
         if let Some(now) = self.try_acquire() {
             return now;
         }
@@ -408,20 +416,20 @@ impl Acquire for Limit {
             // A place came free meanwhile.
             Joined::Took => return Ok(LimitPermit { state: self.state }),
             Joined::Waits { ahead } => Queued::counted(self.state, ahead)?,
-            Joined::Closed => return Err(AcquireError::closed()),
+            Joined::Closed => return Err(Rejected::closed()),
         };
         let placed = queued.state().places.places().queue().acquire().await;
         // The place leaves tokio's count: the `LimitPermit` gives it back when it drops.
         match placed.map(tokio::sync::SemaphorePermit::forget) {
             Ok(()) => Ok(queued.admitted()),
-            Err(_) => Err(AcquireError::closed()),
+            Err(_) => Err(Rejected::closed()),
         }
     }
 
     /// A free place now; `None` if the operation would wait; a rejection at once if it would
     /// wait in a queue that is already full (so that turning it away costs no wait).
     #[inline(always)]
-    fn try_acquire(&self) -> Option<Result<Self::Permit, AcquireError>> {
+    fn try_acquire(&self) -> Option<Result<Self::Permit, Rejected>> {
         let state = &*self.state;
         match state.places.places().try_take() {
             Ok(()) => Some(Ok(LimitPermit {
@@ -431,7 +439,7 @@ impl Acquire for Limit {
                 let full = state.places.places().waiting() >= state.max_queued;
                 full.then(|| Err(state.queue_full()))
             }
-            Err(TryAcquireError::Closed) => Some(Err(AcquireError::closed())),
+            Err(TryAcquireError::Closed) => Some(Err(Rejected::closed())),
         }
     }
 
@@ -480,7 +488,7 @@ struct Queued {
 
 impl Queued {
     /// Counted as waiting after `ahead` others; turned away if the queue is full.
-    fn counted(state: Arc<State>, ahead: usize) -> Result<Self, AcquireError> {
+    fn counted(state: Arc<State>, ahead: usize) -> Result<Self, Rejected> {
         let queued = Self { state: Some(state) };
         if ahead >= queued.state().max_queued {
             return Err(queued.state().queue_full());
@@ -541,73 +549,6 @@ impl fmt::Debug for Limit {
     }
 }
 
-/// A capacity a limit cannot have: 0 when it is built (it would admit nothing, ever), or above
-/// tokio's [`Semaphore::MAX_PERMITS`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct InvalidCapacity {
-    max: usize,
-}
-
-impl InvalidCapacity {
-    /// The capacity that was asked for.
-    pub fn capacity(&self) -> usize {
-        self.max
-    }
-}
-
-impl fmt::Display for InvalidCapacity {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.max == 0 {
-            return f.write_str(
-                "tower-resources-operation: a limit of 0 operations would admit nothing, ever; \
-                 give it 1 or more (set_capacity(0) pauses a limit that serves)",
-            );
-        }
-        write!(
-            f,
-            "tower-resources-operation: a limit of {} operations is above tokio's \
-             Semaphore::MAX_PERMITS ({})",
-            self.max,
-            Semaphore::MAX_PERMITS
-        )
-    }
-}
-
-impl std::error::Error for InvalidCapacity {}
-
-/// Why [`LimitBuilder::try_build`] made no limit: its capacity, or its name.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum InvalidLimit {
-    /// A capacity a limit cannot have.
-    Capacity(InvalidCapacity),
-    /// A name that cannot be a metric attribute.
-    Name(InvalidName),
-}
-
-impl From<InvalidCapacity> for InvalidLimit {
-    fn from(error: InvalidCapacity) -> Self {
-        Self::Capacity(error)
-    }
-}
-
-impl From<InvalidName> for InvalidLimit {
-    fn from(error: InvalidName) -> Self {
-        Self::Name(error)
-    }
-}
-
-impl fmt::Display for InvalidLimit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Capacity(error) => error.fmt(f),
-            Self::Name(error) => error.fmt(f),
-        }
-    }
-}
-
-impl std::error::Error for InvalidLimit {}
-
 // Not under loom: a `Limit`'s places are loom's there, which run only in a model.
 #[cfg(all(test, not(tro_loom)))]
 mod tests {
@@ -644,7 +585,7 @@ mod tests {
 
     #[test]
     fn an_adaptive_limit_hears_the_share_its_controller_asks_for_and_a_plain_one_none() {
-        let limit = Limit::builder(4).adaptive(Listens).build();
+        let limit = Limit::builder(4).controlled(Listens).build();
         assert_eq!(heard_of(&limit, 1000), 1000, "every one, to begin with");
         // Rounded down to a power of two.
         assert_eq!(limit.state.hear_one_in(5), 4);

@@ -10,6 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::error::ConfigError;
+
 /// A limit as the metrics see it: how many operations it admits at once, read at each
 /// collection, and, for a named limit, what it holds and keeps waiting now.
 ///
@@ -65,7 +67,7 @@ pub struct Reading {
 }
 
 /// Whose capacity a [`Reading`] is, so that a dashboard adds up what adds up: reported as
-/// [`LIMIT_SCOPE_ATTRIBUTE`](crate::metrics::LIMIT_SCOPE_ATTRIBUTE) with every named limit's
+/// [`LIMIT_SCOPE_ATTRIBUTE`](crate::names::LIMIT_SCOPE_ATTRIBUTE) with every named limit's
 /// instruments and with `gym.resources.operation.limit`.
 ///
 /// A process-local limit of 4 on each of 3 replicas is 12 places: its capacity is added up over
@@ -86,7 +88,7 @@ pub enum Scope {
 }
 
 impl Scope {
-    /// Every scope, in the order of [`SCOPES`](crate::metrics::SCOPES).
+    /// Every scope.
     pub const ALL: [Scope; 3] = [Scope::Process, Scope::Fleet, Scope::Share];
 
     /// Its value as an attribute: `process`, `fleet` or `share`.
@@ -164,7 +166,7 @@ impl Capacity {
 
     /// A limit whose capacity `read` returns at each collection (for a pool that grows, say).
     pub fn from_fn(read: impl Fn() -> usize + Send + Sync + 'static) -> Self {
-        Self::of_limit(None, move || Some(Reading::new(read(), 0, 0)))
+        Self::of_checked(None, move || Some(Reading::new(read(), 0, 0)))
     }
 
     /// A limit of your own, named `name` (if it is), whose state `read` returns while the limit
@@ -187,23 +189,33 @@ impl Capacity {
     /// let capacity = Capacity::of_limit(Some("pool"), move || {
     ///     let busy = seen.upgrade()?.load(Ordering::Relaxed);
     ///     Some(Reading::new(4, busy, 0))
-    /// });
+    /// })
+    /// .unwrap();
     /// assert_eq!((capacity.get(), capacity.name()), (Some(4), Some("pool")));
     /// drop(busy);
     /// assert_eq!(capacity.get(), None);
     /// ```
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// If `name` cannot name a limit (see [`check_name`]).
-    #[track_caller]
+    /// If `name` cannot be a metric attribute: it must be 1 to 64 characters among
+    /// `A-Z a-z 0-9 _ . : / -`, starting with a letter, so that the attribute stays bounded and
+    /// safe in any backend.
     pub fn of_limit(
         name: Option<&str>,
         read: impl Fn() -> Option<Reading> + Send + Sync + 'static,
-    ) -> Self {
-        if let Some(Err(error)) = name.map(check_name) {
-            panic!("{error}");
+    ) -> Result<Self, ConfigError> {
+        if let Some(name) = name {
+            check_name(name)?;
         }
+        Ok(Self::of_checked(name, read))
+    }
+
+    /// [`of_limit`](Self::of_limit), for a `name` already checked.
+    pub(crate) fn of_checked(
+        name: Option<&str>,
+        read: impl Fn() -> Option<Reading> + Send + Sync + 'static,
+    ) -> Self {
         let name = name.map(Arc::from);
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Self {
@@ -265,47 +277,29 @@ impl fmt::Debug for Capacity {
 }
 
 /// Whether `name` can name a limit in the metrics: 1 to 64 characters among
-/// `A-Z a-z 0-9 _ . : / -`, starting with a letter, so that the attribute stays bounded and
-/// safe in any backend.
-///
-/// ```
-/// use tower_resources_operation::limit::check_name;
-///
-/// assert!(check_name("judges").is_ok());
-/// assert!(check_name("9 judges").is_err());
-/// ```
-pub fn check_name(name: &str) -> Result<(), InvalidName> {
+/// `A-Z a-z 0-9 _ . : / -`, starting with a letter, so that the attribute stays bounded and safe
+/// in any backend.
+pub(crate) fn check_name(name: &str) -> Result<(), ConfigError> {
     let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '/' | '-');
     let starts_with_letter = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic());
     if (1..=64).contains(&name.len()) && starts_with_letter && name.chars().all(allowed) {
         Ok(())
     } else {
-        let mut end = name.len().min(64);
-        while !name.is_char_boundary(end) {
-            end -= 1;
+        Err(ConfigError::name(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_is_checked_as_an_attribute_value() {
+        assert!(check_name("judges").is_ok());
+        assert!(check_name("fleet/judges:v2.1-a_b").is_ok());
+        for name in ["", "9 judges", "my judges", "juges\n", &"j".repeat(65)] {
+            let error = check_name(name).unwrap_err();
+            assert_eq!(error.setting(), "name", "{name:?}");
         }
-        Err(InvalidName {
-            name: name[..end].to_owned(),
-        })
     }
 }
-
-/// A name that cannot name a limit in the metrics (see [`check_name`]); its message repeats at
-/// most 64 bytes of it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InvalidName {
-    name: String,
-}
-
-impl fmt::Display for InvalidName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "tower-resources-operation: a limit's name becomes a metric attribute, so it must be \
-             1 to 64 characters among A-Z a-z 0-9 _ . : / -, starting with a letter; got {:?}",
-            self.name
-        )
-    }
-}
-
-impl std::error::Error for InvalidName {}

@@ -42,16 +42,30 @@ impl Series {
         self.parts().1.queued.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// An operation got its permit, after waiting `queued` if it `waited` (counted in
-    /// `queued` until now).
+    /// An operation got its permit, after waiting if it `waited` (counted in `queued` until
+    /// now).
     #[inline]
-    pub(crate) fn admit(&self, waited: bool, queued: Duration) {
-        let (shared, cell, index) = self.parts();
+    pub(crate) fn admit(&self, waited: bool) {
+        let (_, cell, _) = self.parts();
         if waited {
             cell.queued.fetch_sub(1, Ordering::Relaxed);
         }
         cell.active.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An admitted operation was called, after waiting `queued` for its permit: its queue
+    /// sample.
+    #[inline]
+    pub(crate) fn record_queue(&self, queued: Duration) {
+        let (shared, _, index) = self.parts();
         guarded(|| shared.record_queue(index, millis(queued)));
+    }
+
+    /// An admitted operation's caller went away before it was called.
+    pub(crate) fn abandon_admitted(&self) {
+        let (_, cell, _) = self.parts();
+        cell.active.fetch_sub(1, Ordering::Relaxed);
+        cell.abandoned.fetch_add(1, Ordering::Relaxed);
     }
 
     /// An operation was turned away, after waiting or not.

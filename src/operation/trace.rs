@@ -3,13 +3,11 @@
 //! [`Trace`] is empty and every step is a no-op.
 //!
 //! Two spans rather than one operation span with the wait as an event: a wait is a stretch of
-//! time, not a moment, and a trace viewer draws a span's length where it draws the request's,
-//! so "1.6 s of its 2 s waiting" is seen, not read off a field. Both are children of the span
-//! current when the operation arrived (a tower-http `TraceLayer`'s request span, or whatever
-//! span calls [`resources_operation`](crate::resources_operation)); with none current (the
-//! layer outside every request span), the run span is the wait span's child, so that the wait
-//! and what ran inside the limit (a request span made inside it included) stay one trace.
-//! An operation that got its permit at once has no wait span, only its run span (queue time 0).
+//! time, not a moment, and a trace viewer draws a span's length where it draws the request's.
+//! Both are children of the span current when the operation arrived; with none current, the
+//! run span is the wait span's child, so that the wait and what ran inside the limit stay one
+//! trace. An operation that got its permit at once has no wait span, only its run span (queue
+//! time 0); one turned away at once has a wait span of no length.
 //!
 //! Disabled (no subscriber, or the level filtered out), an operation's one check is a read of
 //! `tracing`'s max level ([`Trace::may_trace`]), and the record carries one null word; with the
@@ -20,12 +18,13 @@ use std::time::Duration;
 use crate::attributes::{Outcome, Rejection, SeriesKey};
 use crate::limit::Capacity;
 #[cfg(feature = "tracing")]
-use crate::trace::{
-    DURATION_ATTRIBUTE, QUEUED_AHEAD_ATTRIBUTE, QUEUE_DURATION_ATTRIBUTE, TARGET, WAIT_ATTRIBUTE,
+use crate::names::{
+    DURATION_ATTRIBUTE, LIMIT_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_AHEAD_ATTRIBUTE,
+    QUEUE_DURATION_ATTRIBUTE, REJECTION_ATTRIBUTE, TARGET, WAIT_ATTRIBUTE,
 };
 
-/// How a wait ended, as [`WAIT_ATTRIBUTE`] says it: admitted, turned away for `rejection`, or
-/// abandoned (no rejection).
+/// How a wait ended, as [`WAIT_ATTRIBUTE`](crate::names::WAIT_ATTRIBUTE) says it: admitted,
+/// turned away for `rejection`, or abandoned (no rejection).
 #[cfg_attr(not(feature = "tracing"), allow(dead_code))]
 fn wait_end(admitted: bool, rejection: Option<Rejection>) -> &'static str {
     match (admitted, rejection) {
@@ -55,13 +54,15 @@ mod on {
     struct Spans {
         /// The span current when the operation arrived, for the run span.
         parent: Span,
-        /// Open while the operation waits.
+        /// Open while the operation waits, and until it is called.
         wait: Span,
         /// Open while the operation runs.
         run: Span,
     }
 
-    fn wait_span(key: SeriesKey, limit: Option<&Capacity>) -> Span {
+    /// The wait span; `counted`: whether the limit counts this operation among its waiters
+    /// (it does from its first wait on, not when it is turned away at once).
+    fn wait_span(key: SeriesKey, limit: Option<&Capacity>, counted: bool) -> Span {
         let span = tracing::debug_span!(
             target: TARGET,
             "gym.resources.operation.wait",
@@ -77,8 +78,11 @@ mod on {
             if let Some(limit) = limit {
                 described(&span, limit);
                 if let Some(reading) = limit.read() {
-                    // The limit counts this operation among its waiters already.
-                    span.record(QUEUED_AHEAD_ATTRIBUTE, reading.queued.saturating_sub(1));
+                    let ahead = match counted {
+                        true => reading.queued.saturating_sub(1),
+                        false => reading.queued,
+                    };
+                    span.record(QUEUED_AHEAD_ATTRIBUTE, ahead);
                 }
             }
         }
@@ -114,7 +118,7 @@ mod on {
     /// The limit's name, on a span that has a field for it.
     fn described(span: &Span, limit: &Capacity) {
         if let Some(name) = limit.name() {
-            span.record(crate::metrics::LIMIT_ATTRIBUTE, name);
+            span.record(LIMIT_ATTRIBUTE, name);
         }
     }
 
@@ -125,7 +129,7 @@ mod on {
         /// current now.
         #[inline]
         pub(crate) fn waiting(key: SeriesKey, limit: Option<&Capacity>) -> Self {
-            let wait = wait_span(key, limit);
+            let wait = wait_span(key, limit, true);
             if wait.is_disabled() {
                 return Self::NONE;
             }
@@ -138,9 +142,8 @@ mod on {
 
         /// Whether spans may be enabled at all: the one check on the path of an operation with
         /// no span, and the first one `tracing`'s own span macros make. It reads one word,
-        /// `tracing`'s max level: `OFF` until a subscriber is set (so no subscriber costs no
-        /// more than one that filters `DEBUG` out), then the most verbose level any subscriber
-        /// enables.
+        /// `tracing`'s max level: `OFF` until a subscriber is set, then the most verbose level
+        /// any subscriber enables.
         #[inline(always)]
         pub(crate) fn may_trace() -> bool {
             tracing::level_enabled!(tracing::Level::DEBUG)
@@ -152,8 +155,7 @@ mod on {
             self.0.is_some()
         }
 
-        /// The operation was admitted at once, with nothing else to record: its run span, if
-        /// it is enabled.
+        /// The operation was admitted at once: its run span, if it is enabled.
         #[cold]
         #[inline(never)]
         pub(crate) fn at_once(key: SeriesKey, limit: Option<&Capacity>) -> Self {
@@ -168,11 +170,19 @@ mod on {
             })))
         }
 
-        /// The operation was admitted after `queued`: `record` (the queue-time histogram) runs
-        /// inside the wait span, which ends with it, or inside the run span for an operation
-        /// that did not wait; the run span starts.
+        /// The operation was admitted after waiting `queued`: its wait span says how long.
         #[inline]
-        pub(crate) fn admitted<'c>(
+        pub(crate) fn admitted(&mut self, queued: Duration) {
+            if let Some(spans) = &self.0 {
+                spans.wait.record(QUEUE_DURATION_ATTRIBUTE, millis(queued));
+            }
+        }
+
+        /// The admitted operation was called: `record` (the queue-time histogram) runs inside
+        /// the wait span, which ends with it, or inside the run span for an operation that did
+        /// not wait; the run span starts, if it had not.
+        #[inline]
+        pub(crate) fn called<'c>(
             &mut self,
             key: SeriesKey,
             limit: impl Fn() -> Option<&'c Capacity>,
@@ -192,7 +202,6 @@ mod on {
             };
             let queued = millis(queued);
             if !spans.wait.is_none() {
-                spans.wait.record(QUEUE_DURATION_ATTRIBUTE, queued);
                 spans.wait.record(WAIT_ATTRIBUTE, wait_end(true, None));
                 spans.wait.in_scope(record);
                 let parent = match spans.parent.is_none() {
@@ -208,30 +217,35 @@ mod on {
             spans.run.record(QUEUE_DURATION_ATTRIBUTE, queued);
         }
 
-        /// The wait ended without a permit, after `queued` (`None`: not known), turned away for
-        /// `rejection` or abandoned (`None`): its wait span (made now, for an operation turned
-        /// away at once) says so and ends.
+        /// The admitted operation was dropped before it was called: its wait, if it has one,
+        /// ends abandoned, and no run span follows it.
         #[cold]
-        pub(crate) fn refused(
-            &mut self,
+        pub(crate) fn abandoned(&mut self) {
+            if let Some(spans) = self.0.take() {
+                spans.wait.record(WAIT_ATTRIBUTE, wait_end(false, None));
+            }
+        }
+
+        /// The wait ended without a permit, after `queued` (`None`: not known), turned away for
+        /// `rejection` or abandoned (`None`): its wait span says so and ends.
+        #[cold]
+        pub(crate) fn refused(&mut self, rejection: Option<Rejection>, queued: Option<Duration>) {
+            if let Some(spans) = self.0.take() {
+                record_refusal(&spans.wait, rejection, queued);
+            }
+        }
+
+        /// An operation turned away for `rejection` without a wait of its own: a wait span of
+        /// no length says so, if it is enabled.
+        #[cold]
+        pub(crate) fn rejected_at_once(
             key: SeriesKey,
             limit: Option<&Capacity>,
-            rejection: Option<Rejection>,
-            queued: Option<Duration>,
+            rejection: Rejection,
         ) {
-            let wait = match self.0.take() {
-                Some(spans) => spans.wait,
-                None => wait_span(key, limit),
-            };
-            if wait.is_disabled() {
-                return;
-            }
-            if let Some(queued) = queued {
-                wait.record(QUEUE_DURATION_ATTRIBUTE, millis(queued));
-            }
-            wait.record(WAIT_ATTRIBUTE, wait_end(false, rejection));
-            if let Some(rejection) = rejection {
-                wait.record(crate::metrics::REJECTION_ATTRIBUTE, rejection.as_str());
+            let wait = wait_span(key, limit, false);
+            if !wait.is_disabled() {
+                record_refusal(&wait, Some(rejection), None);
             }
         }
 
@@ -244,7 +258,7 @@ mod on {
             };
             let run = spans.run;
             run.record(DURATION_ATTRIBUTE, millis(ran));
-            run.record(crate::names::OUTCOME_ATTRIBUTE, outcome.as_str());
+            run.record(OUTCOME_ATTRIBUTE, outcome.as_str());
             run.in_scope(record);
         }
 
@@ -253,6 +267,17 @@ mod on {
         #[inline]
         pub(crate) fn enter_run(&self) -> Option<tracing::span::EnteredSpan> {
             self.0.as_ref().map(|spans| spans.run.clone().entered())
+        }
+    }
+
+    /// How a wait ended without a permit, on its span.
+    fn record_refusal(wait: &Span, rejection: Option<Rejection>, queued: Option<Duration>) {
+        if let Some(queued) = queued {
+            wait.record(QUEUE_DURATION_ATTRIBUTE, millis(queued));
+        }
+        wait.record(WAIT_ATTRIBUTE, wait_end(false, rejection));
+        if let Some(rejection) = rejection {
+            wait.record(REJECTION_ATTRIBUTE, rejection.as_str());
         }
     }
 }
@@ -288,7 +313,10 @@ mod off {
         }
 
         #[inline(always)]
-        pub(crate) fn admitted<'c>(
+        pub(crate) fn admitted(&mut self, _: Duration) {}
+
+        #[inline(always)]
+        pub(crate) fn called<'c>(
             &mut self,
             _: SeriesKey,
             _: impl Fn() -> Option<&'c Capacity>,
@@ -299,14 +327,13 @@ mod off {
         }
 
         #[inline(always)]
-        pub(crate) fn refused(
-            &mut self,
-            _: SeriesKey,
-            _: Option<&Capacity>,
-            _: Option<Rejection>,
-            _: Option<Duration>,
-        ) {
-        }
+        pub(crate) fn abandoned(&mut self) {}
+
+        #[inline(always)]
+        pub(crate) fn refused(&mut self, _: Option<Rejection>, _: Option<Duration>) {}
+
+        #[inline(always)]
+        pub(crate) fn rejected_at_once(_: SeriesKey, _: Option<&Capacity>, _: Rejection) {}
 
         #[inline(always)]
         pub(crate) fn ended(&mut self, _: Outcome, _: Duration, record: impl FnOnce()) {
@@ -330,9 +357,10 @@ mod tests {
 
     use super::*;
     use crate::attributes::{Executor, Operation};
-    use crate::metrics::{LIMIT_ATTRIBUTE, REJECTION_ATTRIBUTE};
-    use crate::names::{EXECUTOR_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE};
-    use crate::trace::{RUN_SPAN, TARGET, WAIT_SPAN};
+    use crate::names::{
+        EXECUTOR_ATTRIBUTE, LIMIT_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
+        REJECTION_ATTRIBUTE, RUN_SPAN, WAIT_SPAN,
+    };
 
     /// A span as it was made: its target, name and field names.
     type Made = (String, String, Vec<String>);
@@ -366,7 +394,8 @@ mod tests {
             let key = SeriesKey::new(Operation::Verify, Executor::Subprocess);
             let mut trace = Trace::waiting(key, None);
             assert!(trace.is_some());
-            trace.admitted(key, || None, Duration::from_millis(3), || {});
+            trace.admitted(Duration::from_millis(3));
+            trace.called(key, || None, Duration::from_millis(3), || {});
             trace.ended(Outcome::Ok, Duration::from_millis(5), || {});
         });
         let spans = spans.0.lock().unwrap();

@@ -66,9 +66,8 @@ impl Choice {
 /// Chooses, from a request, its operation and executor, or that it is not limited.
 ///
 /// The choice is bounded whatever the request: it is one of NeMo Gym's values or none. The
-/// crate's rule tables ([`ByGrpcMethod`](super::ByGrpcMethod),
-/// [`ByMatchedPath`](super::ByMatchedPath)) are choosers, and so is any closure given to
-/// [`choose_fn`].
+/// crate's rule table ([`ByRoute`](super::ByRoute)) is a chooser, and so is any closure in a
+/// [`ChooseFn`].
 pub trait ChooseOperation<Req>: KnownChoices {
     /// What `request` is.
     fn choose(&self, request: &Req) -> Choice;
@@ -82,8 +81,8 @@ pub trait ChooseOperation<Req>: KnownChoices {
 /// `impl KnownChoices for MyChooser {}`.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a chooser of a per-request layer",
-    note = "a closure chooses through `per_request::choose_fn(|request| ...)`; a type of your own \
-            implements `ChooseOperation<Req>` and `KnownChoices`"
+    note = "a closure chooses through `per_request::ChooseFn::new(|request| ...)`; a type of your \
+            own implements `ChooseOperation<Req>` and `KnownChoices`"
 )]
 pub trait KnownChoices {
     /// Every choice this chooser can make, if it knows them. Defaults to none.
@@ -92,25 +91,28 @@ pub trait KnownChoices {
     }
 }
 
-/// A chooser that calls `choose` on each request: see [`choose_fn`].
-#[derive(Clone, Copy, Debug)]
-pub struct ChooseFn<F>(F);
-
-/// A chooser from a closure `Fn(&Req) -> Choice`, as tower's `service_fn` makes a service.
+/// A chooser from a closure `Fn(&Req) -> Choice`, as tower's `service_fn` makes a service. It
+/// knows no choice in advance: a series it chooses reports from its first request on.
 ///
 /// ```
-/// use tower_resources_operation::per_request::{choose_fn, Choice};
+/// use tower_resources_operation::per_request::{Choice, ChooseFn};
 /// use tower_resources_operation::{Executor, Operation, ResourcesOperationLayer};
 ///
 /// // Requests for even numbers are judged; odd ones run unlimited.
-/// let layer = ResourcesOperationLayer::new(4).per_request(choose_fn(|n: &u32| match n % 2 {
+/// let layer = ResourcesOperationLayer::new(4).per_request(ChooseFn::new(|n: &u32| match n % 2 {
 ///     0 => Choice::limited(Operation::Judge, Executor::Inline),
 ///     _ => Choice::Unlimited,
 /// }));
 /// # drop(layer);
 /// ```
-pub fn choose_fn<F>(choose: F) -> ChooseFn<F> {
-    ChooseFn(choose)
+#[derive(Clone, Copy, Debug)]
+pub struct ChooseFn<F>(F);
+
+impl<F> ChooseFn<F> {
+    /// A chooser that calls `choose` on each request.
+    pub fn new(choose: F) -> Self {
+        Self(choose)
+    }
 }
 
 impl<F> KnownChoices for ChooseFn<F> {}

@@ -9,15 +9,15 @@ use tower_layer::Layer;
 use super::choice::KnownChoices;
 use super::service::PerRequestOperation;
 use crate::classify::DefaultClassifier;
-use crate::layer::{AtHead, Config, ResourcesOperationLayer};
+use crate::config::Config;
 use crate::limit::{Acquire, Limit};
 use crate::metrics::MetricsSource;
-use crate::protocol::Plain;
+use crate::ResourcesOperationLayer;
 
 /// A layer whose requests each choose their operation and executor with `F`, or to go
 /// unlimited; made by [`ResourcesOperationLayer::per_request`]. Its other parameters are the
 /// layer's it was made from.
-pub struct PerRequestLayer<F, C = DefaultClassifier, L = Limit, P = Plain, E = AtHead> {
+pub struct PerRequestLayer<F, C = DefaultClassifier, L = Limit, P = (), E = ()> {
     config: Arc<Config<C, L, P>>,
     chooser: F,
     /// The limits a choice can name, each with its name.
@@ -48,12 +48,12 @@ impl<F, C, L: Acquire, P, E> PerRequestLayer<F, C, L, P, E> {
     /// # #[cfg(feature = "axum")]
     /// # fn main() {
     /// use axum::{routing::post, Router};
-    /// use tower_resources_operation::per_request::{ByMatchedPath, Choice};
+    /// use tower_resources_operation::per_request::{ByRoute, Choice};
     /// use tower_resources_operation::{Executor, Limit, Operation, ResourcesOperationLayer};
     ///
     /// let verifiers = Limit::builder(4).name("verifiers").build();
     /// let judges = Limit::builder(8).name("judges").build();
-    /// let chooser = ByMatchedPath::new()
+    /// let chooser = ByRoute::new()
     ///     .route("/verify", Choice::limited(Operation::Verify, Executor::Subprocess).on("verifiers"))
     ///     .route("/judge", Choice::limited(Operation::Judge, Executor::Inline).on("judges"))
     ///     .otherwise(Choice::Unlimited);
@@ -73,7 +73,7 @@ impl<F, C, L: Acquire, P, E> PerRequestLayer<F, C, L, P, E> {
     ///
     /// # Panics
     ///
-    /// If a limit has no [name](crate::limit::LimitBuilder::name), or two share one.
+    /// If a limit has no [name](crate::LimitBuilder::name), or two share one.
     #[track_caller]
     pub fn limits(mut self, limits: impl IntoIterator<Item = L>) -> Self {
         let mut named: Vec<(Arc<str>, L)> = Vec::new();

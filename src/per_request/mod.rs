@@ -13,18 +13,11 @@
 //! [`Choice::OTHER`]), never its answer.
 
 mod choice;
-mod future;
 mod layer;
-mod oneshot;
 mod rules;
 mod service;
 
-pub use choice::{choose_fn, Choice, ChooseFn, ChooseOperation, KnownChoices};
-pub use future::PerRequestFuture;
+pub use choice::{Choice, ChooseFn, ChooseOperation, KnownChoices};
 pub use layer::PerRequestLayer;
-pub use oneshot::Oneshot;
-pub use rules::ByGrpcMethod;
-#[cfg(feature = "axum")]
-#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
-pub use rules::ByMatchedPath;
+pub use rules::ByRoute;
 pub use service::PerRequestOperation;

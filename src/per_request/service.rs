@@ -6,18 +6,20 @@ use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
+use http_body::Body;
+use tower::util::{Either, MapResponse, Oneshot};
 use tower_service::Service;
 
 use super::choice::{Choice, ChooseOperation, KnownChoices};
-use super::future::PerRequestFuture;
-use super::oneshot::Oneshot;
 use crate::attributes::{Executor, Operation};
-use crate::classify::ClassifyOutcome;
+use crate::body::{AtBodyEnd, OperationBody};
+use crate::classify::{ClassifyOutcome, DefaultClassifier};
+use crate::config::Config;
 use crate::diagnostics::{self, Mistake};
 use crate::guard::guarded;
-use crate::layer::{Config, End, ResourcesOperation};
-use crate::limit::Acquire;
+use crate::limit::{Acquire, Limit};
 use crate::protocol::Protocol;
+use crate::ResourcesOperation;
 
 const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
 
@@ -26,7 +28,7 @@ const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
 /// Its `poll_ready` is always ready; `call` sends each limited request through a clone of the
 /// inner service that takes its permit as [`ResourcesOperation`] does, and each unlimited one
 /// straight to a clone of the inner service.
-pub struct PerRequestOperation<S, F, C, L, P, E> {
+pub struct PerRequestOperation<S, F, C = DefaultClassifier, L = Limit, P = (), E = ()> {
     inner: S,
     choosing: Arc<Choosing<F, C, L, P>>,
     _end: PhantomData<fn() -> E>,
@@ -168,7 +170,10 @@ impl<F, C: Clone, L: Acquire + Clone, P: Clone> Choosing<F, C, L, P> {
     }
 }
 
-impl<S, F, C, L, P, E, Request> Service<Request> for PerRequestOperation<S, F, C, L, P, E>
+/// An unlimited request's answer in the body-end form: a body no operation measures.
+type Unmetered<B, L> = fn(http::Response<B>) -> http::Response<OperationBody<B, L>>;
+
+impl<S, F, C, L, P, Request> Service<Request> for PerRequestOperation<S, F, C, L, P>
 where
     S: Service<Request> + Clone,
     F: ChooseOperation<Request>,
@@ -176,30 +181,87 @@ where
     L: Acquire + Clone + Send + Sync + 'static,
     L::Permit: Send + 'static,
     P: Protocol<Request, S::Response, S::Error> + Clone,
-    E: End<S::Response, S::Error, C, L>,
 {
-    type Response = E::Response;
+    type Response = S::Response;
     type Error = S::Error;
-    type Future = PerRequestFuture<
-        Oneshot<ResourcesOperation<S, C, L, P, E>, Request>,
-        Oneshot<S, Request>,
-        E,
-        C,
-        L,
-    >;
+    type Future = Oneshot<Either<ResourcesOperation<S, C, L, P>, S>, Request>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        let choosing = &*self.choosing;
-        if choosing.announced.get().is_none() {
-            // The first request: the series of every known choice report from now on.
-            choosing.announce();
-        }
+        self.announce_now();
         Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request) -> Self::Future {
+        let service = match self.limited(&request) {
+            Some(config) => {
+                Either::Left(ResourcesOperation::from_config(self.inner.clone(), config))
+            }
+            None => Either::Right(self.inner.clone()),
+        };
+        Oneshot::new(service, request)
+    }
+}
+
+impl<S, F, C, L, P, B, Request> Service<Request> for PerRequestOperation<S, F, C, L, P, AtBodyEnd>
+where
+    S: Service<Request, Response = http::Response<B>> + Clone,
+    B: Body,
+    F: ChooseOperation<Request>,
+    C: ClassifyOutcome<S::Response, S::Error> + Clone,
+    L: Acquire + Clone + Send + Sync + 'static,
+    L::Permit: Send + 'static,
+    P: Protocol<Request, S::Response, S::Error> + Clone,
+{
+    type Response = http::Response<OperationBody<B, L>>;
+    type Error = S::Error;
+    type Future = Oneshot<
+        Either<ResourcesOperation<S, C, L, P, AtBodyEnd>, MapResponse<S, Unmetered<B, L>>>,
+        Request,
+    >;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.announce_now();
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let service = match self.limited(&request) {
+            Some(config) => {
+                Either::Left(ResourcesOperation::from_config(self.inner.clone(), config))
+            }
+            None => {
+                let unmetered: Unmetered<B, L> =
+                    |response| response.map(OperationBody::unmetered_body);
+                Either::Right(MapResponse::new(self.inner.clone(), unmetered))
+            }
+        };
+        Oneshot::new(service, request)
+    }
+}
+
+impl<S, F, C, L, P, E> PerRequestOperation<S, F, C, L, P, E>
+where
+    C: Clone,
+    L: Acquire + Clone,
+    P: Clone,
+{
+    /// The first request: the series of every known choice report from now on.
+    fn announce_now(&self)
+    where
+        F: KnownChoices,
+    {
+        if self.choosing.announced.get().is_none() {
+            self.choosing.announce();
+        }
+    }
+
+    /// The configuration of `request`'s operation, or `None` if it is not limited.
+    fn limited<Request>(&self, request: &Request) -> Option<Arc<Config<C, L, P>>>
+    where
+        F: ChooseOperation<Request>,
+    {
         let choosing = &*self.choosing;
-        let choice = guarded(|| choosing.chooser.choose(&request)).unwrap_or(Choice::OTHER);
+        let choice = guarded(|| choosing.chooser.choose(request)).unwrap_or(Choice::OTHER);
         match choice {
             Choice::Limited {
                 operation,
@@ -207,13 +269,9 @@ where
                 limit,
             } => {
                 let slot = choosing.slot(limit);
-                let config = Arc::clone(choosing.config(slot, operation, executor));
-                let service = ResourcesOperation::from_config(self.inner.clone(), config);
-                PerRequestFuture::limited(Oneshot::new(service, request))
+                Some(Arc::clone(choosing.config(slot, operation, executor)))
             }
-            Choice::Unlimited => {
-                PerRequestFuture::unlimited(Oneshot::new(self.inner.clone(), request))
-            }
+            Choice::Unlimited => None,
         }
     }
 }

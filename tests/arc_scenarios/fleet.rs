@@ -1,17 +1,16 @@
 //! A fleet of replicas on one limit, decided as `tower-resources-operation-redis` decides an
-//! adaptive fleet limit, with the store in memory, and built only from the core's public pieces
-//! (`adaptive::{Tally, Counts, News, Adaptive}`): this is how a fleet uses them.
+//! adaptive fleet limit, with the store in memory, and built only from the core's public seam
+//! for windows kept outside the process (`adaptive::{Window, Adaptive}`).
 //!
-//! - Each replica adds its operations' ends to a [`Tally`] of its own, with the [`News`] rule's
-//!   verdict on marks that are the fleet's window numbers: an operation is marked with the window
-//!   its replica knew when it was admitted, a decrease with the window it was decided in.
+//! - Each replica records its operations' ends in a [`Window`] of its own, own and news on
+//!   marks that are the fleet's window numbers: an operation is marked with the window its
+//!   replica knew when it was admitted, a decrease with the window it was decided in.
 //! - Every tick (50 ms, or at once at the first sign of congestion that is news), a replica takes
-//!   its tally's [`Counts`] and adds them to the fleet's window in the store (plain numbers;
-//!   [`Counts::into_next_window`] if the window changed since), which also samples the fleet's
-//!   load (its places held).
+//!   its window and adds it to the fleet's window in the store ([`Window::into_next`] if the
+//!   window changed since), which also samples the fleet's load (its places held).
 //! - The leader (replica 0 here; a lease in Redis) takes the window once it is due (the same
 //!   rule as a `Limit`'s, on the store's clock), turns the sum into the [`Sample`] its algorithm
-//!   reads ([`Counts::sample`], with the fleet's own load and the window's length), sets the one
+//!   reads ([`Window::sample`], with the fleet's own load and the window's length), sets the one
 //!   limit's capacity, and tells every replica the new window's number and, if it lowered the
 //!   capacity, the window of the decrease.
 
@@ -22,9 +21,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tower_resources_operation::adaptive::{
-    is_congestion, Adaptive, Algorithm, Counted, Counts, News, Sample, Tally, Windows,
-};
+use tower_resources_operation::adaptive::{Adaptive, Algorithm, Sample, Window};
 use tower_resources_operation::limit::Ended;
 use tower_resources_operation::Limit;
 
@@ -36,8 +33,9 @@ const TICK: Duration = Duration::from_millis(50);
 /// One replica: its tally, and what it knows of the fleet's windows.
 #[derive(Debug)]
 struct Replica {
-    tally: Tally,
-    news: News,
+    tally: Mutex<Window>,
+    /// The window in which the capacity was last lowered (0 for none).
+    decreased: AtomicU64,
     /// The fleet's window, as this replica last heard.
     epoch: AtomicU64,
     doorbell: Notify,
@@ -48,7 +46,7 @@ struct Replica {
 struct Store {
     epoch: u64,
     opened: Instant,
-    counts: Counts,
+    counts: Window,
     /// The fleet's places held, sampled at each tick: how many samples, their sum, the most.
     samples: u64,
     active_sum: u64,
@@ -84,8 +82,8 @@ impl Fleet {
             limit,
             replicas: (0..REPLICAS)
                 .map(|_| Replica {
-                    tally: Tally::new(),
-                    news: News::new(),
+                    tally: Mutex::default(),
+                    decreased: AtomicU64::new(0),
                     epoch: AtomicU64::new(1),
                     doorbell: Notify::new(),
                 })
@@ -93,7 +91,7 @@ impl Fleet {
             store: Mutex::new(Store {
                 epoch: 1,
                 opened: Instant::now(),
-                counts: Counts::default(),
+                counts: Window::new(),
                 samples: 0,
                 active_sum: 0,
                 peak: 0,
@@ -119,15 +117,13 @@ impl Fleet {
     pub fn ended(&self, admitted: Admitted, ended: &Ended) {
         self.holders.fetch_sub(1, Relaxed);
         let replica = &self.replicas[admitted.replica];
-        let news = replica.news.is_news(admitted.epoch);
-        let counted = Counted {
-            own: admitted.epoch == replica.epoch.load(Relaxed),
-            news,
-            // The fleet's load is sampled in the store, not seen by one replica's ends.
-            in_flight: 0,
+        let news = admitted.epoch > replica.decreased.load(Relaxed);
+        let own = admitted.epoch == replica.epoch.load(Relaxed);
+        let first = {
+            let mut tally = replica.tally.lock().unwrap();
+            tally.record(ended, own, news) && tally.congested() == 1
         };
-        let running = replica.tally.add(ended, counted);
-        if news && is_congestion(ended.outcome()) && running.congested == 1 {
+        if first {
             // The first sign of congestion since this replica's last tick: tick now.
             replica.doorbell.notify_one();
         }
@@ -156,13 +152,13 @@ impl Fleet {
     fn tick(&self, index: usize) {
         let replica = &self.replicas[index];
         let seen = replica.epoch.load(Relaxed);
-        let counts = replica.tally.take();
+        let counts = std::mem::take(&mut *replica.tally.lock().unwrap());
         let now = Instant::now();
         let capacity = self.limit.capacity();
         let mut store = self.store.lock().unwrap();
         let counts = match seen == store.epoch {
             true => counts,
-            false => counts.into_next_window(),
+            false => counts.into_next(),
         };
         store.counts += counts;
         let active = self.holders.load(Relaxed) as u64;
@@ -196,7 +192,7 @@ impl Fleet {
         // Published: every replica hears it at once.
         for replica in &self.replicas {
             if next < capacity {
-                replica.news.decreased(decided);
+                replica.decreased.fetch_max(decided, Relaxed);
             }
             replica.epoch.store(store.epoch, Relaxed);
         }
@@ -212,13 +208,12 @@ impl Fleet {
         let floor = (TICK * 2).max(Duration::from_millis(100));
         let tolerated = self.adaptive.tolerated_share() * capacity as f64;
         let capacity = capacity as u64;
-        debug_assert!(matches!(self.adaptive.windows(), Windows::RoundTrip { .. }));
-        counts.congested as f64 > tolerated.floor()
-            || (age >= floor && counts.ended >= capacity)
+        counts.congested() as f64 > tolerated.floor()
+            || (age >= floor && counts.ended() >= capacity)
             || store.round_trip.is_some_and(|round_trip| {
-                age >= floor.max(round_trip * 2) && counts.ended * 2 >= capacity
+                age >= floor.max(round_trip * 2) && counts.ended() * 2 >= capacity
             })
-            || (age >= self.adaptive.interval() && counts.ended >= 1)
+            || (age >= self.adaptive.interval() && counts.ended() >= 1)
     }
 
     /// The leader's algorithm's next capacity, within the bounds.

@@ -23,14 +23,14 @@ use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::{Layer, Service};
 
-use tower_resources_operation::classify::GrpcClassifier;
-use tower_resources_operation::protocol::Grpc;
-use tower_resources_operation::{Limit, ResourcesOperationLayer};
+use tower_resources_operation::classify::HttpClassifier;
+use tower_resources_operation::protocol::Http;
+use tower_resources_operation::{HttpLayer, Limit, ResourcesOperationLayer};
 
 use super::{within, Load, Telemetry, DEADLINE};
 
 /// The gRPC layer of `new_for_grpc` on a [`Limit`].
-pub type GrpcLayer = ResourcesOperationLayer<GrpcClassifier, Limit, Grpc>;
+pub type GrpcLayer = HttpLayer;
 
 /// [`GrpcLayer`] on `limit`, recording to `telemetry`.
 pub fn grpc_layer(telemetry: &Telemetry, limit: &Limit) -> GrpcLayer {
@@ -262,10 +262,10 @@ pub async fn serve(layer: impl PerService) -> Served {
 /// told so (`server_timeout`), which counts such a drop as `timeout`.
 pub async fn serve_timing_out<E>(
     timeout: Duration,
-    layer: ResourcesOperationLayer<GrpcClassifier, Limit, Grpc, E>,
+    layer: ResourcesOperationLayer<HttpClassifier, Limit, Http, E>,
 ) -> Served
 where
-    ResourcesOperationLayer<GrpcClassifier, Limit, Grpc, E>: PerService,
+    ResourcesOperationLayer<HttpClassifier, Limit, Http, E>: PerService,
 {
     let server = Server::builder().timeout(timeout);
     layer.server_timeout(timeout).serve_on(server).await

@@ -24,10 +24,10 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tower::{service_fn, BoxError, Service, ServiceExt as _};
-use tower_resources_operation::metrics::ABANDONED_INSTRUMENT;
-use tower_resources_operation::{
-    set_outcome, Limit, Outcome, ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE, QUEUED_INSTRUMENT,
 };
+use tower_resources_operation::{set_outcome, Limit, Outcome};
 
 mod telemetry;
 
@@ -184,7 +184,7 @@ pub fn take(limit: &Limit) -> tower_resources_operation::limit::LimitPermit {
 /// The rejection inside a generic layer's `BoxError`.
 pub fn rejection_of(error: &tower::BoxError) -> tower_resources_operation::Rejection {
     error
-        .downcast_ref::<tower_resources_operation::protocol::Rejected>()
+        .downcast_ref::<tower_resources_operation::Rejected>()
         .unwrap_or_else(|| panic!("not a rejection: {error}"))
         .rejection()
 }

@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
-use tower_resources_operation::metrics::METER_NAME;
+use tower_resources_operation::names::METER_NAME;
 use tower_resources_operation::OperationMetrics;
 
 /// The crate's labels as Prometheus has them: the attribute keys with dots as underscores.

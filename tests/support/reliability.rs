@@ -29,17 +29,16 @@ use tower::util::BoxService;
 use tower::{service_fn, Layer, Service, ServiceExt as _};
 
 use tower_resources_operation::classify::TimeoutClassifier;
-use tower_resources_operation::layer::AtBodyEnd;
 use tower_resources_operation::limit::Capacity;
-use tower_resources_operation::limit::{AcquireError, IntoLimit};
-use tower_resources_operation::metrics::{
-    ABANDONED_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+use tower_resources_operation::names::{
+    ABANDONED_INSTRUMENT, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
+    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{
-    set_outcome, Acquire, Executor, Limit, Operation, OperationMetrics, Outcome, Rejected,
-    Rejection, ResourcesOperationLayer, ACTIVE_INSTRUMENT, DURATION_INSTRUMENT, EXECUTOR_ATTRIBUTE,
-    OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUED_INSTRUMENT, QUEUE_DURATION_INSTRUMENT,
+    set_outcome, Acquire, AtBodyEnd, Executor, IntoLimit, Limit, Operation, OperationMetrics,
+    Outcome, Rejected, Rejection, ResourcesOperationLayer,
 };
 
 use super::{self as support, Telemetry};
@@ -103,7 +102,7 @@ pub struct Books {
     /// `gym.resources.operation.rejected` per series and reason: one per operation turned away.
     pub rejected: BTreeMap<(Series, Rejection), u64>,
     /// `gym.resources.operation.abandoned` per series: one per operation given up while it
-    /// waited, or whose limit failed under it.
+    /// waited, or after it got its permit but before it was called.
     pub abandoned: BTreeMap<Series, u64>,
 }
 
@@ -448,19 +447,17 @@ impl Pool {
 impl Acquire for Pool {
     type Permit = PoolPermit;
 
-    fn acquire(&self) -> impl Future<Output = Result<PoolPermit, AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<PoolPermit, Rejected>> + Send {
         let pool = Arc::clone(&self.0);
         async move {
             let place = Arc::clone(&pool.places)
                 .acquire_owned()
                 .await
-                .map_err(|_| AcquireError::closed())?;
+                .map_err(|_| Rejected::closed())?;
             let resource = pool.free.lock().unwrap().pop();
             let Some(resource) = resource else {
                 pool.violations.fetch_add(1, Ordering::SeqCst);
-                return Err(AcquireError::failed(
-                    "a place of the pool without a resource",
-                ));
+                return Err(Rejected::failed("a place of the pool without a resource"));
             };
             if pool.lent[resource].swap(true, Ordering::SeqCst) {
                 pool.violations.fetch_add(1, Ordering::SeqCst);
@@ -1139,9 +1136,10 @@ pub async fn run(op: Op, route: Route, load: Arc<Load>) -> Ran {
             let mut service = layer_over(make, inner(Some(Arc::clone(&load))), &admitted);
             service.ready().await.unwrap();
             if admitted_at(&admitted).is_some() {
+                // Its caller went away before it called: its work never began.
                 pause(after).await;
                 drop(service);
-                Fate::Ended(Outcome::Cancelled)
+                Fate::Abandoned
             } else {
                 // Turned away: `call` answers the rejection without the inner service.
                 rejected(&service.call(work(Then::Ok)).await.unwrap_err())
@@ -1149,8 +1147,9 @@ pub async fn run(op: Op, route: Route, load: Arc<Load>) -> Ran {
         }
     };
     Ran {
+        // An abandoned operation has no admission in the books, whenever it got its permit.
+        admitted: admitted_at(&admitted).filter(|_| fate != Fate::Abandoned),
         fate,
-        admitted: admitted_at(&admitted),
     }
 }
 

@@ -22,12 +22,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tower::{service_fn, Layer as _, ServiceExt as _};
-use tower_resources_operation::metrics::{
-    LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT, LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT,
+use tower_resources_operation::names::{
+    ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT, LIMIT_ESTIMATE_INSTRUMENT,
+    LIMIT_INSTRUMENT, OPERATION_ATTRIBUTE,
 };
 use tower_resources_operation::{
     Acquire, Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
-    ACTIVE_INSTRUMENT, OPERATION_ATTRIBUTE,
 };
 
 use super::Telemetry;

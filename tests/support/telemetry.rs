@@ -263,13 +263,16 @@ impl Telemetry {
 
     /// Count of operations per outcome, over the duration points matching `filter`.
     pub fn outcomes(&self, filter: &[(&str, &str)]) -> BTreeMap<String, u64> {
-        self.points(tower_resources_operation::DURATION_INSTRUMENT, filter)
-            .into_iter()
-            .map(|p| {
-                let outcome = &p.attributes[tower_resources_operation::OUTCOME_ATTRIBUTE];
-                (outcome.clone(), p.count)
-            })
-            .collect()
+        self.points(
+            tower_resources_operation::names::DURATION_INSTRUMENT,
+            filter,
+        )
+        .into_iter()
+        .map(|p| {
+            let outcome = &p.attributes[tower_resources_operation::names::OUTCOME_ATTRIBUTE];
+            (outcome.clone(), p.count)
+        })
+        .collect()
     }
 
     /// How many operations of the series matching `filter` ended with `outcome`.

@@ -98,7 +98,7 @@ fn install() -> Traces {
         .with_batch_exporter(exporter)
         .build();
     let filter = Targets::new()
-        .with_target(tower_resources_operation::trace::TARGET, Level::DEBUG)
+        .with_target(tower_resources_operation::names::TARGET, Level::DEBUG)
         .with_target("tower_http", Level::DEBUG)
         .with_default(Level::INFO);
     let subscriber = tracing_subscriber::registry()

@@ -24,11 +24,10 @@ use opentelemetry_sdk::metrics::{
     InMemoryMetricExporter, InMemoryMetricExporterBuilder, PeriodicReader, SdkMeterProvider,
 };
 use tower::{service_fn, Layer as _, ServiceExt as _};
-use tower_resources_operation::metrics::{LIMIT_INSTRUMENT, REJECTED_INSTRUMENT};
-use tower_resources_operation::{
-    Executor, Operation, OperationMetrics, ResourcesOperationLayer, DURATION_INSTRUMENT,
-    QUEUE_DURATION_INSTRUMENT,
+use tower_resources_operation::names::{
+    DURATION_INSTRUMENT, LIMIT_INSTRUMENT, QUEUE_DURATION_INSTRUMENT, REJECTED_INSTRUMENT,
 };
+use tower_resources_operation::{Executor, Operation, OperationMetrics, ResourcesOperationLayer};
 use tower_resources_operation_redis::metrics::FAILED_OPEN_INSTRUMENT;
 use tower_resources_operation_redis::RedisLimit;
 

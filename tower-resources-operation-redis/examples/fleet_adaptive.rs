@@ -44,13 +44,12 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tower::{service_fn, Layer as _, ServiceExt as _};
 use tower_resources_operation::adaptive::{Adaptive, Vegas};
-use tower_resources_operation::metrics::{
-    LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT, LIMIT_ESTIMATE_INSTRUMENT,
-    LIMIT_INSTRUMENT, REJECTED_INSTRUMENT,
+use tower_resources_operation::names::{
+    DURATION_INSTRUMENT, LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT,
+    LIMIT_ESTIMATE_INSTRUMENT, LIMIT_INSTRUMENT, OUTCOME_ATTRIBUTE, REJECTED_INSTRUMENT,
 };
 use tower_resources_operation::{
     Executor, Operation, OperationMetrics, Outcome, Rejected, ResourcesOperationLayer,
-    DURATION_INSTRUMENT, OUTCOME_ATTRIBUTE,
 };
 use tower_resources_operation_redis::RedisLimit;
 

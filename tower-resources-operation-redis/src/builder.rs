@@ -7,7 +7,7 @@ use std::time::Duration;
 use opentelemetry::metrics::Meter;
 use tokio::sync::mpsc::unbounded_channel;
 use tower_resources_operation::adaptive::Adaptive;
-use tower_resources_operation::limit::{check_name, Capacity};
+use tower_resources_operation::limit::Capacity;
 
 use crate::error::Error;
 use crate::fleet::background::Background;
@@ -99,7 +99,8 @@ pub struct RedisLimitBuilder {
 impl RedisLimitBuilder {
     #[track_caller]
     fn new(name: Cow<'static, str>, capacity: usize) -> Self {
-        if let Err(error) = check_name(&name) {
+        // The name becomes a metric attribute: refused here, as the core refuses a `Limit`'s.
+        if let Err(error) = Capacity::of_limit(Some(&name), || None) {
             panic!("{error}");
         }
         assert!(
@@ -395,7 +396,8 @@ impl RedisLimitBuilder {
             let handle = handle.clone();
             let gauge = Capacity::of_limit(Some(&name), move || {
                 handle.upgrade().map(|handle| handle.member.reading())
-            });
+            })
+            .expect("the name was checked when the builder was made");
             Handle::new(Arc::clone(&member), releases, gauge)
         });
         let background = Background::new(member, released, heard);

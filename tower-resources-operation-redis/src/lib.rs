@@ -411,6 +411,7 @@ mod error;
 mod fleet;
 mod guard;
 mod limit;
+mod log;
 pub mod metrics;
 mod redis_store;
 
@@ -422,7 +423,7 @@ pub use limit::{Fleet, RedisLimit, RedisPermit};
 pub use redis_store::Address;
 
 #[cfg(doc)]
-use tower_resources_operation::adaptive::{Algorithm, Handover, Sample};
+use tower_resources_operation::adaptive::{Algorithm, Sample};
 #[cfg(doc)]
 use tower_resources_operation::{Acquire, Rejection};
 

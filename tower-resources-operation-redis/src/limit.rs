@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
-use tower_resources_operation::limit::{Acquire, AcquireError, Capacity, Ended, LimitId};
+use tower_resources_operation::limit::{Capacity, Ended, LimitId};
+use tower_resources_operation::{Acquire, Rejected};
 
 use crate::error::Error;
 use crate::fleet::member::{Handle, Unreachable};
@@ -43,7 +44,7 @@ impl RedisLimit {
     /// future that holds the `redis` crate's is boxed at some level: see the transport).
     fn wait_for_place(
         handle: Arc<Handle<RedisStore>>,
-    ) -> Pin<Box<dyn Future<Output = Result<RedisPermit, AcquireError>> + Send>> {
+    ) -> Pin<Box<dyn Future<Output = Result<RedisPermit, Rejected>> + Send>> {
         Box::pin(async move { acquire(handle).await.map(|place| RedisPermit { place }) })
     }
 
@@ -257,11 +258,11 @@ impl fmt::Debug for RedisPermit {
 impl Acquire for RedisLimit {
     type Permit = RedisPermit;
 
-    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+    fn acquire(&self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send {
         Self::wait_for_place(Arc::clone(&self.handle))
     }
 
-    fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, AcquireError>> + Send {
+    fn acquire_owned(self) -> impl Future<Output = Result<Self::Permit, Rejected>> + Send {
         Self::wait_for_place(self.handle)
     }
 

@@ -45,7 +45,7 @@ pub const FAILED_OPEN_INSTRUMENT: &str = "gym.resources.limit.failed_open";
 pub const LEASES_LOST_INSTRUMENT: &str = "gym.resources.limit.leases_lost";
 
 /// Attribute key of a limit's name (`tower-resources-operation`'s, re-exported).
-pub use tower_resources_operation::metrics::LIMIT_ATTRIBUTE;
+pub use tower_resources_operation::names::LIMIT_ATTRIBUTE;
 
 /// Registers the limit's instruments on `meter`.
 pub(crate) fn register(meter: &Meter, handle: &Arc<Handle<RedisStore>>) {

@@ -51,7 +51,7 @@ use support::Telemetry;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tower_resources_operation::adaptive::{Adaptive, Aimd, Gradient, Vegas};
-use tower_resources_operation::metrics::{
+use tower_resources_operation::names::{
     LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT,
     LIMIT_ESTIMATE_INSTRUMENT,
 };

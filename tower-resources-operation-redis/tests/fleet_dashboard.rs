@@ -25,7 +25,7 @@ use support::redis_server::{find_on_path, RedisServer};
 use support::replicas::{
     commands, get, replica_or, say, this_test, within_thread, Replica, Settings,
 };
-use tower_resources_operation::metrics::METER_NAME;
+use tower_resources_operation::names::METER_NAME;
 use tower_resources_operation::{Executor, Operation, OperationMetrics};
 use tower_resources_operation_redis::RedisLimit;
 

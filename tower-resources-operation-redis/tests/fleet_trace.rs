@@ -20,13 +20,11 @@ use tracing_core::span::Current;
 
 use support::redis_server::RedisServer;
 use support::{within, Telemetry};
-use tower_resources_operation::metrics::{LIMIT_ATTRIBUTE, REJECTION_ATTRIBUTE};
-use tower_resources_operation::trace::{
-    QUEUE_DURATION_ATTRIBUTE, RUN_SPAN, WAIT_ATTRIBUTE, WAIT_SPAN,
+use tower_resources_operation::names::{
+    LIMIT_ATTRIBUTE, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE, QUEUE_DURATION_ATTRIBUTE,
+    REJECTION_ATTRIBUTE, RUN_SPAN, WAIT_ATTRIBUTE, WAIT_SPAN,
 };
-use tower_resources_operation::{
-    Acquire, Executor, Operation, Rejection, OPERATION_ATTRIBUTE, OUTCOME_ATTRIBUTE,
-};
+use tower_resources_operation::{Acquire, Executor, Operation, Rejection};
 use tower_resources_operation_redis::RedisLimit;
 
 /// A span as the subscriber saw it.

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use support::redis_server::RedisServer;
 use support::{within, Data, Telemetry};
-use tower_resources_operation::metrics::LIMIT_ATTRIBUTE;
+use tower_resources_operation::names::LIMIT_ATTRIBUTE;
 use tower_resources_operation::{Acquire, Rejection};
 use tower_resources_operation_redis::metrics::{FAILED_OPEN_INSTRUMENT, LEASES_LOST_INSTRUMENT};
 use tower_resources_operation_redis::{Error, ErrorKind, RedisLimit, RedisLimitBuilder};

@@ -19,8 +19,10 @@ use std::time::{Duration, Instant};
 use support::redis_server::RedisServer;
 use support::replicas::{replica_or, say, this_test, within_thread, Replica};
 use support::{live, Telemetry};
-use tower_resources_operation::metrics::{REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE};
-use tower_resources_operation::{Acquire, Executor, Operation, Rejection, DURATION_INSTRUMENT};
+use tower_resources_operation::names::{
+    DURATION_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+};
+use tower_resources_operation::{Acquire, Executor, Operation, Rejection};
 use tower_resources_operation_redis::{RedisLimit, Unreachable};
 
 /// The limit every replica names.

@@ -20,13 +20,13 @@ use tower::{service_fn, BoxError, Layer as _, ServiceExt as _};
 
 use support::redis_server::RedisServer;
 use support::{live, within, Telemetry};
-use tower_resources_operation::metrics::{
-    LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_CAPACITY_INSTRUMENT, LIMIT_INSTRUMENT,
-    REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
+use tower_resources_operation::names::{
+    DURATION_INSTRUMENT, LIMIT_ACTIVE_INSTRUMENT, LIMIT_ATTRIBUTE, LIMIT_CAPACITY_INSTRUMENT,
+    LIMIT_INSTRUMENT, REJECTED_INSTRUMENT, REJECTION_ATTRIBUTE,
 };
 use tower_resources_operation::protocol::RejectAsError;
 use tower_resources_operation::{
-    Acquire, Executor, Operation, Rejected, Rejection, ResourcesOperationLayer, DURATION_INSTRUMENT,
+    Acquire, Executor, Operation, Rejected, Rejection, ResourcesOperationLayer,
 };
 use tower_resources_operation_redis::metrics::{FAILED_OPEN_INSTRUMENT, LEASES_LOST_INSTRUMENT};
 use tower_resources_operation_redis::{RedisLimit, RedisLimitBuilder, RedisPermit};
@@ -373,14 +373,17 @@ async fn the_queue_bound_and_the_queue_timeout_are_answered_as_the_local_limits_
     // With room in the queue, a queue timeout turns the wait away, and its ticket goes back.
     waiting.abort();
     until_queued(&replica_a, 0).await;
-    let timed = replica_b.clone().queue_timeout(Duration::from_millis(200));
-    let answer = within(
-        "a queue timeout",
-        t.metrics
-            .resources_operation(&timed, Operation::Judge, Executor::Inline, async {}),
-    )
-    .await;
-    assert_eq!(answer, Err(Rejected::new(Rejection::QueueTimeout)));
+    let timed = ResourcesOperationLayer::new(replica_b.clone())
+        .operation(Operation::Judge)
+        .metrics(t.metrics.clone())
+        .protocol(RejectAsError)
+        .queue_timeout(Duration::from_millis(200))
+        .layer(service_fn(|()| async { Ok::<_, BoxError>(()) }));
+    let error = within("a queue timeout", timed.oneshot(()))
+        .await
+        .unwrap_err();
+    let rejected = error.downcast_ref::<Rejected>().expect("a Rejected");
+    assert_eq!(rejected.rejection(), Rejection::QueueTimeout);
     until_queued(&replica_a, 0).await;
 
     assert_eq!(

@@ -50,12 +50,12 @@ fn stream_of_callers(
         let turned_away = Arc::new(AtomicUsize::new(0));
         let mut callers = Vec::new();
         while !stop.load(Ordering::Relaxed) {
-            let limit = limit.clone().queue_timeout(patience);
+            let limit = limit.clone();
             let (admitted, turned_away) = (Arc::clone(&admitted), Arc::clone(&turned_away));
             callers.push(tokio::spawn(async move {
-                match limit.acquire().await {
-                    Ok(_) => admitted.fetch_add(1, Ordering::Relaxed),
-                    Err(_) => turned_away.fetch_add(1, Ordering::Relaxed),
+                match tokio::time::timeout(patience, limit.acquire()).await {
+                    Ok(Ok(_)) => admitted.fetch_add(1, Ordering::Relaxed),
+                    Ok(Err(_)) | Err(_) => turned_away.fetch_add(1, Ordering::Relaxed),
                 };
             }));
             tokio::time::sleep(every).await;

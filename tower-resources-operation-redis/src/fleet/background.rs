@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
-use tower_resources_operation::adaptive::{Algorithm, Handover};
+use tower_resources_operation::adaptive::Algorithm;
 
 use super::books::lock;
 use super::control::{micros, Known};
@@ -240,7 +240,7 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
     let mut handed_over: Option<(usize, Instant)> = None;
     // What the last leader's algorithm measured, as a tick answered it to this process while
     // it had no algorithm: what its own starts from.
-    let mut handed = Vec::new();
+    let mut handed = String::new();
     loop {
         let _ = tokio::time::timeout(settings.tick, control.doorbell.notified()).await;
         if member.health.is_down() {
@@ -283,14 +283,9 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
             // window 2): by a leader that is gone. Its successor starts from the capacity and
             // from what it measured.
             if ticked.known.epoch > 2 {
-                let mut handover = Handover::new(ticked.capacity);
-                handover.baselines = std::mem::take(&mut handed);
-                handover.estimate = ticked.known.estimate_us.map(Duration::from_micros);
-                let _ = guarded(|| algorithm.resume(&handover));
-                handed_over = Some((
-                    handover.capacity,
-                    Instant::now() + member.settings.lease_ttl,
-                ));
+                let handover = std::mem::take(&mut handed);
+                let _ = guarded(|| algorithm.resume(ticked.capacity, &handover));
+                handed_over = Some((ticked.capacity, Instant::now() + member.settings.lease_ttl));
             }
             algorithm
         });
@@ -309,11 +304,11 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
             Some(_) => handed_over = None,
             None => {}
         }
-        let (baseline, estimate, baselines) = guarded(|| {
+        let (baseline, estimate, handover) = guarded(|| {
             (
                 algorithm.baseline(),
                 algorithm.estimate(),
-                algorithm.baselines(),
+                algorithm.handover(),
             )
         })
         .unwrap_or_default();
@@ -337,7 +332,7 @@ async fn decide<S: Store>(member: Arc<Member<S>>) {
             window: ticked.known.epoch,
             capacity: next,
             known,
-            baselines: &baselines,
+            handover: &handover,
         };
         if let Ok(Some(capacity)) = member.store.decide(&decision).await {
             member.capacity.store(capacity, Relaxed);

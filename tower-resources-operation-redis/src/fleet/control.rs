@@ -1,9 +1,9 @@
-//! An adaptive fleet limit's controller in one process ([`FleetControl`]), made of the core's
-//! pieces: each end goes to a [`Tally`] (relaxed atomics, nothing that reaches the store), with
-//! the [`News`] rule's verdict on marks that are the fleet's window numbers. The background
-//! task flushes the tally's [`Counts`] to the store every tick and, in the one process that
+//! An adaptive fleet limit's controller in one process ([`FleetControl`]), on the core's seam for
+//! windows kept outside the process: each end goes to this process's [`Window`] (nothing that
+//! reaches the store), judged own or news on marks that are the fleet's window numbers. The
+//! background task flushes the window to the store every tick and, in the one process that
 //! holds the leader's lease, turns the fleet's window into the [`Sample`] the core's algorithm
-//! reads ([`Counts::sample`]), as a `Limit`'s controller does in one process.
+//! reads ([`Window::sample`]), as a `Limit`'s controller does in one process.
 
 use std::fmt;
 use std::ops::RangeInclusive;
@@ -12,9 +12,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tower_resources_operation::adaptive::{
-    is_congestion, Adaptive, Counted, Counts, News, Sample, SeriesBaseline, Tally,
-};
+use tower_resources_operation::adaptive::{Adaptive, Sample, Window};
 use tower_resources_operation::limit::Ended;
 
 use super::books::{lock, next_id};
@@ -38,14 +36,16 @@ pub(crate) struct FleetControl {
     /// How long the leader's lease lasts without a tick that extends it.
     pub(crate) leader_ttl: Duration,
     /// This process's ends since its last tick.
-    pub(crate) tally: Tally,
-    /// Marks are the fleet's window numbers: an operation's, the window this process knew as
-    /// it was admitted; a decrease's, the window it was decided in.
-    news: News,
+    pub(crate) tally: Mutex<Window>,
+    /// The fleet's window in which the capacity was last lowered (0 for none): an operation
+    /// admitted in it or before it was admitted before the decrease, so its failure is not
+    /// news (marks are the fleet's window numbers: an operation's, the window this process knew
+    /// as it was admitted).
+    decreased: AtomicU64,
     /// What the tally had counted when this process heard of a decrease, for its next tick:
     /// each end in it was judged against an older mark, and was admitted before the decrease
     /// (this process had not yet heard of the window after it), so its failures are stale.
-    carried: Mutex<Counts>,
+    carried: Mutex<Window>,
     /// The fleet's window, as this process last heard (0 before it heard any).
     epoch: AtomicU64,
     /// The fleet's baseline and estimate, in µs (`NONE`).
@@ -70,8 +70,8 @@ impl FleetControl {
             settings,
             id: next_id(),
             leader_ttl,
-            tally: Tally::new(),
-            news: News::new(),
+            tally: Mutex::default(),
+            decreased: AtomicU64::new(0),
             carried: Mutex::default(),
             epoch: AtomicU64::new(0),
             baseline_us: AtomicU64::new(NONE),
@@ -114,15 +114,13 @@ impl FleetControl {
     /// the first sign of congestion that is news since the last tick.
     #[inline]
     pub(crate) fn ended(&self, admitted: u64, ended: &Ended) {
-        let news = self.news.is_news(admitted);
-        let counted = Counted {
-            own: admitted == self.epoch(),
-            news,
-            // The fleet's load is sampled in the store, not seen by one process's ends.
-            in_flight: 0,
+        let news = admitted > self.decreased.load(Relaxed);
+        let own = admitted == self.epoch();
+        let first = {
+            let mut tally = lock(&self.tally);
+            tally.record(ended, own, news) && tally.congested() == 1
         };
-        let running = self.tally.add(ended, counted);
-        if news && is_congestion(ended.outcome()) && running.congested == 1 {
+        if first {
             self.doorbell.notify_one();
         }
     }
@@ -132,12 +130,12 @@ impl FleetControl {
     /// later one counts their failures as stale (see [`Tick::judged`]).
     ///
     /// [`Tick::judged`]: super::store::Tick::judged
-    pub(crate) fn take_counts(&self) -> (Counts, u64) {
+    pub(crate) fn take_counts(&self) -> (Window, u64) {
         // The mark first: a decrease heard between the two takes the tally into `carried`, and
         // what is counted after it was judged against a newer mark than this one (the store
         // then counts its failures as stale too, which errs toward no decrease).
-        let judged = self.news.last_decrease().unwrap_or(0);
-        let mut counts = self.tally.take();
+        let judged = self.decreased.load(Relaxed);
+        let mut counts = std::mem::take(&mut *lock(&self.tally));
         counts += std::mem::take(&mut *lock(&self.carried));
         (counts, judged)
     }
@@ -150,7 +148,7 @@ impl FleetControl {
 
     /// The limit turned an operation away (a full queue).
     pub(crate) fn rejected(&self) {
-        self.tally.rejected();
+        lock(&self.tally).reject();
     }
 
     /// What the store said of the fleet's window and its last decision.
@@ -158,16 +156,16 @@ impl FleetControl {
         self.epoch.store(known.epoch, Relaxed);
         // `decreased` is the first window after the decrease: it was decided in the one
         // before, and what was admitted in that one ran at the capacity it lowered.
-        if known.decreased > 0 && self.news.decreased(known.decreased - 1) {
+        let decrease = known.decreased.saturating_sub(1);
+        if known.decreased > 0 && self.decreased.fetch_max(decrease, Relaxed) < decrease {
             // Heard late (a decision is pushed, and a tick answers it): what was counted since
             // the last tick was judged against the decrease before, and each of its operations
             // was admitted in a window up to the one this decrease was decided in. Their
             // failures go as the decrease's stale ones; their own ends, to a window that has
             // closed. (An end judged just as this runs may still land in the next tally as
             // news: one end, in the time between two atomic operations.)
-            let judged = self.tally.take();
-            let mut carried = lock(&self.carried);
-            *carried += stale(judged).into_next_window();
+            let judged = std::mem::take(&mut *lock(&self.tally));
+            *lock(&self.carried) += judged.into_stale().into_next();
         }
         self.baseline_us
             .store(known.baseline_us.unwrap_or(NONE), Relaxed);
@@ -209,16 +207,19 @@ pub(crate) struct Ticked {
     pub(crate) known: Known,
     /// The window, if this process took it.
     pub(crate) taken: Option<Taken>,
-    /// What the last leader's algorithm measured, series by series: for a leader that has no
-    /// algorithm yet (it asked, [`Tick::starting`](super::store::Tick::starting)), else empty.
-    pub(crate) handed: Vec<SeriesBaseline>,
+    /// What the last leader's algorithm handed over ([`Algorithm::handover`]): for a leader
+    /// that has no algorithm yet (it asked, [`Tick::starting`](super::store::Tick::starting)),
+    /// else empty.
+    ///
+    /// [`Algorithm::handover`]: tower_resources_operation::adaptive::Algorithm::handover
+    pub(crate) handed: String,
 }
 
 /// A window the leader took.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Taken {
     /// The fleet's counts, every process's ticks added up.
-    pub(crate) counts: Counts,
+    pub(crate) counts: Window,
     /// The fleet's places held, sampled at each tick: how many samples, their sum, the most.
     pub(crate) samples: u64,
     pub(crate) active_sum: u64,
@@ -242,20 +243,8 @@ impl Taken {
     /// capacity. Such a window (a hand-over, or a stall while a dead process's places lapse)
     /// measured too little to grow on.
     pub(crate) fn is_thin(&self, capacity: usize) -> bool {
-        let ended: u64 = self
-            .counts
-            .series()
-            .map(|(_, _, series)| series.ended)
-            .sum();
-        ended.saturating_mul(2) < capacity as u64
+        self.counts.ends().saturating_mul(2) < capacity as u64
     }
-}
-
-/// `counts`, their signs of congestion all stale: judged news against a decrease before the
-/// last.
-pub(crate) fn stale(mut counts: Counts) -> Counts {
-    counts.stale += std::mem::take(&mut counts.congested);
-    counts
 }
 
 /// `duration` in whole microseconds, for the atomics and the store.
@@ -309,11 +298,17 @@ mod tests {
         control.learn(&known(6, 6));
         let (counts, judged) = control.take_counts();
         assert_eq!(judged, 5, "judged against the decrease of window 5");
-        assert_eq!((counts.congested, counts.stale), (1, 1));
-        assert_eq!(counts.ended, 1, "window 5's own ends are not window 6's");
-        let ended: u64 = counts.series().map(|(_, _, series)| series.ended).sum();
-        assert_eq!(ended, 3, "every end still counts as an end");
+        let fields = counts.fields();
+        let field = |name: &str| {
+            fields
+                .iter()
+                .find(|(n, _)| n == name)
+                .map_or(0, |(_, v)| *v)
+        };
+        assert_eq!((field("congested"), field("stale")), (1, 1));
+        assert_eq!(counts.ended(), 1, "window 5's own ends are not window 6's");
+        assert_eq!(counts.ends(), 3, "every end still counts as an end");
         let (empty, _) = control.take_counts();
-        assert_eq!(empty, Counts::default(), "taken once");
+        assert_eq!(empty, Window::default(), "taken once");
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::{Notify, OnceCell};
 use tokio::time::Instant;
-use tower_resources_operation::limit::{inform, warn, Capacity, Reading, Scope};
+use tower_resources_operation::limit::{Capacity, Reading, Scope};
 
 use super::books::{is_own, lock, process_token, Books, Slot, ASK, GRANTED};
 use super::control::FleetControl;
@@ -19,6 +19,7 @@ use super::doorbell::Doorbell;
 use super::health::{Change, Health};
 use super::store::{Answer, Event, Refresh, State, Status, Store};
 use crate::error::Error;
+use crate::log::{inform, warn};
 
 /// What a fleet limit answers while its store cannot be reached.
 ///

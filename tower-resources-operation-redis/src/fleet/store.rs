@@ -23,7 +23,7 @@
 //!   process; a wake-up lost is covered by the refresh.
 //! - **An adaptive limit's windows.** The fleet's window is a number every process hears; an
 //!   operation is marked with the window it was admitted in, and a failure is news only if it
-//!   was admitted after the last decrease (the core's `News`). Three rules keep that exact
+//!   was admitted after the last decrease (the core's `Window`). Three rules keep that exact
 //!   although processes hear late: a place handed over carries the window it was handed over in
 //!   ([`Event::Handed`]); a decrease opens a window of its own, and what the window counted
 //!   before it counts as the next window's, its failures stale; and counts judged against a
@@ -51,7 +51,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use tower_resources_operation::adaptive::{Counts, SeriesBaseline};
+use tower_resources_operation::adaptive::Window;
 
 use super::control::{Known, Ticked};
 use crate::error::Error;
@@ -178,7 +178,7 @@ pub(crate) struct Tick<'a> {
     pub(crate) leader_ttl: Duration,
     /// The window this process's counts were taken in.
     pub(crate) seen: u64,
-    pub(crate) counts: Counts,
+    pub(crate) counts: Window,
     /// The window of the last decrease the counts' failures were judged against (0 for none).
     /// A store whose last decrease is later counts them as stale: each was admitted before it
     /// (the process had not heard of the window after it), and judged news by a process that
@@ -207,8 +207,8 @@ pub(crate) struct Decision<'a> {
     /// which opens one of its own), the first window after the last decrease, what the
     /// algorithm measured.
     pub(crate) known: Known,
-    /// The algorithm's baselines, series by series: what a next leader starts from.
-    pub(crate) baselines: &'a [SeriesBaseline],
+    /// What the algorithm hands over: what a next leader starts from.
+    pub(crate) handover: &'a str,
 }
 
 /// What a store pushes to every process of the fleet.

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Poll;
 
-use tower_resources_operation::limit::AcquireError;
+use tower_resources_operation::Rejected;
 use tower_resources_operation::Rejection;
 
 use super::books::{lock, next_id, Slot, ASK, GRANTED};
@@ -23,7 +23,7 @@ use super::store::{Answer, Store};
 use crate::error::Error;
 
 /// Takes a place of the fleet, waiting for one in its queue if it has to.
-pub(crate) async fn acquire<S: Store>(handle: Arc<Handle<S>>) -> Result<Place<S>, AcquireError> {
+pub(crate) async fn acquire<S: Store>(handle: Arc<Handle<S>>) -> Result<Place<S>, Rejected> {
     let mut waiter = Waiter::new(&handle);
     let member = &handle.member;
     loop {
@@ -48,7 +48,7 @@ pub(crate) async fn acquire<S: Store>(handle: Arc<Handle<S>>) -> Result<Place<S>
                 if let Some(control) = &member.control {
                     control.rejected();
                 }
-                return Err(AcquireError::rejected(Rejection::QueueFull));
+                return Err(Rejected::new(Rejection::QueueFull));
             }
             Err(error) => error,
         };
@@ -57,7 +57,7 @@ pub(crate) async fn acquire<S: Store>(handle: Arc<Handle<S>>) -> Result<Place<S>
             waiter.asked = asked_before;
         }
         match member.settings.unreachable {
-            Unreachable::Closed => return Err(AcquireError::failed(error)),
+            Unreachable::Closed => return Err(Rejected::failed(error)),
             Unreachable::Open => {
                 member.failed_open.fetch_add(1, Ordering::Relaxed);
                 return Ok(Place::new(
@@ -138,7 +138,7 @@ impl<S: Store> Waiter<S> {
 
     /// While the store is out of reach (`error`), waits for a place of this process's share:
     /// `None` once the store answers again and the fleet has settled (ask it), else the answer.
-    async fn on_share(&mut self, error: Error) -> Option<Result<Place<S>, AcquireError>> {
+    async fn on_share(&mut self, error: Error) -> Option<Result<Place<S>, Rejected>> {
         let member = Arc::clone(&self.handle.member);
         loop {
             let down = member.health.is_down();
@@ -147,7 +147,7 @@ impl<S: Store> Waiter<S> {
             }
             // A replica that never reached the store has no share.
             let Some(share) = member.share() else {
-                return Some(Err(AcquireError::failed(error)));
+                return Some(Err(Rejected::failed(error)));
             };
             // While the fleet settles after the store's return, nothing new is admitted on
             // the share: the store must hear of every place before it admits again.
@@ -159,7 +159,7 @@ impl<S: Store> Waiter<S> {
                 if !self.slot.queued.load(Ordering::Relaxed)
                     && member.queued.load(Ordering::Relaxed) >= bound / replicas
                 {
-                    return Some(Err(AcquireError::rejected(Rejection::QueueFull)));
+                    return Some(Err(Rejected::new(Rejection::QueueFull)));
                 }
             }
             self.queue();

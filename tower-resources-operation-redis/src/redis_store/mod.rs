@@ -12,11 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::{FromRedisValue, Script, ScriptInvocation};
-use tower_resources_operation::adaptive::SeriesBaseline;
-use tower_resources_operation::{Executor, Operation};
+use tower_resources_operation::adaptive::Window;
 
 use crate::error::Error;
-use crate::fleet::control::{micros, Known, Taken as TakenWindow, Ticked};
+use crate::fleet::control::{Known, Taken as TakenWindow, Ticked};
 use crate::fleet::store::{
     Answer, Decision, Event, Refresh, Refreshed, State, Status, Store, Taken, Tick,
 };
@@ -255,34 +254,44 @@ impl Store for RedisStore {
 
     async fn tick(&self, tick: &Tick<'_>) -> Result<Ticked, Error> {
         let mut invocation = self.invocation(&SCRIPTS.fleet_tick);
-        let counts = &tick.counts;
+        let fields = tick.counts.fields();
+        let field = |name: &str| {
+            fields
+                .iter()
+                .find(|(n, _)| n == name)
+                .map_or(0, |(_, v)| *v)
+        };
         invocation
             .arg(tick.candidate)
             .arg(ms(tick.leader_ttl))
             .arg(tick.seen)
-            .arg(counts.ended)
-            .arg(counts.congested)
-            .arg(counts.stale)
-            .arg(counts.rejected)
+            .arg(field("ended"))
+            .arg(field("congested"))
+            .arg(field("stale"))
+            .arg(field("rejected"))
             .arg(ms(tick.shortest))
             .arg(ms(tick.longest))
             .arg(tick.tolerance);
-        let series: Vec<_> = counts.series().collect();
+        // Each series' fields, in the order the script reads them.
+        let mut series: Vec<&str> = Vec::new();
+        for (name, _) in &fields {
+            if let Some((prefix, _)) = name.rsplit_once('/') {
+                if !series.contains(&prefix) {
+                    series.push(prefix);
+                }
+            }
+        }
         invocation.arg(series.len());
-        for (operation, executor, counts) in series {
-            invocation
-                .arg(series_field(operation, executor))
-                .arg(counts.ended)
-                .arg(counts.ok)
-                .arg(counts.served_us)
-                .arg(counts.timed)
-                .arg(counts.sum_us)
-                .arg(counts.squares)
-                .arg(
-                    counts
-                        .min_us
-                        .map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX)),
-                );
+        for prefix in series {
+            let of = |suffix: &str| {
+                let name = format!("{prefix}/{suffix}");
+                fields.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+            };
+            invocation.arg(format!("{prefix}/"));
+            for suffix in ["e", "o", "v", "t", "s", "q"] {
+                invocation.arg(of(suffix).unwrap_or(0));
+            }
+            invocation.arg(of("m").map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX)));
         }
         invocation.arg(u8::from(tick.starting)).arg(tick.judged);
         let fields: Vec<String> = self.run(&invocation).await?;
@@ -300,7 +309,7 @@ impl Store for RedisStore {
             .arg(us(known.rtt_us))
             .arg(us(known.baseline_us))
             .arg(us(known.estimate_us))
-            .arg(encode_baselines(decision.baselines));
+            .arg(decision.handover);
         let capacity: i64 = self.run(&invocation).await?;
         // A negative answer: another process leads now, or took the window.
         Ok(usize::try_from(capacity).ok())
@@ -353,11 +362,6 @@ fn parse_message(message: &str) -> Option<Event> {
     }))
 }
 
-/// A series' prefix in the window's hash: `<operation>/<executor>/`, NeMo Gym's values.
-fn series_field(operation: Operation, executor: Executor) -> String {
-    format!("{operation}/{executor}/")
-}
-
 /// The tick script's strings: the known state, then, if the window was taken, the window's
 /// hash as field, value pairs (each series' counts under its [`series_field`] prefix).
 fn parse_ticked(fields: &[String]) -> Option<Ticked> {
@@ -382,98 +386,35 @@ fn parse_ticked(fields: &[String]) -> Option<Ticked> {
         age_ms: number(4).unwrap_or(0),
         known,
         taken,
-        handed: fields
-            .get(9)
-            .map_or_else(Vec::new, |field| parse_baselines(field)),
+        handed: fields.get(9).cloned().unwrap_or_default(),
     })
 }
 
-/// An algorithm's baselines as the state hash keeps them: one word per series,
-/// `<operation>/<executor>/<run time µs>/<level>/<deviation µs, -1 for none>/<support>`,
-/// separated by spaces (NeMo Gym's values have neither `/` nor spaces).
-fn encode_baselines(baselines: &[SeriesBaseline]) -> String {
-    let words: Vec<String> = baselines
-        .iter()
-        .map(|b| {
-            let deviation = b
-                .deviation
-                .map_or(-1, |d| i64::try_from(micros(d)).unwrap_or(i64::MAX));
-            format!(
-                "{}/{}/{}/{:.3}/{deviation}/{:.3}",
-                b.operation,
-                b.executor,
-                micros(b.run_time),
-                b.level,
-                b.support
-            )
-        })
-        .collect();
-    words.join(" ")
-}
-
-/// [`encode_baselines`] read back. A word this crate did not write is skipped.
-fn parse_baselines(field: &str) -> Vec<SeriesBaseline> {
-    let word = |word: &str| -> Option<SeriesBaseline> {
-        let mut parts = word.split('/');
-        let operation = parts.next()?.parse::<Operation>().ok()?;
-        let executor = parts.next()?.parse::<Executor>().ok()?;
-        let run_time = Duration::from_micros(parts.next()?.parse().ok()?);
-        let mut baseline = SeriesBaseline::new(operation, executor, run_time);
-        baseline.level = parts.next()?.parse().ok()?;
-        let deviation: i64 = parts.next()?.parse().ok()?;
-        baseline.deviation = u64::try_from(deviation).ok().map(Duration::from_micros);
-        baseline.support = parts.next()?.parse().ok()?;
-        parts.next().is_none().then_some(baseline)
-    };
-    field.split(' ').filter_map(word).collect()
-}
-
-/// A window's hash, as `HGETALL` lists it. A field this crate did not write is skipped.
+/// A window's hash, as `HGETALL` lists it: the fleet's counts ([`Window::from_fields`]) and
+/// the load the store sampled. A field this crate did not write is skipped.
 fn parse_window(pairs: &[String]) -> TakenWindow {
     let mut window = TakenWindow::default();
+    let mut counts = Vec::new();
     for pair in pairs.chunks_exact(2) {
         let Ok(value) = pair[1].parse::<i64>() else {
             continue;
         };
         let value = u64::try_from(value).unwrap_or(0);
-        let counts = &mut window.counts;
         match pair[0].as_str() {
-            "ended" => counts.ended = value,
-            "congested" => counts.congested = value,
-            "stale" => counts.stale = value,
-            "rejected" => counts.rejected = value,
             "samples" => window.samples = value,
             "active_sum" => window.active_sum = value,
             "peak" => window.peak = value,
-            name => {
-                let mut parts = name.splitn(3, '/');
-                let (Some(Ok(operation)), Some(Ok(executor)), Some(field)) = (
-                    parts.next().map(str::parse::<Operation>),
-                    parts.next().map(str::parse::<Executor>),
-                    parts.next(),
-                ) else {
-                    continue;
-                };
-                let series = counts.series_mut(operation, executor);
-                match field {
-                    "e" => series.ended = value,
-                    "o" => series.ok = value,
-                    "v" => series.served_us = value,
-                    "t" => series.timed = value,
-                    "s" => series.sum_us = value,
-                    "q" => series.squares = value,
-                    "m" => series.min_us = Some(value),
-                    _ => {}
-                }
-            }
+            name => counts.push((name, value)),
         }
     }
+    window.counts = Window::from_fields(counts);
     window
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tower_resources_operation::{Executor, Operation};
 
     fn strings(fields: &[&str]) -> Vec<String> {
         fields.iter().map(|field| (*field).to_owned()).collect()
@@ -557,10 +498,11 @@ mod tests {
         let ticked = parse_ticked(&fields).unwrap();
         assert!(ticked.leads);
         assert_eq!(ticked.known.baseline_us, Some(51_000));
-        let mut judge =
-            SeriesBaseline::new(Operation::Judge, Executor::Inline, Duration::from_secs(1));
-        (judge.level, judge.support) = (4.0, 12.5);
-        assert_eq!(ticked.handed, vec![judge], "the words not ours are skipped");
+        assert_eq!(
+            ticked.handed,
+            "judge/inline/1000000/4.000/-1/12.500 nobody/knows/1/1/1/1 verify/subprocess/x",
+            "handed over as the last leader wrote it"
+        );
         let adaptive = tower_resources_operation::adaptive::Adaptive::new(
             tower_resources_operation::adaptive::Vegas::default(),
             1..=64,
@@ -574,39 +516,18 @@ mod tests {
             (8, 1, 2)
         );
         let verify = sample
-            .series
-            .get(Operation::Verify, Executor::Subprocess)
+            .series_of(Operation::Verify, Executor::Subprocess)
             .expect("the verifies, read by kind");
         assert_eq!(verify.mean_run_time, Some(Duration::from_millis(50)));
         assert_eq!(verify.min_run_time, Some(Duration::from_millis(49)));
         let judge = sample
-            .series
-            .get(Operation::Judge, Executor::Inline)
+            .series_of(Operation::Judge, Executor::Inline)
             .unwrap();
         assert_eq!(judge.mean_run_time, Some(Duration::from_secs(1)));
-        assert_eq!(sample.series.len(), 2, "{:?}", sample.series);
+        assert_eq!(sample.series().count(), 2, "{sample:?}");
         assert_eq!((sample.peak_in_flight, sample.in_flight), (9, 7.5));
         assert!(!sample.round_trip, "congested");
         assert_eq!(sample.elapsed, Duration::from_millis(150));
-    }
-
-    #[test]
-    fn baselines_are_kept_as_they_were_measured() {
-        let mut verify = SeriesBaseline::new(
-            Operation::Verify,
-            Executor::Subprocess,
-            Duration::from_micros(50_123),
-        );
-        (verify.level, verify.support) = (6.5, 40.0);
-        verify.deviation = Some(Duration::from_micros(4_321));
-        let judge = SeriesBaseline::new(Operation::Judge, Executor::Inline, Duration::from_secs(1));
-        let encoded = encode_baselines(&[verify, judge]);
-        assert_eq!(
-            encoded,
-            "verify/subprocess/50123/6.500/4321/40.000 judge/inline/1000000/1.000/-1/1.000"
-        );
-        assert_eq!(parse_baselines(&encoded), vec![verify, judge]);
-        assert_eq!(parse_baselines(""), vec![]);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
-use tower_resources_operation::adaptive::Counts;
+use tower_resources_operation::adaptive::Window;
 
 use super::{Keys, RedisStore, Settings, Transport};
 use crate::fleet::control::Known;
@@ -43,8 +43,7 @@ fn store(redis: &RedisServer) -> (RedisStore, UnboundedReceiver<Event>) {
 /// One process's tick: `ended` own ends and `congested` failures judged news against the
 /// decrease of window `judged`, taken in window `seen`. Any failure makes the window due.
 fn tick(candidate: &str, seen: u64, ended: u64, congested: u64, judged: u64) -> Tick<'_> {
-    let mut counts = Counts::default();
-    (counts.ended, counts.congested) = (ended, congested);
+    let counts = Window::from_fields([("ended", ended), ("congested", congested)]);
     Tick {
         candidate,
         leader_ttl: TTL,
@@ -83,7 +82,7 @@ async fn failures_from_before_a_decrease_are_stale_however_late_they_are_counted
     let first = store.tick(&tick("a", 0, 1, 1, 0)).await.unwrap();
     assert!(first.leads);
     assert_eq!(first.known.epoch, 2, "taken: window 2 opened");
-    assert_eq!(first.taken.unwrap().counts.congested, 1);
+    assert_eq!(first.taken.unwrap().counts.congested(), 1);
 
     // `b` counts a failure and an own end into window 2 before the leader decides on window 1.
     let counted = store.tick(&tick("b", 2, 1, 1, 0)).await.unwrap();
@@ -101,7 +100,7 @@ async fn failures_from_before_a_decrease_are_stale_however_late_they_are_counted
         window: 2,
         capacity: 2,
         known,
-        baselines: &[],
+        handover: "",
     };
     assert_eq!(store.decide(&decision).await.unwrap(), Some(2));
     let Event::Decided(told) = next(&mut heard, |e| matches!(e, Event::Decided(_))).await else {
@@ -114,12 +113,17 @@ async fn failures_from_before_a_decrease_are_stale_however_late_they_are_counted
     store.tick(&tick("b", 2, 0, 1, 0)).await.unwrap();
     let taken = store.tick(&tick("a", 3, 1, 1, 2)).await.unwrap();
     let counts = taken.taken.expect("a failure that is news: due").counts;
+    let stale = counts.into_stale().into_next().fields();
+    let stale = stale
+        .iter()
+        .find(|(name, _)| name == "stale")
+        .map_or(0, |(_, v)| *v);
     assert_eq!(
-        (counts.congested, counts.stale),
+        (counts.congested(), stale - counts.congested()),
         (1, 2),
         "news: `a`'s; stale: `b`'s counted before the decrease, and `b`'s judged too kindly"
     );
-    assert_eq!(counts.ended, 1, "window 2's own ends are not window 3's");
+    assert_eq!(counts.ended(), 1, "window 2's own ends are not window 3's");
 }
 
 #[tokio::test]

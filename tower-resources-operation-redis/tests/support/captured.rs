@@ -36,8 +36,8 @@ pub fn start() {
     captured();
 }
 
-/// What was said so far about the limit `limit`, at `level`, by this crate (through the core
-/// crate's diagnostics, whose target it is).
+/// What was said so far about the limit `limit`, at `level`, by this crate, under its own
+/// target: a filter on `tower_resources_operation_redis` keeps every one of them.
 pub fn said(limit: &str, level: Level) -> Vec<Said> {
     let named = format!("the fleet limit {limit:?}");
     captured()
@@ -47,7 +47,7 @@ pub fn said(limit: &str, level: Level) -> Vec<Said> {
         .iter()
         .filter(|said| {
             said.level == level
-                && said.target == "tower_resources_operation"
+                && said.target == "tower_resources_operation_redis"
                 && said.message.contains(&named)
         })
         .cloned()

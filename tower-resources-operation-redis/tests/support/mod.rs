@@ -13,7 +13,7 @@ pub mod redis_server;
 pub mod replicas;
 
 use opentelemetry::metrics::MeterProvider as _;
-use tower_resources_operation::{ACTIVE_INSTRUMENT, QUEUED_INSTRUMENT};
+use tower_resources_operation::names::{ACTIVE_INSTRUMENT, QUEUED_INSTRUMENT};
 
 #[path = "../../../tests/support/telemetry.rs"]
 mod telemetry;

@@ -1,5 +1,5 @@
-//! Where an operation ends: when the inner service answers ([`AtHead`], tower's semantics), or
-//! when the response body ends ([`AtBodyEnd`], with [`OperationBody`]).
+//! An operation that ends when its response body does ([`AtBodyEnd`]): the [`OperationBody`]
+//! that holds it while the body streams.
 
 use std::fmt;
 use std::pin::Pin;
@@ -14,96 +14,13 @@ use crate::classify::{ClassifyOutcome, ClassifyTrailers};
 use crate::limit::{Acquire, Limit};
 use crate::operation::{Ending, Lifecycle};
 
-/// The operation ends when the inner service's future completes, and its permit goes back when
-/// that future is dropped, as with tower's `ConcurrencyLimit`. The default.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct AtHead;
-
-/// The operation of an `http::Response` service lasts until the response body ends: its permit,
-/// its place in `active` and its run time go on while the body streams. See
-/// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end).
+/// Where a layer's operations end, in its last type parameter `E`: the operation of an
+/// `http::Response` service lasts until the response body ends, and its permit, its place in
+/// `active` and its run time go on while the body streams. See
+/// [`until_body_end`](crate::ResourcesOperationLayer::until_body_end). The default, `()`, ends
+/// it when the inner service answers, as tower's `ConcurrencyLimit` frees its permit.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AtBodyEnd;
-
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for super::AtHead {}
-    impl Sealed for super::AtBodyEnd {}
-}
-
-/// Where an operation ends: [`AtHead`] or [`AtBodyEnd`]; for a service that answers `Res` or
-/// fails with `Err`, classified by `C`, holding a permit of the limit `L`.
-pub trait End<Res, Err, C, L: Acquire>: sealed::Sealed {
-    /// What the layered service answers.
-    type Response;
-
-    /// The inner service answered `result`: ends the operation, or hands it to the body.
-    #[doc(hidden)]
-    fn complete(
-        result: Result<Res, Err>,
-        operation: &mut Lifecycle<L, Option<C>>,
-    ) -> Result<Self::Response, Err>;
-
-    /// An answer no operation measured: a rejection's, or an unlimited request's.
-    #[doc(hidden)]
-    fn unmetered(result: Result<Res, Err>) -> Result<Self::Response, Err>;
-}
-
-impl<Res, Err, C: ClassifyOutcome<Res, Err>, L: Acquire> End<Res, Err, C, L> for AtHead {
-    type Response = Res;
-
-    #[inline]
-    fn complete(
-        result: Result<Res, Err>,
-        operation: &mut Lifecycle<L, Option<C>>,
-    ) -> Result<Res, Err> {
-        operation.finish(Ending::Returned, |classifier| {
-            classifier.as_ref().map(|c| c.classify(result.as_ref()))
-        });
-        result
-    }
-
-    #[inline]
-    fn unmetered(result: Result<Res, Err>) -> Result<Res, Err> {
-        result
-    }
-}
-
-impl<B, Err, C, L> End<Response<B>, Err, C, L> for AtBodyEnd
-where
-    B: Body,
-    L: Acquire,
-    C: ClassifyOutcome<Response<B>, Err>,
-{
-    type Response = Response<OperationBody<B, L>>;
-
-    fn complete(
-        result: Result<Response<B>, Err>,
-        operation: &mut Lifecycle<L, Option<C>>,
-    ) -> Result<Self::Response, Err> {
-        match result {
-            Ok(response) => {
-                let streaming = operation.carry(|classifier| {
-                    classifier.as_ref().map(|classifier| StreamEnd {
-                        head: classifier.classify(Ok(&response)),
-                        at_end: classifier.classify_at_end(&response),
-                    })
-                });
-                Ok(response.map(|body| OperationBody::new(body, streaming)))
-            }
-            Err(error) => {
-                operation.end(Ending::Returned, |classifier| {
-                    classifier.as_ref().map(|c| c.classify(Err(&error)))
-                });
-                Err(error)
-            }
-        }
-    }
-
-    fn unmetered(result: Result<Response<B>, Err>) -> Result<Self::Response, Err> {
-        result.map(|response| response.map(|body| OperationBody::new(body, Lifecycle::new())))
-    }
-}
 
 /// What decides the outcome of an operation at the end of its stream.
 pub(crate) struct StreamEnd {
@@ -144,6 +61,44 @@ pin_project! {
 }
 
 impl<B: Body, L: Acquire> OperationBody<B, L> {
+    /// The inner service answered `result`: a response's operation goes on in its body; an
+    /// error ends it.
+    pub(crate) fn head<C, Err>(
+        result: Result<Response<B>, Err>,
+        operation: &mut Lifecycle<L, Option<C>>,
+    ) -> Result<Response<Self>, Err>
+    where
+        C: ClassifyOutcome<Response<B>, Err>,
+    {
+        match result {
+            Ok(response) => {
+                let streaming = operation.carry(|classifier| {
+                    classifier.as_ref().map(|classifier| StreamEnd {
+                        head: classifier.classify(Ok(&response)),
+                        at_end: classifier.classify_at_end(&response),
+                    })
+                });
+                Ok(response.map(|body| OperationBody::new(body, streaming)))
+            }
+            Err(error) => {
+                operation.end(Ending::Returned, |classifier| {
+                    classifier.as_ref().map(|c| c.classify(Err(&error)))
+                });
+                Err(error)
+            }
+        }
+    }
+
+    /// An answer no operation measured: a rejection's, or an unlimited request's.
+    pub(crate) fn unmetered<Err>(result: Result<Response<B>, Err>) -> Result<Response<Self>, Err> {
+        result.map(|response| response.map(Self::unmetered_body))
+    }
+
+    /// A body no operation measures.
+    pub(crate) fn unmetered_body(body: B) -> Self {
+        OperationBody::new(body, Lifecycle::new())
+    }
+
     fn new(inner: B, mut operation: Lifecycle<L, Option<StreamEnd>>) -> Self {
         if inner.is_end_stream() {
             operation.end(Ending::Returned, |end| {
