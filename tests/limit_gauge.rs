@@ -380,6 +380,215 @@ async fn a_place_handed_to_a_waiter_is_the_limits_at_once_and_the_series_from_th
     assert_eq!(read(), (0, 0, 0, 0));
 }
 
+/// How a streamed body ends, in the body-end form.
+#[derive(Clone, Copy, Debug)]
+enum BodyEnd {
+    /// The stream ends: `ok`.
+    Ends,
+    /// The stream fails midway: `error`.
+    Fails,
+    /// The client hangs up: the body is dropped, `cancelled`.
+    HungUp,
+}
+
+/// A response body the test feeds, frame by frame.
+struct Fed(tokio::sync::mpsc::UnboundedReceiver<Result<bytes::Bytes, std::io::Error>>);
+
+/// An empty body, as a rejection is answered.
+impl Default for Fed {
+    fn default() -> Self {
+        Fed(tokio::sync::mpsc::unbounded_channel().1)
+    }
+}
+
+impl http_body::Body for Fed {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|item| item.map(|item| item.map(http_body::Frame::data)))
+    }
+}
+
+/// The body-end form hands a place over as the head-end form does: the series stops counting
+/// the operation whose body ended (or failed, or was dropped) before its place goes to the
+/// waiter, so the series never reads more active than the limit's capacity, and counts the
+/// waiter from the poll that sees its place.
+#[tokio::test]
+async fn a_body_end_operation_hands_its_place_over_after_its_series_stops_counting_it() {
+    use http_body_util::BodyExt as _;
+    for end in [BodyEnd::Ends, BodyEnd::Fails, BodyEnd::HungUp] {
+        let t = Telemetry::new();
+        let limit = Limit::builder(1).name("handover").build();
+        let feeds = Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
+        let service = ResourcesOperationLayer::new_for_http(limit.clone())
+            .operation(Operation::Verify)
+            .executor(Executor::Inline)
+            .metrics(t.metrics.clone())
+            .until_body_end()
+            .layer(service_fn({
+                let feeds = Arc::clone(&feeds);
+                move |_: http::Request<()>| {
+                    let fed = feeds.lock().unwrap().pop_front().expect("a body to stream");
+                    async move { Ok::<_, Infallible>(http::Response::new(Fed(fed))) }
+                }
+            }));
+        let feed = |feeds: &std::sync::Mutex<std::collections::VecDeque<_>>| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            feeds.lock().unwrap().push_back(rx);
+            tx
+        };
+        let series = [
+            (OPERATION_ATTRIBUTE, "verify"),
+            (EXECUTOR_ATTRIBUTE, "inline"),
+        ];
+        let named = [(LIMIT_ATTRIBUTE, "handover")];
+        // (series active, series queued, limit active, limit queued)
+        let read = || {
+            (
+                t.live_value(ACTIVE_INSTRUMENT, &series),
+                t.live_value(QUEUED_INSTRUMENT, &series),
+                t.live_value(LIMIT_ACTIVE_INSTRUMENT, &named),
+                t.live_value(LIMIT_QUEUED_INSTRUMENT, &named),
+            )
+        };
+
+        // The first streams: its head is out, its body holds the place.
+        let first_feed = feed(&feeds);
+        let mut first = service
+            .clone()
+            .oneshot(http::Request::new(()))
+            .await
+            .unwrap()
+            .into_body();
+        first_feed
+            .send(Ok(bytes::Bytes::from_static(b"a")))
+            .unwrap();
+        assert!(first.frame().await.unwrap().unwrap().is_data());
+        assert_eq!(read(), (1, 0, 1, 0), "{end:?}: the first streams");
+
+        // The second, polled by hand: it waits.
+        let _second_feed = feed(&feeds);
+        let mut second = tokio_test::task::spawn(service.clone().oneshot(http::Request::new(())));
+        assert!(second.poll().is_pending());
+        assert_eq!(read(), (1, 1, 1, 1), "{end:?}: the second waits");
+
+        // The first body ends; its place goes to the second, not polled since.
+        match end {
+            BodyEnd::Ends => {
+                drop(first_feed);
+                assert!(first.frame().await.is_none());
+            }
+            BodyEnd::Fails => {
+                first_feed
+                    .send(Err(std::io::Error::other("midway")))
+                    .unwrap();
+                assert!(first.frame().await.unwrap().is_err());
+            }
+            BodyEnd::HungUp => drop(first),
+        }
+        assert!(
+            second.is_woken(),
+            "{end:?}: the waiter is woken with its place"
+        );
+        assert_eq!(
+            read(),
+            (0, 1, 1, 1),
+            "{end:?}: the series stopped counting the first before the place was handed over"
+        );
+        let std::task::Poll::Ready(Ok(second)) = second.poll() else {
+            panic!("{end:?}: the second's head");
+        };
+        assert_eq!(read(), (1, 0, 1, 0), "{end:?}: the second streams");
+        drop(second);
+        assert_eq!(read(), (0, 0, 0, 0), "{end:?}: the second hung up");
+    }
+}
+
+/// A caller that leaves after its place was handed over, before its operation's first poll
+/// after admission: the operation is abandoned, with no queue sample and no outcome, and the
+/// place goes to the next waiter. In tower's terms, two moments: the place handed to a waiter
+/// whose future is then dropped unpolled, and a permit taken by `poll_ready` whose service is
+/// dropped before `call`.
+#[tokio::test]
+async fn a_caller_that_left_before_its_operation_was_polled_after_admission_is_abandoned() {
+    let t = Telemetry::new();
+    let limit = Limit::builder(1).name("handover").build();
+    let layer = tagged(&t, limit.clone(), Operation::Verify, Executor::Inline);
+    let service = layer.layer(held());
+    let samples = || {
+        (
+            t.count(
+                tower_resources_operation::names::QUEUE_DURATION_INSTRUMENT,
+                &[],
+            ),
+            t.count(tower_resources_operation::names::DURATION_INSTRUMENT, &[]),
+            t.live_value(tower_resources_operation::names::ABANDONED_INSTRUMENT, &[]),
+        )
+    };
+
+    // The first holds the place; the second and the third wait.
+    let (release_first, first) = spawn_held(&service);
+    settle().await;
+    let (_release_second, second) = oneshot::channel();
+    let mut second = tokio_test::task::spawn(service.clone().oneshot(second));
+    assert!(second.poll().is_pending());
+    let (release_third, third) = oneshot::channel();
+    let mut third = tokio_test::task::spawn(service.clone().oneshot(third));
+    assert!(third.poll().is_pending());
+    assert_eq!(samples(), (1, 0, 0), "the first ran at once");
+
+    // The first ends: its place is handed to the second, whose caller then leaves unpolled.
+    release_first.send(()).unwrap();
+    first.await.unwrap().unwrap();
+    assert!(second.is_woken());
+    drop(second);
+    assert_eq!(
+        samples(),
+        (1, 1, 1),
+        "abandoned: no queue sample, no outcome"
+    );
+    assert!(third.is_woken(), "the place went on to the next waiter");
+    assert!(third.poll().is_pending(), "the third runs");
+    assert_eq!(samples(), (2, 1, 1));
+
+    // A caller that takes its permit with `ready` and leaves before it calls: abandoned too,
+    // and its place goes to the next waiter.
+    let mut ready = service.clone();
+    let mut waiting_ready = tokio_test::task::spawn(std::future::poll_fn(|cx| {
+        tower::Service::<oneshot::Receiver<()>>::poll_ready(&mut ready, cx)
+    }));
+    assert!(waiting_ready.poll().is_pending());
+    let (release_fourth, fourth) = oneshot::channel();
+    let mut fourth = tokio_test::task::spawn(service.clone().oneshot(fourth));
+    assert!(fourth.poll().is_pending());
+    release_third.send(()).unwrap();
+    assert!(matches!(third.poll(), std::task::Poll::Ready(Ok(()))));
+    assert!(matches!(
+        waiting_ready.poll(),
+        std::task::Poll::Ready(Ok(()))
+    ));
+    drop(waiting_ready);
+    assert_eq!(
+        samples(),
+        (2, 2, 1),
+        "admitted by poll_ready: not yet sampled"
+    );
+    drop(ready);
+    assert_eq!(samples(), (2, 2, 2), "left before it called: abandoned");
+    assert!(fourth.is_woken(), "the place went on to the next waiter");
+    assert!(fourth.poll().is_pending());
+    release_fourth.send(()).unwrap();
+    assert!(matches!(fourth.poll(), std::task::Poll::Ready(Ok(()))));
+    assert_eq!(samples(), (3, 3, 2));
+    assert_eq!(limit.available(), 1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Semaphores and `Capacity`
 // ---------------------------------------------------------------------------------------------
