@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use common::{
     bare, contended_run, floor, http_oneshot, layer, lock_free_floor, naive, oneshot, reused,
-    sdk_meter, HttpFrames, Noop, YieldOnce,
+    sdk_meter, server_run, HttpFrames, Noop, YieldOnce,
 };
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
@@ -263,27 +263,52 @@ fn main() {
     if wanted("bounded waiting and body-end") {
         bounded_and_body_end(&rt);
     }
-    if !wanted("contended: 2 workers") {
-        return;
+    if wanted("contended: 2 workers") {
+        contended(
+            "contended: 2 workers, 64 tasks, limit 4, inner service yields once",
+            false,
+            4,
+        );
     }
+    if wanted("contended, a server's setup") {
+        contended(
+            "contended, a server's setup: 8 workers, 256 tasks, limit 16, the inner call holds its permit across a yield",
+            true,
+            16,
+        );
+    }
+}
 
+/// The contended cases through a limit of `max`: 2 workers and 64 tasks, or a server's setup.
+fn contended(title: &str, server: bool, max: usize) {
+    fn run<S>(server: bool) -> impl Fn(S, u64) -> Duration
+    where
+        S: Service<()> + Clone + Send + 'static,
+        S::Future: Send,
+        S::Error: std::fmt::Debug,
+    {
+        move |service, n| match server {
+            true => server_run(service, n),
+            false => contended_run(service, n),
+        }
+    }
     let (_provider, meter) = sdk_meter();
-    let tower = ConcurrencyLimit::with_semaphore(YieldOnce, Arc::new(Semaphore::new(4)));
-    let disabled = layer(4, OperationMetrics::disabled()).layer(YieldOnce);
-    let enabled = layer(4, OperationMetrics::new(&meter)).layer(YieldOnce);
-    let floor = floor::Floor::new(YieldOnce, 4, floor::Shared::new(&meter));
-    let untimed = floor::Floor::untimed(YieldOnce, 4, floor::Shared::new(&meter));
-    let lock_free = floor::Floor::new(YieldOnce, 4, lock_free_floor::Shared::new());
+    let tower = ConcurrencyLimit::with_semaphore(YieldOnce, Arc::new(Semaphore::new(max)));
+    let disabled = layer(max, OperationMetrics::disabled()).layer(YieldOnce);
+    let enabled = layer(max, OperationMetrics::new(&meter)).layer(YieldOnce);
+    let floor = floor::Floor::new(YieldOnce, max, floor::Shared::new(&meter));
+    let untimed = floor::Floor::untimed(YieldOnce, max, floor::Shared::new(&meter));
+    let lock_free = floor::Floor::new(YieldOnce, max, lock_free_floor::Shared::new());
     report(
-        "contended: 2 workers, 64 tasks, limit 4, inner service yields once",
+        title,
         CONTENDED_OPERATIONS,
         &mut [
-            case("tower_limit", tower, contended_run),
-            case("layer_disabled", disabled, contended_run),
-            case("layer_metrics", enabled, contended_run),
-            case("floor", floor, contended_run),
-            case("floor_untimed", untimed, contended_run),
-            case("lock_free_floor", lock_free.clone(), contended_run),
+            case("tower_limit", tower, run(server)),
+            case("layer_disabled", disabled, run(server)),
+            case("layer_metrics", enabled, run(server)),
+            case("floor", floor, run(server)),
+            case("floor_untimed", untimed, run(server)),
+            case("lock_free_floor", lock_free.clone(), run(server)),
         ],
         &[
             ("layer_disabled", "tower_limit"),

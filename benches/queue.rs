@@ -55,25 +55,50 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
+/// Who holds the only permit while the operations queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Holder {
+    /// A clone of the service whose `poll_ready` took it (`ServiceExt::ready`).
+    Ready,
+    /// A call in progress, as in a server: one `clone().oneshot()` whose inner future waits
+    /// until the holder lets go.
+    Running,
+}
+
 /// Bytes per queued operation and drain time per operation, for `waiters` operations queued
-/// behind a clone that holds the only permit: each waiter is `tokio::spawn(service.clone()
-/// .oneshot(()))`, as hyper and axum drive a service, and nothing else is allocated per
-/// waiter. The heap in use once all of them wait, less the heap before, divided by `waiters`,
-/// is the memory per queued operation (its task, its future, the service's clone, the limit's
-/// wait). Then the holder lets go and the queue drains, one operation at a time: that time,
-/// divided by `waiters`, is the drain time per operation.
-fn measure<S>(service: S, waiters: usize) -> (f64, f64, Duration)
+/// behind `holder`: each waiter is `tokio::spawn(service.clone().oneshot(()))`, as hyper and
+/// axum drive a service, and nothing else is allocated per waiter. The heap in use once all of
+/// them wait, less the heap before, divided by `waiters`, is the memory per queued operation
+/// (its task, its future, the service's clone, the limit's wait). Then the holder lets go
+/// (`gate` opens, for a running holder) and the queue drains, one operation at a time: that
+/// time, divided by `waiters`, is the drain time per operation.
+fn measure<S>(
+    service: S,
+    waiters: usize,
+    holder: Holder,
+    gate: &Gate,
+    rt: &tokio::runtime::Runtime,
+) -> (f64, f64, Duration)
 where
     S: Service<(), Response = ()> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: std::fmt::Debug + Send,
 {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
     rt.block_on(async move {
-        let mut holder = service.clone();
-        holder.ready().await.unwrap();
+        let mut ready = service.clone();
+        let running = match holder {
+            Holder::Ready => {
+                ready.ready().await.unwrap();
+                None
+            }
+            Holder::Running => {
+                let running = tokio::spawn(service.clone().oneshot(()));
+                while gate.entered.load(Ordering::Relaxed) == 0 {
+                    tokio::task::yield_now().await;
+                }
+                Some(running)
+            }
+        };
         // Room for every handle first, so the vector's growth is not counted.
         let mut tasks = Vec::with_capacity(waiters);
         let before = IN_USE.load(Ordering::Relaxed);
@@ -88,7 +113,11 @@ where
         let queued = IN_USE.load(Ordering::Relaxed) - before;
         let resident = rss() - resident_before;
         let started = Instant::now();
-        drop(holder);
+        drop(ready);
+        if let Some(running) = running {
+            gate.places.add_permits(OPEN);
+            running.await.unwrap().unwrap();
+        }
         for task in tasks {
             task.await.unwrap().unwrap();
         }
@@ -122,11 +151,35 @@ fn rss() -> isize {
     pages * 4096
 }
 
+/// What the inner service's future awaits: `places` (a handler that takes a resource), with
+/// none to give until the holder lets go when a running call holds the permit; `entered`
+/// counts the calls that began.
+#[derive(Clone)]
+struct Gate {
+    places: Arc<tokio::sync::Semaphore>,
+    entered: Arc<AtomicIsize>,
+}
+
+/// Places enough for every operation of a case.
+const OPEN: usize = 1 << 24;
+
 /// One case of one child process: bytes per queued operation counted by the allocator, the
 /// same by the resident set size, and the drain time per operation.
-fn child(case: &str, inner_kind: Inner, waiters: usize) -> (f64, f64, Duration) {
+fn child(case: &str, setup: Setup, waiters: usize) -> (f64, f64, Duration) {
     let shared = Arc::new(0_u64);
-    match inner_kind {
+    let rt = match setup.multi_thread {
+        false => tokio::runtime::Builder::new_current_thread().build(),
+        true => tokio::runtime::Builder::new_multi_thread().build(),
+    }
+    .unwrap();
+    let gate = Gate {
+        places: Arc::new(tokio::sync::Semaphore::new(0)),
+        entered: Arc::default(),
+    };
+    if setup.holder == Holder::Ready {
+        gate.places.add_permits(OPEN);
+    }
+    match setup.inner {
         Inner::Ready => run_case(
             case,
             service_fn(move |()| {
@@ -134,45 +187,71 @@ fn child(case: &str, inner_kind: Inner, waiters: usize) -> (f64, f64, Duration) 
                 std::future::ready(Ok::<_, Infallible>(()))
             }),
             waiters,
+            setup.holder,
+            &gate,
+            &rt,
         ),
         Inner::Semaphore => {
-            let places = Arc::new(tokio::sync::Semaphore::new(1 << 20));
+            let inner_gate = gate.clone();
             run_case(
                 case,
                 service_fn(move |()| {
                     let _ = &shared;
-                    let places = Arc::clone(&places);
+                    let gate = inner_gate.clone();
                     async move {
-                        let _place = places.acquire().await;
+                        gate.entered.fetch_add(1, Ordering::Relaxed);
+                        let _place = gate.places.acquire().await;
                         Ok::<_, Infallible>(())
                     }
                 }),
                 waiters,
+                setup.holder,
+                &gate,
+                &rt,
             )
         }
     }
 }
 
 /// `case` over `inner`: tower's limit, the layer with metrics off or on, or the floor.
-fn run_case<S>(case: &str, inner: S, waiters: usize) -> (f64, f64, Duration)
+fn run_case<S>(
+    case: &str,
+    inner: S,
+    waiters: usize,
+    holder: Holder,
+    gate: &Gate,
+    rt: &tokio::runtime::Runtime,
+) -> (f64, f64, Duration)
 where
     S: Service<(), Response = (), Error = Infallible> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
     let (_provider, meter) = common::sdk_meter();
     match case {
-        "tower_limit" => measure(tower::limit::ConcurrencyLimit::new(inner, 1), waiters),
+        "tower_limit" => measure(
+            tower::limit::ConcurrencyLimit::new(inner, 1),
+            waiters,
+            holder,
+            gate,
+            rt,
+        ),
         "layer_disabled" => {
             let layer = ResourcesOperationLayer::new(1).metrics(OperationMetrics::disabled());
-            measure(layer.layer(inner), waiters)
+            measure(layer.layer(inner), waiters, holder, gate, rt)
         }
         "layer_metrics" => {
             let layer = ResourcesOperationLayer::new(1).metrics(OperationMetrics::new(&meter));
-            measure(layer.layer(inner), waiters)
+            measure(layer.layer(inner), waiters, holder, gate, rt)
         }
         "floor" => {
             let records = common::floor::Shared::new(&meter);
-            measure(common::floor::Floor::new(Boxed(inner), 1, records), waiters)
+            measure(
+                common::floor::Floor::new(Boxed(inner), 1, records),
+                waiters,
+                holder,
+                gate,
+                rt,
+            )
         }
         other => panic!("no case {other}"),
     }
@@ -206,15 +285,75 @@ where
 
 const CASES: [&str; 4] = ["tower_limit", "layer_disabled", "layer_metrics", "floor"];
 
+/// How a case is set up: who holds the permit, what the inner future does, which runtime.
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    holder: Holder,
+    inner: Inner,
+    multi_thread: bool,
+}
+
+impl Setup {
+    /// The setups, the server's first: a running call holds the permit, on both runtimes.
+    const ALL: [Setup; 4] = [
+        Setup::new(Holder::Running, Inner::Semaphore, true),
+        Setup::new(Holder::Running, Inner::Semaphore, false),
+        Setup::new(Holder::Ready, Inner::Semaphore, false),
+        Setup::new(Holder::Ready, Inner::Ready, false),
+    ];
+
+    const fn new(holder: Holder, inner: Inner, multi_thread: bool) -> Self {
+        Self {
+            holder,
+            inner,
+            multi_thread,
+        }
+    }
+
+    fn describe(self) -> String {
+        format!(
+            "held by {}, inner future {}, {} runtime",
+            match self.holder {
+                Holder::Ready => "a ready() clone",
+                Holder::Running => "a running call",
+            },
+            match self.inner {
+                Inner::Semaphore => "awaits a semaphore",
+                Inner::Ready => "ready at once",
+            },
+            match self.multi_thread {
+                true => "multi-thread",
+                false => "current-thread",
+            },
+        )
+    }
+
+    fn to_env(self) -> String {
+        format!("{:?} {:?} {}", self.holder, self.inner, self.multi_thread)
+    }
+
+    fn from_env(text: &str) -> Self {
+        let fields: Vec<&str> = text.split(' ').collect();
+        Self::new(
+            match fields[0] {
+                "Running" => Holder::Running,
+                _ => Holder::Ready,
+            },
+            match fields[1] {
+                "Semaphore" => Inner::Semaphore,
+                _ => Inner::Ready,
+            },
+            fields[2] == "true",
+        )
+    }
+}
+
 fn main() {
     // A child: one case, measured in a fresh process, so the resident set grows from nothing.
     if let Ok(case) = std::env::var("QUEUE_CASE") {
-        let inner = match std::env::var("QUEUE_INNER").as_deref() {
-            Ok("semaphore") => Inner::Semaphore,
-            _ => Inner::Ready,
-        };
+        let setup = Setup::from_env(&std::env::var("QUEUE_SETUP").unwrap());
         let waiters = std::env::var("QUEUE_WAITERS").unwrap().parse().unwrap();
-        let (counted, resident, drain) = child(&case, inner, waiters);
+        let (counted, resident, drain) = child(&case, setup, waiters);
         println!("{counted} {resident} {}", drain.as_nanos());
         return;
     }
@@ -222,14 +361,11 @@ fn main() {
         return;
     }
     let exe = std::env::current_exe().unwrap();
-    for inner in [Inner::Semaphore, Inner::Ready] {
+    for setup in Setup::ALL {
         for waiters in [10_000_usize, 100_000] {
             println!(
-                "\n{waiters} operations queued behind a limit of 1, inner future: {}",
-                match inner {
-                    Inner::Semaphore => "awaits a semaphore",
-                    Inner::Ready => "ready at once",
-                }
+                "\n{waiters} operations queued behind a limit of 1, {}",
+                setup.describe()
             );
             println!(
                 "  {:<16} {:>9} {:>7} {:>9} {:>7} {:>12} {:>7} {:>8}",
@@ -246,14 +382,7 @@ fn main() {
             for case in CASES {
                 let output = std::process::Command::new(&exe)
                     .env("QUEUE_CASE", case)
-                    .env(
-                        "QUEUE_INNER",
-                        if inner == Inner::Semaphore {
-                            "semaphore"
-                        } else {
-                            "ready"
-                        },
-                    )
+                    .env("QUEUE_SETUP", setup.to_env())
                     .env("QUEUE_WAITERS", waiters.to_string())
                     .output()
                     .unwrap();

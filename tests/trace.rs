@@ -236,22 +236,31 @@ async fn a_request_turned_away_at_once_counts_the_waiters_ahead_of_it() {
     let telemetry = Telemetry::new();
     let limit = verifiers(1);
     let rest = Router::new()
-        .route("/waits", slow().layer(verify_layer(&telemetry, &limit)))
-        .route("/rejected", slow().layer(verify_layer(&telemetry, &limit)));
+        .route(
+            "/waits-ahead",
+            slow().layer(verify_layer(&telemetry, &limit)),
+        )
+        .route(
+            "/turned-away",
+            slow().layer(verify_layer(&telemetry, &limit)),
+        );
     let held = serve_held(&telemetry, &limit, rest).await;
     let addr = held.addr;
-    let waiting = tokio::spawn(async move { Client::open(addr).await.get("/waits").await });
+    let waiting = tokio::spawn(async move { Client::open(addr).await.get("/waits-ahead").await });
     eventually("one request waits", || limit.queued() == 1).await;
-    assert_eq!(Client::open(held.addr).await.get("/rejected").await.0, 503);
+    assert_eq!(
+        Client::open(held.addr).await.get("/turned-away").await.0,
+        503
+    );
     held.release().await;
     assert_eq!(waiting.await.unwrap().0, 200);
 
-    let trace = traces.trace_of("/rejected", 1).await;
+    let trace = traces.trace_of("/turned-away", 1).await;
     let attrs = attributes(wait_of(&trace));
     assert_eq!(attrs[WAIT_ATTRIBUTE], "rejected", "{attrs:?}");
     assert_eq!(attrs[REJECTION_ATTRIBUTE], "queue_full", "{attrs:?}");
     assert_eq!(attrs[QUEUED_AHEAD_ATTRIBUTE], "1", "{attrs:?}");
-    let waited = traces.trace_of("/waits", 2).await;
+    let waited = traces.trace_of("/waits-ahead", 2).await;
     let attrs = attributes(wait_of(&waited));
     assert_eq!(
         attrs[QUEUED_AHEAD_ATTRIBUTE], "0",

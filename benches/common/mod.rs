@@ -650,7 +650,7 @@ where
     S::Future: Send,
     S::Error: std::fmt::Debug,
 {
-    rt.block_on(tasks_through(service, iters, 1))
+    rt.block_on(tasks_through(service, 64, iters, 1))
 }
 
 /// Time per operation with 64 tasks through one limit of 4 on 2 workers.
@@ -663,31 +663,52 @@ where
     S::Future: Send,
     S::Error: std::fmt::Debug,
 {
-    // At least this many operations per task and sample, so a sample measures the steady state
-    // rather than a runtime starting up.
-    const MIN_PER_TASK: u64 = 256;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .build()
-        .unwrap();
-    let elapsed = rt.block_on(tasks_through(service, iters, MIN_PER_TASK));
-    // Wait for the workers to stop, so they do not compete with the next sample's.
-    drop(rt);
-    elapsed
+    contended_on(2, 64, service, iters)
 }
 
-/// 64 tasks, each running `iters / 64` operations (rounded up, and at least `min_per_task`)
-/// through its own `clone().oneshot()` of `service`: the time, scaled back to `iters`.
-async fn tasks_through<S>(service: S, iters: u64, min_per_task: u64) -> Duration
+/// A server's setup: 8 worker threads (more than the cores, as a server configured for its
+/// largest host runs on a smaller one) and 256 requests in flight, each a task.
+pub fn server_run<S>(service: S, iters: u64) -> Duration
 where
     S: Service<()> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: std::fmt::Debug,
 {
-    const TASKS: u64 = 64;
-    let per_task = iters.div_ceil(TASKS).max(min_per_task);
+    contended_on(8, 256, service, iters)
+}
+
+/// `tasks` tasks on `workers` worker threads, through `service`, for `iters` operations.
+fn contended_on<S>(workers: usize, tasks: u64, service: S, iters: u64) -> Duration
+where
+    S: Service<()> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug,
+{
+    // At least this many operations per task and sample, so a sample measures the steady state
+    // rather than a runtime starting up.
+    const MIN_PER_TASK: u64 = 256;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .build()
+        .unwrap();
+    let elapsed = rt.block_on(tasks_through(service, tasks, iters, MIN_PER_TASK));
+    // Wait for the workers to stop, so they do not compete with the next sample's.
+    drop(rt);
+    elapsed
+}
+
+/// `tasks` tasks, each running `iters / tasks` operations (rounded up, and at least
+/// `min_per_task`) through its own `clone().oneshot()` of `service`: the time, scaled back to
+/// `iters`.
+async fn tasks_through<S>(service: S, tasks: u64, iters: u64, min_per_task: u64) -> Duration
+where
+    S: Service<()> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug,
+{
+    let per_task = iters.div_ceil(tasks).max(min_per_task);
     let start = Instant::now();
-    let tasks: Vec<_> = (0..TASKS)
+    let handles: Vec<_> = (0..tasks)
         .map(|_| {
             let service = service.clone();
             tokio::spawn(async move {
@@ -697,12 +718,12 @@ where
             })
         })
         .collect();
-    for task in tasks {
-        task.await.unwrap();
+    for handle in handles {
+        handle.await.unwrap();
     }
     start
         .elapsed()
-        .mul_f64(iters as f64 / (per_task * TASKS) as f64)
+        .mul_f64(iters as f64 / (per_task * tasks) as f64)
 }
 
 // ---------------------------------------------------------------------------------------------

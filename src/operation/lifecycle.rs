@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::clock::Tick;
 use super::deadline::Budget;
 use super::outcome::Ending;
 use super::record::{Marks, Record, Stage};
@@ -410,7 +411,7 @@ impl<A: Acquire> Lifecycle<A> {
             self.record = Some(Record {
                 series: None,
                 stage: Stage::Admitted {
-                    at: guarded(Instant::now),
+                    at: Tick::of(guarded(Instant::now)),
                     queued_us: 0,
                     key,
                     marks: Marks::new(false),
@@ -469,7 +470,7 @@ impl<A: Acquire> Lifecycle<A> {
         self.record = Some(Record {
             series: series.cloned(),
             stage: Stage::Waiting {
-                since: guarded(Instant::now),
+                since: Tick::of(guarded(Instant::now)),
                 deadline: Budget::new(guarded(deadline).flatten()),
                 key,
             },
@@ -486,7 +487,7 @@ impl<A: Acquire> Lifecycle<A> {
         }
         // Built in place: a record built aside and moved here is copied in wide loads that wait
         // for the narrow stores just made to it.
-        let at = guarded(Instant::now);
+        let at = Tick::of(guarded(Instant::now));
         if let Some(series) = series {
             series.admit(false);
         }
@@ -609,8 +610,13 @@ impl<A: Acquire, K> Drop for Running<'_, '_, A, K> {
     fn drop(&mut self) {
         if let Some(previous) = self.previous {
             let chosen = scope::leave(previous);
+            // Written only when the work chose anew: a record is moved right after its work
+            // returns (into the response future), and a byte just written would stall the wide
+            // loads that move it.
             if let Some(record) = &mut self.operation.record {
-                record.choose(chosen);
+                if record.chosen() != chosen {
+                    record.choose(chosen);
+                }
             }
         }
         if !self.returned {

@@ -21,6 +21,7 @@
 //!   and the limit whose place it holds);
 //! - [`trace`]: its spans.
 
+mod clock;
 mod deadline;
 mod lifecycle;
 mod outcome;

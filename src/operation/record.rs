@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::clock::Tick;
 use super::deadline::Budget;
 use super::outcome::{decide, Ending};
 use super::trace::Trace;
@@ -16,9 +17,9 @@ use crate::metrics::Series;
 
 /// What an operation records, at the stage it is at.
 ///
-/// Five words: its series, its stage (the stage's clock, two words, and the small facts the
-/// stage needs in the third), and its spans (a null word without any, none without the
-/// `tracing` feature), so that a queued request's task stays within tower's size class.
+/// Three words: its series, and its stage (the stage's clock, and the small facts the stage
+/// needs), so that a queued request's task keeps tower's size; the `tracing` feature adds its
+/// spans' word (null without any).
 pub(super) struct Record<K> {
     /// `None` with metrics off: the operation is timed for its limit, or its spans, alone.
     pub(super) series: Option<Series>,
@@ -27,14 +28,13 @@ pub(super) struct Record<K> {
     pub(super) trace: Trace,
 }
 
-/// Where a recorded operation stands, with what it needs at that stage. Each stage's clock is
-/// on tokio's clock (so that a paused clock is followed), `None` if it could not be read
-/// (tokio's paused clock panics once its runtime's thread-locals are gone).
+/// Where a recorded operation stands, with what it needs at that stage. Each stage's clock is a
+/// [`Tick`] of tokio's clock.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Stage<K> {
     /// Waiting for its permit, since `since`: counted in `queued`.
     Waiting {
-        since: Option<Instant>,
+        since: Tick,
         /// How long after it started to wait a drop is past the server's deadline.
         deadline: Budget,
         key: SeriesKey,
@@ -43,7 +43,7 @@ pub(super) enum Stage<K> {
     /// recorded when it is called; dropped before that, its caller left before its work began,
     /// and it is abandoned.
     Admitted {
-        at: Option<Instant>,
+        at: Tick,
         /// How long it waited, in microseconds (saturated).
         queued_us: u32,
         key: SeriesKey,
@@ -51,7 +51,7 @@ pub(super) enum Stage<K> {
     },
     /// Called at some time after its admission at `at`: its work runs.
     Called {
-        at: Option<Instant>,
+        at: Tick,
         /// How long after its admission a drop is past its caller's deadline.
         deadline: Budget,
         key: SeriesKey,
@@ -101,13 +101,11 @@ impl Marks {
     }
 }
 
-/// The time from `from` to `to`: 0 if either is not known, or `to` is earlier.
+/// Tokio's clock now, as a tick and as an instant (`None` if it cannot be read).
 #[inline]
-pub(super) fn between(from: Option<Instant>, to: Option<Instant>) -> Duration {
-    match (from, to) {
-        (Some(from), Some(to)) => to.saturating_duration_since(from),
-        _ => Duration::ZERO,
-    }
+fn now() -> (Tick, Option<Instant>) {
+    let now = guarded(Instant::now);
+    (Tick::of(now), now)
 }
 
 /// A queue time in the microseconds a stage keeps.
@@ -141,9 +139,9 @@ impl<K> Record<K> {
         let Stage::Waiting { since, key, .. } = self.stage else {
             return;
         };
-        let now = guarded(Instant::now);
+        let (now, _) = now();
         // Kept in whole microseconds until it is recorded: its span says the same.
-        let queued_us = micros(between(since, now));
+        let queued_us = micros(since.until(now));
         if let Some(series) = &self.series {
             series.admit(true);
         }
@@ -296,7 +294,8 @@ impl<K> Record<K> {
             Stage::Called { at, key, marks, .. } => (at, key, marks),
             Stage::Waiting { .. } | Stage::Ended => return None,
         };
-        let now = guarded(Instant::now);
+        let (now, instant) = now();
+        let ran = at.until(now);
         let outcome = decide(
             marks.chosen(),
             end,
@@ -307,20 +306,19 @@ impl<K> Record<K> {
             || match self.stage {
                 // Only a called operation has its caller's deadline.
                 Stage::Called { deadline, .. } => {
-                    at.is_some() && now.is_some() && deadline.is_past(between(at, now))
+                    at.is_known() && now.is_known() && deadline.is_past(ran)
                 }
                 _ => false,
             },
         );
         self.stage = Stage::Ended;
-        let ran = between(at, now);
         // Recorded inside the run span, if there is one, which then ends.
         if self.trace.is_some() {
             self.end_traced(outcome, ran);
         } else if let Some(series) = &self.series {
             series.end(outcome, ran);
         }
-        marks.heard().then(|| Ended::of(key, outcome, ran, now))
+        marks.heard().then(|| Ended::of(key, outcome, ran, instant))
     }
 
     /// [`end`](Self::end)'s record, inside the run span, which then ends (out of line: most
@@ -357,7 +355,7 @@ impl<K> Record<K> {
             return;
         };
         self.stage = Stage::Ended;
-        let waited = between(since, guarded(Instant::now));
+        let waited = since.until(now().0);
         let past_deadline = deadline.is_past(waited);
         if self.trace.is_some() {
             let rejection = past_deadline.then_some(Rejection::Deadline);
@@ -375,7 +373,7 @@ impl<K> Record<K> {
     /// spans, which say so.
     pub(super) fn refused(self) -> (Option<Series>, Option<Duration>, Trace) {
         let waited = match self.stage {
-            Stage::Waiting { since, .. } => Some(between(since, guarded(Instant::now))),
+            Stage::Waiting { since, .. } => Some(since.until(now().0)),
             _ => None,
         };
         (self.series, waited, self.trace)
@@ -396,7 +394,7 @@ mod tests {
         Record {
             series: None,
             stage: Stage::Admitted {
-                at: Some(at),
+                at: Tick::of(Some(at)),
                 queued_us: micros(queued),
                 key: key(),
                 marks: Marks::new(true),
@@ -422,16 +420,6 @@ mod tests {
     }
 
     #[test]
-    fn a_time_between_two_instants_is_zero_when_either_is_unknown_or_the_end_is_earlier() {
-        let at = Instant::now();
-        let (earlier, later) = (Some(at - ms(5)), Some(at + ms(5)));
-        assert_eq!(between(earlier, later), ms(10));
-        assert_eq!(between(later, earlier), Duration::ZERO);
-        assert_eq!(between(None, later), Duration::ZERO);
-        assert_eq!(between(earlier, None), Duration::ZERO);
-    }
-
-    #[test]
     fn an_operation_dropped_before_it_was_called_is_abandoned_and_heard_by_no_limit() {
         let mut record = admitted(Instant::now(), ms(5));
         assert_eq!(record.end(Ending::Dropped, |()| None), None);
@@ -450,18 +438,19 @@ mod tests {
         }
     }
 
-    /// A record's clocks ride in its stage: it must stay five words with its spans' word (four
-    /// without), or a queued request's task outgrows tokio's 256-byte cell.
+    /// A record's clock rides in its stage: it must stay three words (four with the spans'
+    /// word of the `tracing` feature), or a queued request's task outgrows tower's size class
+    /// (tokio's task cells grow 128 bytes at a time).
     #[test]
-    fn a_record_with_its_clock_stays_four_words_and_its_spans() {
+    fn a_record_with_its_clock_stays_three_words_and_its_spans() {
         let words = |bytes: usize| bytes / std::mem::size_of::<usize>();
         let trace = words(std::mem::size_of::<Trace>());
-        assert_eq!(words(std::mem::size_of::<Option<Record<()>>>()), 4 + trace);
+        assert_eq!(words(std::mem::size_of::<Option<Record<()>>>()), 3 + trace);
         assert_eq!(
             words(std::mem::size_of::<
                 Option<Record<Option<crate::classify::DefaultClassifier>>>,
             >()),
-            4 + trace
+            3 + trace
         );
     }
 }
