@@ -1,7 +1,6 @@
 //! Mistakes that would otherwise record nothing, or the wrong thing, without a word: each is
 //! reported once per process, as a `tracing` warning to the subscriber in place (with the
-//! `tracing` feature, on by default), or on standard error when there is none, or without the
-//! feature.
+//! `tracing` feature), or on standard error when there is none, or without the feature.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -56,7 +56,7 @@ pin_project! {
 }
 
 impl<F: Future, C, L: Acquire, E> ResponseFuture<F, C, L, E> {
-    #[inline]
+    #[inline(always)]
     pub(crate) fn called(inner: F, operation: Lifecycle<L, Option<C>>) -> Self {
         Self {
             state: State::Called { inner, operation },
@@ -82,7 +82,7 @@ where
 {
     type Output = Result<Res, Err>;
 
-    #[inline]
+    #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().state.project() {
             StateProj::Called { inner, operation } => {
@@ -106,7 +106,7 @@ where
 {
     type Output = Result<http::Response<OperationBody<B, L>>, Err>;
 
-    #[inline]
+    #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().state.project() {
             StateProj::Called { inner, operation } => {

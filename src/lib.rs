@@ -361,8 +361,8 @@
 //! # In the request's trace
 //!
 //! The metrics say that a limit binds; a trace says which request waited, how long, and behind
-//! how many. With the `tracing` feature (on by default), every operation makes, at `DEBUG`
-//! level under the target `tower_resources_operation`:
+//! how many. With the `tracing` feature (off by default: it adds a word to every operation),
+//! every operation makes, at `DEBUG` level under the target `tower_resources_operation`:
 //!
 //! - a **wait span**, [`WAIT_SPAN`](names::WAIT_SPAN), from the moment it starts to wait for
 //!   its limit until it is admitted, turned away or abandoned. Every operation that waits, or
@@ -398,8 +398,7 @@
 //! tower-http's `TraceLayer` request spans by default, a filter that shows those shows these
 //! under them, and one that hides them hides these too. Filtered out, or with no subscriber, an
 //! operation reads one word, `tracing`'s max level. To leave them out whatever the level,
-//! filter the target: `tower_resources_operation=info`; to build without them, turn the
-//! `tracing` feature off.
+//! filter the target: `tower_resources_operation=info`.
 //!
 //! **Exemplars.** The queue-time histogram is recorded while the wait span is entered (the run
 //! span, for an operation that did not wait), and the run-time histogram while the run span

@@ -227,12 +227,12 @@ where
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, C, L>;
 
-    #[inline]
+    #[inline(always)]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.poll_admitted(cx)
     }
 
-    #[inline]
+    #[inline(always)]
     fn call(&mut self, request: Request) -> Self::Future {
         self.call_admitted(request)
     }
@@ -251,12 +251,12 @@ where
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, C, L, AtBodyEnd>;
 
-    #[inline]
+    #[inline(always)]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.poll_admitted(cx)
     }
 
-    #[inline]
+    #[inline(always)]
     fn call(&mut self, request: Request) -> Self::Future {
         self.call_admitted(request)
     }

@@ -118,7 +118,7 @@ impl<A: Acquire, K> Lifecycle<A, K> {
     /// Ends the admitted operation as `end` says, asking `classify` for the outcome if its work
     /// returned; records it and tells the limit, then gives the permit back. Only the first end
     /// counts.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn end(&mut self, end: Ending, classify: impl FnOnce(&K) -> Option<Outcome>) {
         if self.record.is_some() {
             self.record_end(end, classify, None);
@@ -129,7 +129,7 @@ impl<A: Acquire, K> Lifecycle<A, K> {
     /// Ends the operation as [`end`](Self::end) does, but keeps its permit until the lifecycle
     /// is dropped: a response future's, which `.await` drops as it completes (tower's limit
     /// frees its permit there too).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn finish(&mut self, end: Ending, classify: impl FnOnce(&K) -> Option<Outcome>) {
         if self.record.is_some() {
             self.record_end(end, classify, None);
@@ -172,7 +172,7 @@ impl<A: Acquire, K> Lifecycle<A, K> {
     /// that a panic in it drops: recording, it is [`run`](Self::run); with nothing to record,
     /// the work is polled with only its limit's place published ([`scope::holds`]), and the
     /// drop that follows a panic gives the permit back.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn poll<R>(&mut self, work: impl FnOnce() -> R) -> R {
         if self.record.is_none() {
             let _holding = Holding::enter(self.permit.as_ref().and_then(A::id_of));
@@ -186,7 +186,7 @@ impl<A: Acquire, K> Lifecycle<A, K> {
     /// this operation's outcome, and a panic ends it as [`Outcome::Crashed`], giving its permit
     /// back, before the panic goes on. Outside the run span: readiness is no work of the
     /// operation's.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn run<R>(&mut self, work: impl FnOnce() -> R) -> R {
         if self.record.is_none() {
             // Nothing to record: only its place is published, and a panic drops its permit.
@@ -206,14 +206,14 @@ impl<A: Acquire, K> Lifecycle<A, K> {
     /// its limit's place: layers inside it that share the limit asked for their place in
     /// `poll_ready`, where it was published, and the future the call returns is polled as this
     /// operation's.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn call<R>(&mut self, work: impl FnOnce() -> R) -> R {
         self.run_as(None, false, work)
     }
 
     /// [`run`](Self::run), for an operation whose permit is `lent` to its work (see
     /// [`lend_permit`](Self::lend_permit)): a panic is told to the limit through it.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn run_lent<R>(&mut self, lent: Option<&A::Permit>, work: impl FnOnce() -> R) -> R {
         self.run_as(lent, true, work)
     }
@@ -305,7 +305,7 @@ impl<A: Acquire, K> Lifecycle<A, K> {
 }
 
 impl<A: Acquire, K> Drop for Lifecycle<A, K> {
-    #[inline]
+    #[inline(always)]
     fn drop(&mut self) {
         if self.record.is_some() {
             self.dropped();
@@ -540,7 +540,7 @@ impl<A: Acquire> Lifecycle<A> {
     /// outcome and the caller's deadline, which `carried` makes only if there is something to
     /// record (`None` for a classifier that could not be made: the outcome is then `error`).
     /// The lifecycle it leaves behind has not asked yet.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn called<'c, K>(
         &mut self,
         carried: impl FnOnce() -> (K, Option<Duration>),

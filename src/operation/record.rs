@@ -159,7 +159,7 @@ impl<K> Record<K> {
     /// it asked: its queue sample is recorded (inside its wait span, or its run span, if it has
     /// one), and it keeps how long it may run before a drop is past that deadline. `None` for
     /// an operation that was not admitted.
-    #[inline]
+    #[inline(always)]
     pub(super) fn called<'c, J>(
         mut self,
         decides: J,
@@ -191,7 +191,7 @@ impl<K> Record<K> {
     }
 
     /// Records the queue sample of an operation that goes on to run (or ends as it is called).
-    #[inline]
+    #[inline(always)]
     fn record_queue<'c>(&mut self, key: SeriesKey, queued: Duration, limit: impl LimitOf<'c>) {
         if self.trace.is_some() || Trace::may_trace() {
             return self.record_queue_traced(key, queued, limit);
