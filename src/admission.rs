@@ -60,6 +60,7 @@ pub(crate) enum Admit {
 }
 
 impl<L: Acquire> Admission<L> {
+    #[inline]
     pub(crate) fn new() -> Self {
         Self {
             boxed: ManuallyDrop::new(None),

@@ -63,6 +63,7 @@ impl<S> ResourcesOperation<S> {
 }
 
 impl<S, C, L: Acquire, P, E> ResourcesOperation<S, C, L, P, E> {
+    #[inline]
     pub(crate) fn from_config(inner: S, config: Arc<Config<C, L, P>>) -> Self {
         Self {
             inner,
@@ -264,6 +265,7 @@ where
 
 impl<S: Clone, C, L: Acquire, P, E> Clone for ResourcesOperation<S, C, L, P, E> {
     /// Shares the limit and the metrics; the clone starts without a permit.
+    #[inline]
     fn clone(&self) -> Self {
         Self::from_config(self.inner.clone(), Arc::clone(&self.config))
     }

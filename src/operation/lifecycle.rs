@@ -67,6 +67,7 @@ pub(crate) enum Free {
 
 impl<A: Acquire, K> Lifecycle<A, K> {
     /// An operation that has not asked yet.
+    #[inline]
     pub(crate) fn new() -> Self {
         Self {
             record: None,
