@@ -24,7 +24,7 @@ use support::prometheus::{
 /// `queued`, `active` and `limit` gauges, the `rejected` and `abandoned` counters (monotonic
 /// sums, to which the exporter appends `_total`), a named limit's `capacity`, `active` and
 /// `queued`, and an adaptive limit's baseline and estimated run time.
-const SERIES: [&str; 16] = [
+const SERIES: [&str; 17] = [
     "gym_resources_operation_queue_duration_ms_bucket",
     "gym_resources_operation_queue_duration_ms_sum",
     "gym_resources_operation_queue_duration_ms_count",
@@ -41,6 +41,8 @@ const SERIES: [&str; 16] = [
     "gym_resources_limit_queued",
     "gym_resources_limit_adaptive_baseline_ms",
     "gym_resources_limit_adaptive_estimate_ms",
+    // The fleet limit's (tower-resources-operation-redis): places held by members not heard from.
+    "gym_resources_limit_unheard",
 ];
 
 /// The histograms' series, the first six of [`SERIES`]: named `..._ms_bucket` with

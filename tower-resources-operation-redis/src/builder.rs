@@ -11,6 +11,7 @@ use tower_resources_operation::limit::Capacity;
 
 use crate::error::Error;
 use crate::fleet::background::Background;
+use crate::fleet::books::new_token;
 use crate::fleet::control::{AdaptiveSettings, FleetControl};
 use crate::fleet::member::{Handle, Member, Settings, Unreachable};
 use crate::limit::RedisLimit;
@@ -34,7 +35,7 @@ impl RedisLimit {
     ///
     /// # Panics
     ///
-    /// If `name` cannot name a limit ([`check_name`] says why), as `LimitBuilder::name` of
+    /// If `name` cannot name a limit (the message says why), as `LimitBuilder::name` of
     /// `tower-resources-operation` does, or if `capacity` is 0, as `Limit::new(0)` does.
     #[track_caller]
     pub fn builder(name: impl Into<Cow<'static, str>>, capacity: usize) -> RedisLimitBuilder {
@@ -82,7 +83,8 @@ impl RedisLimit {
 pub struct RedisLimitBuilder {
     name: Arc<str>,
     capacity: usize,
-    lease_ttl: Duration,
+    /// `None`: the default, 2 s, or three call timeouts if that is longer.
+    lease_ttl: Option<Duration>,
     call_timeout: Duration,
     fallback_poll: Duration,
     /// `None`: 250 ms, or a third of the TTL if that is shorter.
@@ -112,7 +114,7 @@ impl RedisLimitBuilder {
         Self {
             name: Arc::from(name),
             capacity,
-            lease_ttl: Duration::from_secs(10),
+            lease_ttl: None,
             call_timeout: Duration::from_millis(500),
             fallback_poll: Duration::from_secs(1),
             claim_timeout: None,
@@ -126,12 +128,12 @@ impl RedisLimitBuilder {
         }
     }
 
-    /// How long a held place outlives a process that stops extending it (see
-    /// [choosing the TTL](crate#choosing-the-lease-ttl)). Defaults to 10 s; at least three
-    /// times the call timeout, and at least 30 ms (checked when the limit is built, whatever
-    /// the order of the settings).
+    /// How long a held place outlives a member that stops extending it (see
+    /// [choosing the TTL](crate#choosing-the-lease-ttl)). Defaults to 2 s, or to three call
+    /// timeouts if that is longer; at least three times the call timeout, and at least 30 ms
+    /// (checked when the limit is built, whatever the order of the settings).
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
-        self.lease_ttl = ttl;
+        self.lease_ttl = Some(ttl);
         self
     }
 
@@ -336,22 +338,26 @@ impl RedisLimitBuilder {
         address: impl Into<Address>,
     ) -> Result<(RedisLimit, Background), Error> {
         let name = Arc::clone(&self.name);
+        let shortest = (self.call_timeout * 3).max(Duration::from_millis(30));
+        let lease_ttl = self
+            .lease_ttl
+            .unwrap_or_else(|| Duration::from_secs(2).max(self.call_timeout * 3));
         assert!(
-            self.lease_ttl >= self.call_timeout * 3 && self.lease_ttl >= Duration::from_millis(30),
+            lease_ttl >= shortest,
             "tower-resources-operation-redis: the fleet limit {name:?}'s lease TTL ({:?}) must \
-             be at least three call timeouts ({:?}), and at least 30 ms",
-            self.lease_ttl,
+             be at least {shortest:?}: three call timeouts of {:?}, and at least 30 ms",
+            lease_ttl,
             self.call_timeout
         );
         let claim_timeout = self
             .claim_timeout
-            .unwrap_or_else(|| Duration::from_millis(250).min(self.lease_ttl / 3));
+            .unwrap_or_else(|| Duration::from_millis(250).min(lease_ttl / 3));
         assert!(
-            claim_timeout * 3 <= self.lease_ttl,
+            claim_timeout * 3 <= lease_ttl,
             "tower-resources-operation-redis: the fleet limit {name:?}'s claim timeout ({:?}) \
              must be at most a third of its lease TTL ({:?})",
             claim_timeout,
-            self.lease_ttl
+            lease_ttl
         );
         let keys = Keys::new(&self.key_prefix, &name);
         let (events, heard) = unbounded_channel();
@@ -368,11 +374,12 @@ impl RedisLimitBuilder {
             transport,
             redis_store::Settings {
                 capacity: self.capacity,
-                lease_ttl: self.lease_ttl,
+                lease_ttl,
                 claim_timeout,
                 max_queued: self.max_queued,
             },
         );
+        let token = new_token();
         let member = Arc::new(Member::new(
             store,
             Settings {
@@ -381,14 +388,15 @@ impl RedisLimitBuilder {
                 overwrite: self.overwrite_capacity,
                 max_queued: self.max_queued,
                 unreachable: self.unreachable,
-                lease_ttl: self.lease_ttl,
+                lease_ttl,
                 call_timeout: self.call_timeout,
-                fallback_poll: self.fallback_poll.min(self.lease_ttl / 3),
+                fallback_poll: self.fallback_poll.min(lease_ttl / 3),
                 claim_timeout,
             },
+            Arc::clone(&token),
             self.adaptive.map(|mut adaptive| {
                 adaptive.tick = self.adaptive_tick;
-                FleetControl::new(adaptive, self.call_timeout, self.lease_ttl)
+                FleetControl::new(adaptive, &token, self.call_timeout, lease_ttl)
             }),
         ));
         let (releases, released) = unbounded_channel();

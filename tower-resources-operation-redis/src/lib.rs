@@ -70,7 +70,7 @@
 //! - **Leases.** A held place is a lease: an id in a sorted set, scored by when it expires on
 //!   the server's clock. The background task extends all the process's leases and tickets of a
 //!   limit in one call, every third of the lease TTL. A process killed with `kill -9` stops
-//!   extending them: its places come back within the TTL.
+//!   extending them: its places come back within the TTL (2 s by default).
 //! - **A fair queue across the fleet.** An operation that finds no free place takes a ticket:
 //!   an id in a second sorted set, scored by order of arrival (with its own expiry in a third).
 //!   A place that frees up goes to the first ticket, whichever process holds it: first come,
@@ -109,20 +109,27 @@
 //! longest time without a success is about 390 ms, with a TTL of 3 s or of 10 s (before the
 //! claims, the whole TTL).
 //!
-//! A replica killed while it holds places gives them back when their leases expire: within the
-//! TTL. A replica's pause cannot be told from its death any sooner, and a lease taken from a
-//! replica that only paused would be a place given twice.
+//! A replica killed while it holds places gives them back when their leases expire: within a
+//! lease TTL of its last refresh, 2 s by default. Until then its places read in
+//! `gym.resources.limit.unheard` (places held by members the fleet has not heard from within
+//! half a TTL, in every replica's metrics), so the stall reads as what it is, not as a saturated
+//! limit with nothing running. `tests/fleet_changes.rs` kills a replica holding every place
+//! of the fleet: the survivors' next success comes 1.3-2.7 s later with the defaults.
 //!
 //! # Choosing the lease TTL
 //!
-//! The TTL is how long the fleet waits for a process that died before it hands its places to
-//! others, so shorter is better, down to what pauses allow: a lease is extended every TTL/3,
-//! so a process that stops for longer than about two thirds of the TTL (a long GC-like pause, a
-//! frozen VM, Redis unreachable) loses its leases. The default, 10 s, gives back a dead
-//! replica's places within 10 s and tolerates pauses of about 6 s. Keep it at least three times
-//! the [call timeout](RedisLimitBuilder::call_timeout) (the builder checks), give every replica
-//! the same TTL (a place handed to a waiter gets the TTL of the process that frees it), and
-//! remember that the refresh costs one call per process per TTL/3.
+//! The TTL is how long the fleet waits for a member that stopped refreshing before it hands its
+//! places to others: a member that died, or one that paused. A lease is extended every TTL/3,
+//! so a member that stops for longer than about two thirds of the TTL (a frozen VM, a runtime
+//! whose threads are all blocked, Redis unreachable) loses its leases: they go to waiters, its
+//! running operations finish above the capacity, and each loss is counted in
+//! `gym.resources.limit.leases_lost` (no place is knowingly given twice). The default, 2 s,
+//! gives back a dead replica's places within 2 s and tolerates pauses of about 1.3 s, at one
+//! refresh per member every 667 ms. A fleet whose members pause longer (a stop-the-world
+//! runtime, a host that freezes) should take a longer TTL, and pay for it after a death. Keep
+//! it at least three [call timeouts](RedisLimitBuilder::call_timeout) (the builder checks), and
+//! give every replica the same TTL (a place handed to a waiter gets the TTL of the member that
+//! frees it).
 //!
 //! # Failures, and how each is answered
 //!
@@ -143,7 +150,7 @@
 //! | a lease lost while its operation runs (Redis restarted, a long pause) | the operation runs on; the loss is counted in `gym.resources.limit.leases_lost`; the lease is taken back if its place is still free and nobody waits, and never otherwise, so no place is knowingly given twice |
 //! | Redis restarted in the middle of a load | callers get the configured answer while it is down; the connection comes back by itself (found at the first probe), the capacity is stored again from the builder's, places run on the shares become leases, and each process's books (`queued`, `active`) stay balanced. Without persistence, leases taken before the restart and not refreshed since are lost: operations admitted before it and after may together exceed the capacity until the earlier ones end |
 //! | a release that cannot reach Redis | retried with the refresh for up to a TTL; the lease expires within the TTL anyway |
-//! | a process killed (`kill -9`) | its tickets leave the queue within a claim timeout of its first unclaimed place, its leases expire within the TTL ([above](#members-that-die)) |
+//! | a process killed (`kill -9`) | its tickets leave the queue within a claim timeout of its first unclaimed place, its leases expire within the TTL, 2 s by default, and read as `unheard` until then ([above](#members-that-die)) |
 //!
 //! A limit whose answer may be a turning away says it [may reject](Acquire::may_reject), so a
 //! layer that cannot answer a rejection (the `Plain` protocol) refuses it when it makes its
@@ -392,10 +399,10 @@
 //! # Features
 //!
 //! - `tracing` (default): the outage, recovery and capacity warnings through `tracing` when a
-//!   subscriber is installed (`tower-resources-operation`'s
-//!   [`limit::warn`](tower_resources_operation::limit::warn): its target, each message naming
-//!   the limit); with no subscriber, or without the feature, on standard error. Each is said
-//!   once (an outage once, however many callers meet it).
+//!   subscriber is installed, under this crate's target, `tower_resources_operation_redis`,
+//!   each message naming the limit; with no subscriber, or without the feature, on standard
+//!   error. Each is said once (an outage once, however many callers meet it). It turns on the
+//!   core's `tracing` feature too: each operation's wait and run spans.
 //! - `cluster`: [`Address::cluster`], a Redis Cluster.
 #![forbid(unsafe_code)]
 #![warn(

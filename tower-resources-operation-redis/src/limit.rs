@@ -73,7 +73,7 @@ impl RedisLimit {
     /// The processes alive in the fleet (each one that named the limit and reached Redis
     /// within a lease TTL), as last read; 0 before this process reached Redis.
     pub fn replicas(&self) -> usize {
-        self.handle.member.replicas.load(Ordering::Relaxed)
+        self.handle.member.share.replicas().unwrap_or(0)
     }
 
     /// Whether it runs on this process's share now: Redis is out of reach, and the limit
@@ -84,23 +84,31 @@ impl RedisLimit {
 
     /// Places this process holds now (leases, and places of its share).
     pub fn active(&self) -> usize {
-        self.handle.member.active.load(Ordering::Relaxed)
+        self.handle.member.counts.active.load(Ordering::Relaxed)
     }
 
     /// Operations of this process waiting in the fleet's queue (or for a place of its share)
     /// now.
     pub fn queued(&self) -> usize {
-        self.handle.member.queued.load(Ordering::Relaxed)
+        self.handle.member.counts.queued.load(Ordering::Relaxed)
     }
 
     /// Operations this process admitted without the fleet limit, failing open, so far.
     pub fn failed_open(&self) -> u64 {
-        self.handle.member.failed_open.load(Ordering::Relaxed)
+        self.handle
+            .member
+            .counts
+            .failed_open
+            .load(Ordering::Relaxed)
     }
 
     /// Leases of this process found lost while their operations ran, so far.
     pub fn leases_lost(&self) -> u64 {
-        self.handle.member.leases_lost.load(Ordering::Relaxed)
+        self.handle
+            .member
+            .counts
+            .leases_lost
+            .load(Ordering::Relaxed)
     }
 
     /// The bound on the fleet's queue, if there is one.
@@ -185,13 +193,14 @@ impl RedisLimit {
         self.handle.member.control.as_ref().map(|c| c.bounds())
     }
 
-    /// The fleet's capacity, places held, tickets waiting and replicas alive, read from Redis
-    /// now.
+    /// The fleet's capacity, places held (and of those, by members not heard from), tickets
+    /// waiting and replicas alive, read from Redis now.
     pub async fn fleet(&self) -> Result<Fleet, Error> {
         let state = self.handle.member.state().await?;
         Ok(Fleet {
             capacity: state.capacity,
             active: state.active,
+            unheard: state.unheard,
             queued: state.queued,
             replicas: state.replicas,
         })
@@ -219,6 +228,9 @@ pub struct Fleet {
     /// Places held now, by every process (above `capacity` for a while after it was lowered),
     /// places handed over to a waiter and not yet taken up included.
     pub active: usize,
+    /// Of those, places held by members the fleet has not heard from within half a lease TTL:
+    /// a member that died holding them, until their leases lapse.
+    pub unheard: usize,
     /// Tickets waiting now, from every process.
     pub queued: usize,
     /// Processes alive: each one that named the limit and reached Redis within a lease TTL.

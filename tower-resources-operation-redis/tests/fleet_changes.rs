@@ -53,10 +53,16 @@ fn run_replica(settings: Settings) {
 
 fn build(settings: &Settings) -> RedisLimit {
     let ms = |key: &str| Duration::from_millis(get(settings, key));
-    RedisLimit::builder(NAME, get(settings, "capacity"))
-        .lease_ttl(ms("ttl_ms"))
-        .call_timeout(ms("call_ms"))
-        .fallback_poll(ms("poll_ms"))
+    let builder = RedisLimit::builder(NAME, get(settings, "capacity"));
+    // `defaults`: the lease TTL, call timeout and fallback poll a user gets without setting them.
+    let builder = match settings.get("defaults").map(String::as_str) {
+        Some("1") => builder,
+        _ => builder
+            .lease_ttl(ms("ttl_ms"))
+            .call_timeout(ms("call_ms"))
+            .fallback_poll(ms("poll_ms")),
+    };
+    builder
         .when_unreachable(match settings["unreachable"].as_str() {
             "closed" => Unreachable::Closed,
             "open" => Unreachable::Open,
@@ -131,18 +137,29 @@ async fn stream(limit: &RedisLimit, settings: &Settings) {
             }
         }));
     }
-    // When this replica found Redis again after each outage (ms), as the limit tells it.
+    // When this replica found Redis again after each outage (ms), as the limit tells it; and
+    // the most places it read as held by members not heard from.
     let back = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let unheard = Arc::new(AtomicU64::new(0));
     let watch = {
         let (limit, stop, back) = (limit.clone(), Arc::clone(&stop), Arc::clone(&back));
+        let unheard = Arc::clone(&unheard);
+        let sample_unheard = settings.get("sample_unheard").is_some();
         tokio::spawn(async move {
             let mut on_share = false;
+            let mut sampled = tokio::time::Instant::now();
             while !stop.load(Ordering::Relaxed) {
                 let now = limit.is_on_share();
                 if on_share && !now {
                     back.lock().unwrap().push(now_ms());
                 }
                 on_share = now;
+                if sample_unheard && sampled.elapsed() >= Duration::from_millis(100) {
+                    sampled = tokio::time::Instant::now();
+                    if let Ok(fleet) = limit.fleet().await {
+                        unheard.fetch_max(fleet.unheard as u64, Ordering::Relaxed);
+                    }
+                }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
@@ -162,7 +179,8 @@ async fn stream(limit: &RedisLimit, settings: &Settings) {
     let back = back.lock().unwrap().clone();
     let count = |slot: usize| counts[slot].load(Ordering::Relaxed);
     say(&format!(
-        "RESULT admitted={} unavailable={} queue_full={} other={} active={} queued={} back={}",
+        "RESULT admitted={} unavailable={} queue_full={} other={} active={} queued={} back={} \
+         unheard={}",
         count(0),
         count(1),
         count(2),
@@ -173,6 +191,7 @@ async fn stream(limit: &RedisLimit, settings: &Settings) {
             .map(u64::to_string)
             .collect::<Vec<_>>()
             .join(","),
+        unheard.load(Ordering::Relaxed),
     ));
 }
 
@@ -324,6 +343,70 @@ fn a_replica_killed_while_it_holds_places_and_waits_stalls_the_survivors_for_les
         // Its 2 places come back within the TTL; its tickets leave the queue at once.
         let gap = survivors_after_a_kill(Duration::from_secs(3), 2);
         assert!(gap < 500, "no success for {gap} ms");
+    });
+}
+
+/// A replica holding every place of the fleet is killed, everything at its defaults: the
+/// survivors' first success after the kill, and what they read as held by members not heard
+/// from meanwhile.
+#[test]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
+fn a_replica_killed_holding_every_place_stalls_the_fleet_for_seconds_and_shows_as_unheard() {
+    replica_or(run_replica, || {
+        const CAPACITY: usize = 4;
+        let (redis, observer) = (RedisServer::start_required(), RedisServer::start_required());
+        let base = with(
+            &fleet(&redis, &observer, CAPACITY, Duration::from_secs(2)),
+            &[("defaults", "1"), ("sample_unheard", "1")],
+        );
+        let victim_settings = with(
+            &base,
+            &[
+                ("me", "victim"),
+                ("role", "victim"),
+                ("hold", &CAPACITY.to_string()),
+                ("tickets", "0"),
+            ],
+        );
+        let victim = within_thread("the victim holds", Duration::from_secs(60), move || {
+            let mut victim = Replica::start(&victim_settings);
+            println!("{}", victim.until("VICTIM"));
+            victim
+        });
+        let survivors = start_streams(vec![
+            with(&base, &[("me", "a")]),
+            with(&base, &[("me", "b")]),
+        ]);
+        // The survivors queue behind the victim's places, then it dies.
+        std::thread::sleep(Duration::from_millis(1_000));
+        let killed = now_ms();
+        victim.kill();
+        std::thread::sleep(Duration::from_millis(4_000));
+        let results = stop_all(survivors);
+        let seen = Seen::read(&observer);
+        // A success ends an operation of `work_ms` (100 ms): the first to start after the kill
+        // started that long before it.
+        let first = seen
+            .first_success_after(killed)
+            .map(|at| at.saturating_sub(killed).saturating_sub(100));
+        let unheard = results.iter().map(|r| count(r, "unheard")).max();
+        println!(
+            "defaults: after the kill of the replica holding all {CAPACITY} places, the \
+             survivors' first operation started {first:?} ms later; they read up to {unheard:?} \
+             places held by members not heard from; {results:?}"
+        );
+        let first = first.expect("the survivors run again");
+        assert!(first <= 3_000, "the fleet stalled {first} ms");
+        assert_eq!(
+            unheard,
+            Some(CAPACITY as u64),
+            "the stall read as places held by a member not heard from"
+        );
+        let over = seen
+            .events
+            .iter()
+            .filter(|(_, running)| *running > CAPACITY as i64);
+        assert_eq!(over.count(), 0, "at most {CAPACITY} at once");
     });
 }
 

@@ -1,19 +1,23 @@
 //! This process's books of one fleet limit: the places its permits hold, the places admitted on
-//! its share that the store has not heard of yet, and its waiters, each with the [`Slot`] where
-//! it hears what became of its ticket. Also the ids: unique across the fleet, and each telling
-//! which process it is of.
+//! its share that the store has not heard of yet, its waiters (each with the [`Slot`] where it
+//! hears what became of its ticket), and how many of each ([`Counts`]). Also the ids: unique
+//! across the fleet, and each telling which member of it it is of.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
 
-/// This process's ids of one limit.
-#[derive(Default)]
+/// This member's ids of one limit.
 pub(crate) struct Books {
+    /// This member's token: random, and the same for every id it makes, so that the store can
+    /// tell its ids from another member's (and drop every ticket of a member found dead).
+    token: Arc<str>,
+    /// Ids made so far.
+    made: u64,
     /// Leases held by permits (extended by every refresh).
     pub(crate) held: HashSet<String>,
     /// Places admitted on this process's share while the store was out of reach, still running:
@@ -21,6 +25,62 @@ pub(crate) struct Books {
     pub(crate) unheard: HashSet<String>,
     /// Waiters, by id.
     pub(crate) waiting: HashMap<String, Arc<Slot>>,
+}
+
+impl Books {
+    /// The books of a member whose ids start with `token`.
+    pub(crate) fn new(token: Arc<str>) -> Self {
+        Self {
+            token,
+            made: 0,
+            held: HashSet::new(),
+            unheard: HashSet::new(),
+            waiting: HashMap::new(),
+        }
+    }
+
+    /// A new id, unique across the fleet: this member's token, a colon, and a count.
+    pub(crate) fn next_id(&mut self) -> String {
+        self.made += 1;
+        format!("{}:{}", self.token, self.made)
+    }
+
+    /// Whether `id` is one of this member's.
+    pub(crate) fn is_own(&self, id: &str) -> bool {
+        id.split_once(':')
+            .is_some_and(|(token, _)| token == &*self.token)
+    }
+
+    /// This member's token.
+    pub(crate) fn token(&self) -> &str {
+        &self.token
+    }
+}
+
+/// How many places this member holds and how many of its operations wait, as the metrics and
+/// the share read them; and what it admitted without the limit, or lost.
+#[derive(Debug, Default)]
+pub(crate) struct Counts {
+    /// Places held now (leases, and places of its share).
+    pub(crate) active: AtomicUsize,
+    /// Operations waiting now (in the fleet's queue, or for a place of the share).
+    pub(crate) queued: AtomicUsize,
+    /// Operations admitted without the fleet limit, failing open.
+    pub(crate) failed_open: AtomicU64,
+    /// Leases found lost while their operations ran.
+    pub(crate) leases_lost: AtomicU64,
+}
+
+/// A new member's token: random, for ids no other member of the fleet makes.
+pub(crate) fn new_token() -> Arc<str> {
+    static MADE: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write_u64(MADE.fetch_add(1, Ordering::Relaxed));
+    if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        hasher.write_u128(since.as_nanos());
+    }
+    format!("{:016x}", hasher.finish()).into()
 }
 
 /// Where a waiter hears what became of its ticket. What it hears is a number that only grows
@@ -60,33 +120,6 @@ impl Slot {
     }
 }
 
-/// This process's token: random, and the same for every id the process makes, so that the store
-/// can tell a process's tickets from another's (and drop every ticket of a process found dead).
-pub(crate) fn process_token() -> &'static str {
-    static TOKEN: OnceLock<String> = OnceLock::new();
-    TOKEN.get_or_init(|| {
-        let mut hasher = RandomState::new().build_hasher();
-        hasher.write_u32(std::process::id());
-        if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-            hasher.write_u128(since.as_nanos());
-        }
-        format!("{:016x}", hasher.finish())
-    })
-}
-
-/// A new id, unique across the fleet: this process's token, a colon, and a count.
-pub(crate) fn next_id() -> String {
-    static COUNT: AtomicU64 = AtomicU64::new(0);
-    let count = COUNT.fetch_add(1, Ordering::Relaxed);
-    format!("{}:{count}", process_token())
-}
-
-/// Whether `id` is one of this process's.
-pub(crate) fn is_own(id: &str) -> bool {
-    id.split_once(':')
-        .is_some_and(|(token, _)| token == process_token())
-}
-
 /// Locks `mutex`, whatever a panic left in it (what it guards stays consistent step by step).
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
@@ -99,13 +132,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ids_are_unique_and_say_which_process_they_are_of() {
-        let (a, b) = (next_id(), next_id());
+    fn ids_are_unique_and_say_which_member_they_are_of() {
+        let (mut books, other) = (Books::new(new_token()), Books::new(new_token()));
+        let (a, b) = (books.next_id(), books.next_id());
         assert_ne!(a, b);
-        assert!(is_own(&a) && is_own(&b));
-        assert!(a.starts_with(process_token()));
-        assert!(!is_own("0123456789abcdef:1"));
-        assert!(!is_own("no-colon"));
+        assert!(books.is_own(&a) && books.is_own(&b));
+        assert!(a.starts_with(books.token()));
+        assert!(!other.is_own(&a), "another member's");
+        assert!(!books.is_own("no-colon"));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use tower_resources_operation::adaptive::{Adaptive, Sample, Window};
 use tower_resources_operation::limit::Ended;
 
-use super::books::{lock, next_id};
+use super::books::lock;
 
 /// An atomic duration's "none".
 const NONE: u64 = u64::MAX;
@@ -60,15 +60,17 @@ pub(crate) struct FleetControl {
 }
 
 impl FleetControl {
+    /// The controller of the member whose ids start with `token`.
     pub(crate) fn new(
         settings: AdaptiveSettings,
+        token: &str,
         call_timeout: Duration,
         lease_ttl: Duration,
     ) -> Self {
         let leader_ttl = (call_timeout * 3).max(settings.tick * 10).min(lease_ttl);
         Self {
             settings,
-            id: next_id(),
+            id: format!("{token}:leader"),
             leader_ttl,
             tally: Mutex::default(),
             decreased: AtomicU64::new(0),
@@ -268,6 +270,7 @@ mod tests {
         };
         FleetControl::new(
             settings,
+            "0123456789abcdef",
             Duration::from_millis(500),
             Duration::from_secs(10),
         )

@@ -1,22 +1,24 @@
 //! [`Member`]: one process's part in a fleet limit: its settings, its store, its books, its
-//! health, what it knows of the fleet (capacity, replicas), and each step it takes on the store
-//! with what that step changes here. [`Handle`]: what the limit's handles, waiters and places
-//! share, which the background task outlives by nothing.
+//! health, what it knows of the fleet, and each step it takes on the store with what that step
+//! changes here. Its share ([`share`](super::share)) and its checks of the fleet's settings
+//! ([`checks`](super::checks)) are in files of their own. [`Handle`]: what the limit's handles,
+//! waiters and places share, which the background task outlives by nothing.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::mpsc::UnboundedSender;
-use tokio::sync::{Notify, OnceCell};
 use tokio::time::Instant;
 use tower_resources_operation::limit::{Capacity, Reading, Scope};
 
-use super::books::{is_own, lock, process_token, Books, Slot, ASK, GRANTED};
+use super::books::{lock, Books, Counts, Slot, ASK, GRANTED};
+use super::checks::Checks;
 use super::control::FleetControl;
 use super::doorbell::Doorbell;
 use super::health::{Change, Health};
+use super::share::Share;
 use super::store::{Answer, Event, Refresh, State, Status, Store};
 use crate::error::Error;
 use crate::log::{inform, warn};
@@ -66,59 +68,47 @@ pub(crate) struct Member<S> {
     pub(crate) health: Health,
     /// How the handles and the listener hurry the refresh loop.
     pub(crate) doorbell: Doorbell,
-    overwritten: OnceCell<()>,
-    /// Whether the first capacity read from the store was compared with `configured`.
-    capacity_checked: AtomicBool,
-    /// Held while a first reading is compared and said.
-    saying: Mutex<()>,
-    /// Whether a fixed replica in an adaptive fleet was said.
-    control_checked: AtomicBool,
     pub(crate) books: Mutex<Books>,
-    /// The fleet's capacity, as last read.
+    pub(crate) counts: Counts,
+    /// The fleet's capacity, as last read (the configured one until then).
     pub(crate) capacity: AtomicUsize,
-    /// The processes alive in the fleet, as last read (0: the store was never reached).
-    pub(crate) replicas: AtomicUsize,
-    /// This process's places (leases, and places on its share), and its waiters.
-    pub(crate) active: AtomicUsize,
-    pub(crate) queued: AtomicUsize,
-    pub(crate) failed_open: AtomicU64,
-    pub(crate) leases_lost: AtomicU64,
-    /// Serialises admissions on the share, and wakes its waiters as places end.
-    share_lock: Mutex<()>,
-    /// After the store answers again, this process admits nothing new until then (ns since
-    /// `origin`; 0 for not), half a fallback poll: every other replica reaches the store by
-    /// then too (each probes every quarter of a fallback poll while it is down), and so has
-    /// told it of the places it admitted on its share, and stopped admitting on it. Only then
-    /// is the store's count of places the fleet's.
-    settling: AtomicU64,
-    origin: Instant,
-    pub(crate) share_freed: Notify,
+    /// The fleet's places held, and those held by members it has not heard from, as the last
+    /// refresh read them.
+    pub(crate) places: Places,
+    pub(crate) share: Share,
+    pub(crate) checks: Checks,
     /// The controller, for an adaptive limit.
     pub(crate) control: Option<FleetControl>,
 }
 
+/// The fleet's places, as the store counted them at this member's last refresh.
+#[derive(Debug, Default)]
+pub(crate) struct Places {
+    /// Leases and claims held, by every member.
+    pub(crate) held: AtomicUsize,
+    /// Of those, held by members the fleet has not heard from within half a lease TTL
+    /// (a refresh comes every third): a member that died holding them, until they lapse.
+    pub(crate) unheard: AtomicUsize,
+}
+
 impl<S: Store> Member<S> {
-    pub(crate) fn new(store: S, settings: Settings, control: Option<FleetControl>) -> Self {
+    pub(crate) fn new(
+        store: S,
+        settings: Settings,
+        token: Arc<str>,
+        control: Option<FleetControl>,
+    ) -> Self {
         Self {
             capacity: AtomicUsize::new(settings.capacity),
             settings,
             store,
             health: Health::new(),
             doorbell: Doorbell::default(),
-            overwritten: OnceCell::new(),
-            capacity_checked: AtomicBool::new(false),
-            saying: Mutex::new(()),
-            control_checked: AtomicBool::new(false),
-            books: Mutex::default(),
-            replicas: AtomicUsize::new(0),
-            active: AtomicUsize::new(0),
-            queued: AtomicUsize::new(0),
-            failed_open: AtomicU64::new(0),
-            leases_lost: AtomicU64::new(0),
-            share_lock: Mutex::new(()),
-            share_freed: Notify::new(),
-            settling: AtomicU64::new(0),
-            origin: Instant::now(),
+            books: Mutex::new(Books::new(token)),
+            counts: Counts::default(),
+            places: Places::default(),
+            share: Share::default(),
+            checks: Checks::default(),
             control,
         }
     }
@@ -137,79 +127,19 @@ impl<S: Store> Member<S> {
         };
         Reading::new(
             capacity,
-            self.active.load(Ordering::Relaxed),
-            self.queued.load(Ordering::Relaxed),
+            self.counts.active.load(Ordering::Relaxed),
+            self.counts.queued.load(Ordering::Relaxed),
         )
         .with_run_times(baseline, estimate)
         .with_scope(scope)
     }
 
-    /// This process's share of the fleet's last capacity, if it knows one: that capacity over
-    /// the replicas alive, rounded down, and at least 1.
-    pub(crate) fn share(&self) -> Option<usize> {
-        let replicas = self.replicas.load(Ordering::Relaxed);
-        (replicas > 0).then(|| (self.capacity.load(Ordering::Relaxed) / replicas).max(1))
-    }
-
-    /// The share it runs on now, if it does: the store is out of reach (or answers again, and
-    /// the fleet is settling), and it knows one.
-    pub(crate) fn running_on_share(&self) -> Option<usize> {
-        match self.settings.unreachable {
-            Unreachable::Share if self.health.is_down() || self.is_settling() => self.share(),
-            _ => None,
-        }
-    }
-
-    /// Whether the store answers again but the fleet has not all told it of its places yet.
-    pub(crate) fn is_settling(&self) -> bool {
-        self.settling.load(Ordering::Acquire) != 0
-    }
-
-    /// When the fleet has settled, if it is settling.
-    pub(crate) fn settled_at(&self) -> Option<Instant> {
-        match self.settling.load(Ordering::Acquire) {
-            0 => None,
-            ns => Some(self.origin + Duration::from_nanos(ns)),
-        }
-    }
-
-    /// After a refresh: once the fleet has settled, back on the fleet limit, and every waiter
-    /// on the share asks the store.
-    pub(crate) fn settle(&self) {
-        if self.settled_at().is_some_and(|at| Instant::now() >= at)
-            && self.settling.swap(0, Ordering::AcqRel) != 0
-        {
-            self.poll_all();
-            self.share_freed.notify_waiters();
-        }
-    }
-
-    /// Takes a place on the share, if this process holds fewer places than its share.
-    pub(crate) fn take_on_share(&self, share: usize) -> bool {
-        let _serial = lock(&self.share_lock);
-        if self.active.load(Ordering::Relaxed) < share {
-            self.active.fetch_add(1, Ordering::Relaxed);
-            return true;
-        }
-        false
-    }
-
     /// `call`, noting whether the store answered; first, once, makes the configured capacity
     /// the fleet's if the limit was built to.
     async fn call<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
-        if self.settings.overwrite && !self.overwritten.initialized() {
-            let stored = self
-                .overwritten
-                .get_or_try_init(|| async {
-                    let capacity = self.store.set_capacity(self.settings.capacity).await?;
-                    self.capacity.store(capacity, Ordering::Relaxed);
-                    Ok::<_, Error>(())
-                })
-                .await;
-            if let Err(error) = stored {
-                self.note(Some(&error));
-                return Err(error);
-            }
+        if let Err(error) = self.overwrite_once().await {
+            self.note(Some(&error));
+            return Err(error);
         }
         let result = call.await;
         self.note(result.as_ref().err());
@@ -237,8 +167,7 @@ impl<S: Store> Member<S> {
                 let settle =
                     self.settings.unreachable == Unreachable::Share && self.share().is_some();
                 inform(&format!(
-                    "tower-resources-operation-redis: the fleet limit {:?} reaches its store at \
-                     {} again, after {after:?}{}",
+                    "the fleet limit {:?} reaches its store at {} again, after {after:?}{}",
                     self.settings.name,
                     self.store.address(),
                     match settle {
@@ -256,10 +185,7 @@ impl<S: Store> Member<S> {
                         self.doorbell.probe();
                     }
                     let at = Instant::now() + self.settings.fallback_poll / 2;
-                    let ns = u64::try_from(at.saturating_duration_since(self.origin).as_nanos())
-                        .unwrap_or(u64::MAX)
-                        .max(1);
-                    self.settling.store(ns, Ordering::Release);
+                    self.share.settle_until(at);
                     self.doorbell.refresh_at(at);
                     // Waiters on the share stay there until then.
                     return;
@@ -267,7 +193,7 @@ impl<S: Store> Member<S> {
             }
         }
         self.poll_all();
-        self.share_freed.notify_waiters();
+        self.share.freed.notify_waiters();
     }
 
     /// What the limit answers while the store is out of reach, in words.
@@ -277,7 +203,7 @@ impl<S: Store> Member<S> {
                 "runs on this replica's share of the fleet's last capacity: {share} at once \
                  ({} over {} replicas alive; queued locally beyond that)",
                 self.capacity.load(Ordering::Relaxed),
-                self.replicas.load(Ordering::Relaxed)
+                self.share.replicas().unwrap_or(1)
             ),
             (Unreachable::Share, None) => "turns operations away at once as unavailable: this \
                                            replica never reached the store, so it has no share \
@@ -313,7 +239,7 @@ impl<S: Store> Member<S> {
         }
         let taken = self.call(self.store.take(id)).await?;
         self.read_capacity(taken.capacity);
-        self.read_replicas(taken.replicas);
+        self.share.read_replicas(taken.replicas);
         Ok(taken.answer)
     }
 
@@ -326,9 +252,7 @@ impl<S: Store> Member<S> {
 
     /// Sets the fleet's capacity.
     pub(crate) async fn set_capacity(&self, capacity: usize) -> Result<usize, Error> {
-        // What the caller sets is the fleet's from now on: neither compared nor overwritten.
-        self.capacity_checked.store(true, Ordering::Relaxed);
-        let _ = self.overwritten.set(());
+        self.capacity_set_here();
         let capacity = self.call(self.store.set_capacity(capacity)).await?;
         self.capacity.store(capacity, Ordering::Relaxed);
         Ok(capacity)
@@ -338,72 +262,11 @@ impl<S: Store> Member<S> {
     pub(crate) async fn state(&self) -> Result<State, Error> {
         let state = self.call(self.store.state()).await?;
         self.read_capacity(state.capacity);
-        self.read_replicas(state.replicas);
+        self.share.read_replicas(state.replicas);
+        self.places.held.store(state.active, Ordering::Relaxed);
+        self.places.unheard.store(state.unheard, Ordering::Relaxed);
         self.check_control(state.adaptive);
         Ok(state)
-    }
-
-    /// The fleet's capacity, as a call returned it. The first one read is compared with the
-    /// configured one: a difference is said once (the fleet's is kept).
-    pub(crate) fn read_capacity(&self, capacity: usize) {
-        self.capacity.store(capacity, Ordering::Relaxed);
-        if self.capacity_checked.load(Ordering::Acquire) {
-            return;
-        }
-        // Under a lock, so that a caller that finds it checked finds it said too (`ready`
-        // returns after the warning, whichever call made it).
-        let _said = lock(&self.saying);
-        if self.capacity_checked.load(Ordering::Acquire) {
-            return;
-        }
-        // Marked once said (a caller that finds it marked finds it said).
-        let _mark = Mark(&self.capacity_checked);
-        if capacity == self.settings.capacity || self.control.is_some() {
-            return;
-        }
-        warn(&format!(
-            "tower-resources-operation-redis: the fleet limit {:?} was built with a capacity of \
-             {}, but the fleet's capacity stored at {} is {capacity}: it keeps the fleet's \
-             ({capacity}). The first process to reach the store stores its capacity, and \
-             `set_capacity` changes it for the whole fleet; build with `overwrite_capacity()` to \
-             make {} the fleet's at this process's first call.",
-            self.settings.name,
-            self.settings.capacity,
-            self.store.address(),
-            self.settings.capacity,
-        ));
-    }
-
-    /// The replicas alive, as a call returned them; kept as they were before an outage while the
-    /// fleet settles after it (a store that lost its data counts only the replicas that reached
-    /// it so far, and the share is worked out from the fleet as it was).
-    fn read_replicas(&self, replicas: usize) {
-        if !self.is_settling() {
-            self.replicas.store(replicas, Ordering::Relaxed);
-        }
-    }
-
-    /// Says, once, that this replica has a fixed capacity in a fleet whose capacity a
-    /// controller sets. (The other way round cannot be told from a fleet that starts: its first
-    /// adaptive replicas find no controller either.)
-    fn check_control(&self, fleet_adaptive: bool) {
-        if self.control.is_some() || !fleet_adaptive {
-            return;
-        }
-        let _said = lock(&self.saying);
-        if self.control_checked.load(Ordering::Acquire) {
-            return;
-        }
-        let _mark = Mark(&self.control_checked);
-        warn(&format!(
-            "tower-resources-operation-redis: the fleet limit {:?} on {}: this replica has a \
-             fixed capacity, but a controller sets the fleet's (an adaptive replica ticked \
-             within a lease TTL): this replica admits whatever capacity the controller sets, and \
-             never changes it. Build every replica of one limit the same way: all \
-             `adaptive(..)`, or none",
-            self.settings.name,
-            self.store.address()
-        ));
     }
 
     /// Says this process is alive, extends its leases and tickets, and acts on what became of
@@ -425,8 +288,9 @@ impl<S: Store> Member<S> {
             (held, unheard, waiting)
         };
         let ids: Vec<String> = waiting.iter().map(|(id, _)| id.clone()).collect();
+        let token = lock(&self.books).token().to_owned();
         let books = Refresh {
-            process: process_token(),
+            process: &token,
             held: &held,
             unheard: &unheard,
             waiting: &ids,
@@ -441,16 +305,22 @@ impl<S: Store> Member<S> {
             }
         };
         self.read_capacity(refreshed.capacity);
-        self.read_replicas(refreshed.replicas);
+        self.share.read_replicas(refreshed.replicas);
+        self.places
+            .held
+            .store(refreshed.fleet_held, Ordering::Relaxed);
+        self.places
+            .unheard
+            .store(refreshed.fleet_unheard, Ordering::Relaxed);
         for (id, status) in held.iter().zip(&refreshed.held) {
             match status {
                 Status::Holds | Status::Waits => {}
                 Status::TakenBack => {
-                    self.leases_lost.fetch_add(1, Ordering::Relaxed);
+                    self.counts.leases_lost.fetch_add(1, Ordering::Relaxed);
                 }
                 Status::Gone => {
                     // Lost, and its place may be someone else's now: no longer extended.
-                    self.leases_lost.fetch_add(1, Ordering::Relaxed);
+                    self.counts.leases_lost.fetch_add(1, Ordering::Relaxed);
                     lock(&self.books).held.remove(id);
                 }
             }
@@ -484,7 +354,7 @@ impl<S: Store> Member<S> {
     pub(crate) fn every(&self, urgent: bool) -> Duration {
         if self.health.is_down() {
             self.settings.fallback_poll / 4
-        } else if urgent || self.queued.load(Ordering::Relaxed) > 0 {
+        } else if urgent || self.counts.queued.load(Ordering::Relaxed) > 0 {
             self.settings.fallback_poll
         } else {
             self.settings.lease_ttl / 3
@@ -514,14 +384,14 @@ impl<S: Store> Member<S> {
                                 slot.handed_in.store(window, Ordering::Relaxed);
                                 slot.tell(ASK);
                             }
-                            None => foreign |= !is_own(id),
+                            None => foreign |= !books.is_own(id),
                         }
                     }
                 }
                 // A place handed to another process: if that process is gone, its claim
                 // expires untaken, and this process's waiters find the place by a refresh
                 // soon after, rather than at the next fallback poll.
-                if foreign && self.queued.load(Ordering::Relaxed) > 0 {
+                if foreign && self.counts.queued.load(Ordering::Relaxed) > 0 {
                     let slack = self.settings.claim_timeout / 10 + Duration::from_millis(5);
                     self.doorbell
                         .refresh_at(Instant::now() + self.settings.claim_timeout + slack);
@@ -548,15 +418,6 @@ impl<S: Store> Member<S> {
         for slot in lock(&self.books).waiting.values() {
             slot.tell(ASK);
         }
-    }
-}
-
-/// Sets its flag when dropped: after what it marks is done, however that ends.
-struct Mark<'a>(&'a AtomicBool);
-
-impl Drop for Mark<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
     }
 }
 

@@ -7,10 +7,12 @@
 
 pub(crate) mod background;
 pub(crate) mod books;
+pub(crate) mod checks;
 pub(crate) mod control;
 pub(crate) mod doorbell;
 pub(crate) mod health;
 pub(crate) mod member;
 pub(crate) mod place;
+pub(crate) mod share;
 pub(crate) mod store;
 pub(crate) mod waiter;

@@ -56,10 +56,10 @@ impl<S> Drop for Place<S> {
                 books.unheard.remove(&id);
             }
         }
-        member.active.fetch_sub(1, Ordering::Relaxed);
+        member.counts.active.fetch_sub(1, Ordering::Relaxed);
         // A place on the share may have become a lease meanwhile (a refresh in flight): giving
         // back an id the store does not know is a no-op.
         self.handle.release(id);
-        member.share_freed.notify_one();
+        member.share.freed.notify_one();
     }
 }

@@ -133,11 +133,16 @@ pub(crate) struct Refresh<'a> {
     pub(crate) waiting: &'a [String],
 }
 
-/// What a [`refresh`](Store::refresh) answered: one status per id, in the order given.
+/// What a [`refresh`](Store::refresh) answered: the fleet's capacity, replicas and places, and
+/// one status per id, in the order given.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Refreshed {
     pub(crate) capacity: usize,
     pub(crate) replicas: usize,
+    /// Leases and claims held, by every member.
+    pub(crate) fleet_held: usize,
+    /// Of those, held by members not heard from within half a lease TTL.
+    pub(crate) fleet_unheard: usize,
     pub(crate) held: Vec<Status>,
     pub(crate) unheard: Vec<Status>,
     pub(crate) waiting: Vec<Status>,
@@ -162,6 +167,8 @@ pub(crate) struct State {
     pub(crate) capacity: usize,
     /// Leases and claims held, by every process.
     pub(crate) active: usize,
+    /// Of those, held by members not heard from within half a lease TTL.
+    pub(crate) unheard: usize,
     /// Tickets waiting, from every process.
     pub(crate) queued: usize,
     /// Processes alive.

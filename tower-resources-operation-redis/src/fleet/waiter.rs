@@ -16,7 +16,7 @@ use std::task::Poll;
 use tower_resources_operation::Rejected;
 use tower_resources_operation::Rejection;
 
-use super::books::{lock, next_id, Slot, ASK, GRANTED};
+use super::books::{lock, Slot, ASK, GRANTED};
 use super::member::{Handle, Unreachable};
 use super::place::{Kind, Place};
 use super::store::{Answer, Store};
@@ -59,7 +59,7 @@ pub(crate) async fn acquire<S: Store>(handle: Arc<Handle<S>>) -> Result<Place<S>
         match member.settings.unreachable {
             Unreachable::Closed => return Err(Rejected::failed(error)),
             Unreachable::Open => {
-                member.failed_open.fetch_add(1, Ordering::Relaxed);
+                member.counts.failed_open.fetch_add(1, Ordering::Relaxed);
                 return Ok(Place::new(
                     Arc::clone(&handle),
                     Kind::Unlimited,
@@ -91,11 +91,13 @@ struct Waiter<S> {
 
 impl<S: Store> Waiter<S> {
     fn new(handle: &Arc<Handle<S>>) -> Self {
-        let id = next_id();
         let slot = Arc::new(Slot::default());
-        lock(&handle.member.books)
-            .waiting
-            .insert(id.clone(), Arc::clone(&slot));
+        let id = {
+            let mut books = lock(&handle.member.books);
+            let id = books.next_id();
+            books.waiting.insert(id.clone(), Arc::clone(&slot));
+            id
+        };
         Self {
             handle: Arc::clone(handle),
             id,
@@ -112,7 +114,7 @@ impl<S: Store> Waiter<S> {
     fn queue(&mut self) {
         if !self.slot.queued.swap(true, Ordering::Relaxed) {
             let member = &self.handle.member;
-            if member.queued.fetch_add(1, Ordering::Relaxed) == 0 {
+            if member.counts.queued.fetch_add(1, Ordering::Relaxed) == 0 {
                 member.doorbell.hurry();
             }
         }
@@ -155,9 +157,9 @@ impl<S: Store> Waiter<S> {
                 return Some(Ok(self.admitted_on_share()));
             }
             if let Some(bound) = member.settings.max_queued {
-                let replicas = member.replicas.load(Ordering::Relaxed).max(1);
+                let replicas = member.share.replicas().unwrap_or(1).max(1);
                 if !self.slot.queued.load(Ordering::Relaxed)
-                    && member.queued.load(Ordering::Relaxed) >= bound / replicas
+                    && member.counts.queued.load(Ordering::Relaxed) >= bound / replicas
                 {
                     return Some(Err(Rejected::new(Rejection::QueueFull)));
                 }
@@ -166,7 +168,7 @@ impl<S: Store> Waiter<S> {
             // A place of the share freed, or news (the store answers again, a grant): either
             // way, look again.
             {
-                let mut freed = pin!(member.share_freed.notified());
+                let mut freed = pin!(member.share.freed.notified());
                 let mut news = pin!(self.slot.notified());
                 poll_fn(|cx| match freed.as_mut().poll(cx) {
                     Poll::Ready(()) => Poll::Ready(()),
@@ -190,7 +192,11 @@ impl<S: Store> Waiter<S> {
         };
         let id = self.leave();
         lock(&self.handle.member.books).held.insert(id.clone());
-        self.handle.member.active.fetch_add(1, Ordering::Relaxed);
+        self.handle
+            .member
+            .counts
+            .active
+            .fetch_add(1, Ordering::Relaxed);
         Place::new(Arc::clone(&self.handle), kind(id), epoch)
     }
 
@@ -210,7 +216,7 @@ impl<S: Store> Waiter<S> {
         let id = std::mem::take(&mut self.id);
         lock(&member.books).waiting.remove(&id);
         if self.slot.queued.load(Ordering::Relaxed) {
-            member.queued.fetch_sub(1, Ordering::Relaxed);
+            member.counts.queued.fetch_sub(1, Ordering::Relaxed);
         }
         id
     }
@@ -224,7 +230,7 @@ impl<S> Drop for Waiter<S> {
         let member = &self.handle.member;
         lock(&member.books).waiting.remove(&self.id);
         if self.slot.queued.load(Ordering::Relaxed) {
-            member.queued.fetch_sub(1, Ordering::Relaxed);
+            member.counts.queued.fetch_sub(1, Ordering::Relaxed);
         }
         if self.asked {
             let id = std::mem::take(&mut self.id);

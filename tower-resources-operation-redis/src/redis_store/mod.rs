@@ -2,6 +2,7 @@
 //! one Lua script ([`scripts`]), on one connection per limit that also hears the limit's
 //! channel ([`transport`]).
 
+mod codec;
 mod errors;
 mod scripts;
 mod transport;
@@ -11,7 +12,7 @@ mod windows_tests;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::{FromRedisValue, Script, ScriptInvocation};
+use redis::{Script, ScriptInvocation};
 use tower_resources_operation::adaptive::Window;
 
 use crate::error::Error;
@@ -19,6 +20,7 @@ use crate::fleet::control::{Known, Taken as TakenWindow, Ticked};
 use crate::fleet::store::{
     Answer, Decision, Event, Refresh, Refreshed, State, Status, Store, Taken, Tick,
 };
+use codec::{Decoder, Encoder, Field, Malformed};
 use scripts::SCRIPTS;
 pub(crate) use transport::Transport;
 
@@ -139,30 +141,56 @@ impl RedisStore {
         }
     }
 
-    /// `script` with the limit's keys and common arguments; the caller adds its own.
-    fn invocation<'a>(&self, script: &'a Script) -> ScriptInvocation<'a> {
+    /// Runs `script`, with the limit's keys and common arguments, then its own (`arguments`,
+    /// laid out as `layout`), and decodes its reply (laid out as `reply`) with `decode`.
+    async fn call<T>(
+        &self,
+        script: &Script,
+        name: &str,
+        layout: &'static [Field],
+        arguments: impl FnOnce(&mut Encoder<'_, '_>),
+        reply: &'static [Field],
+        decode: impl FnOnce(&mut Decoder<'_>) -> Result<T, Malformed>,
+    ) -> Result<T, Error> {
         let mut invocation = script.prepare_invoke();
         for key in &self.keys.all {
             invocation.key(key);
         }
-        invocation
-            .arg(&self.keys.channel)
-            .arg(ms(self.settings.lease_ttl))
-            .arg(self.settings.capacity)
-            .arg(ms(self.settings.claim_timeout))
-            .arg(self.transport.publish_command());
-        invocation
-    }
-
-    async fn run<T: FromRedisValue + Send>(
-        &self,
-        invocation: &ScriptInvocation<'_>,
-    ) -> Result<T, Error> {
-        self.transport.invoke(invocation).await
+        self.common(&mut invocation);
+        let mut encoder = Encoder::new(&mut invocation, layout);
+        arguments(&mut encoder);
+        encoder.finish();
+        let values: Vec<String> = self.transport.invoke(&invocation).await?;
+        let mut decoder = Decoder::new(&values, reply);
+        decode(&mut decoder)
+            .and_then(|decoded| decoder.finish().map(|()| decoded))
+            .map_err(|malformed| malformed.into_error(&self.name, self.transport.address(), name))
     }
 
     fn malformed(&self, what: &str) -> Error {
         Error::unexpected(&self.name, self.transport.address(), what)
+    }
+
+    /// The arguments every script starts with ([`codec::COMMON`]).
+    fn common(&self, invocation: &mut ScriptInvocation<'_>) {
+        let mut common = Encoder::new(invocation, codec::COMMON);
+        common
+            .text("channel", &self.keys.channel)
+            .number("ttl", ms(self.settings.lease_ttl) as f64)
+            .text("default_cap", &self.settings.capacity.to_string())
+            .number("claim_ms", ms(self.settings.claim_timeout) as f64)
+            .text("publish", self.transport.publish_command());
+        common.finish();
+    }
+}
+
+/// A status of a refreshed id, as the refresh script says it.
+fn status(value: &i64) -> Status {
+    match value {
+        1 => Status::Holds,
+        2 => Status::Waits,
+        3 => Status::TakenBack,
+        _ => Status::Gone,
     }
 }
 
@@ -176,143 +204,199 @@ impl Store for RedisStore {
     }
 
     async fn take(&self, id: &str) -> Result<Taken, Error> {
-        let mut invocation = self.invocation(&SCRIPTS.acquire);
-        let max_queued = self
-            .settings
-            .max_queued
-            .map_or(-1, |bound| i64::try_from(bound).unwrap_or(i64::MAX));
-        invocation.arg(id).arg(max_queued);
-        let (status, capacity, replicas): (i64, usize, usize) = self.run(&invocation).await?;
-        let answer = match status {
-            1 => Answer::Granted,
-            2 => Answer::Full,
-            _ => Answer::Queued,
+        let max_queued = self.settings.max_queued.map_or(-1.0, |bound| bound as f64);
+        let arguments = |args: &mut Encoder<'_, '_>| {
+            args.text("id", id).number("max_queued", max_queued);
         };
-        Ok(Taken {
-            answer,
-            capacity,
-            replicas,
-        })
+        self.call(
+            &SCRIPTS.take,
+            "take",
+            scripts::TAKE_ARGS,
+            arguments,
+            scripts::TAKE_REPLY,
+            |reply| {
+                let answer = match reply.number("status")? {
+                    Some(1) => Answer::Granted,
+                    Some(2) => Answer::Full,
+                    _ => Answer::Queued,
+                };
+                Ok(Taken {
+                    answer,
+                    capacity: reply.count("capacity")?,
+                    replicas: reply.count("replicas")?,
+                })
+            },
+        )
+        .await
     }
 
     async fn release(&self, ids: &[String]) -> Result<usize, Error> {
-        let mut invocation = self.invocation(&SCRIPTS.release);
-        invocation.arg(ids);
-        self.run(&invocation).await
+        self.call(
+            &SCRIPTS.release,
+            "release",
+            scripts::RELEASE_ARGS,
+            |args| {
+                args.texts("ids", ids);
+            },
+            scripts::RELEASE_REPLY,
+            |reply| reply.count("capacity"),
+        )
+        .await
     }
 
     async fn refresh(&self, books: &Refresh<'_>) -> Result<Refreshed, Error> {
-        let mut invocation = self.invocation(&SCRIPTS.refresh);
-        invocation
-            .arg(books.process)
-            .arg(books.held.len())
-            .arg(books.unheard.len())
-            .arg(books.held)
-            .arg(books.unheard)
-            .arg(books.waiting);
-        let answer: Vec<i64> = self.run(&invocation).await?;
-        let expected = 2 + books.held.len() + books.unheard.len() + books.waiting.len();
-        if answer.len() != expected {
+        let arguments = |args: &mut Encoder<'_, '_>| {
+            args.text("member", books.process)
+                .texts("held", books.held)
+                .texts("unheard", books.unheard)
+                .texts("waiting", books.waiting);
+        };
+        let refreshed = self
+            .call(
+                &SCRIPTS.refresh,
+                "refresh",
+                scripts::REFRESH_ARGS,
+                arguments,
+                scripts::REFRESH_REPLY,
+                |reply| {
+                    Ok(Refreshed {
+                        capacity: reply.count("capacity")?,
+                        replicas: reply.count("replicas")?,
+                        fleet_held: reply.count("fleet_held")?,
+                        fleet_unheard: reply.count("fleet_unheard")?,
+                        held: reply.numbers("held")?.iter().map(status).collect(),
+                        unheard: reply.numbers("unheard")?.iter().map(status).collect(),
+                        waiting: reply.numbers("waiting")?.iter().map(status).collect(),
+                    })
+                },
+            )
+            .await?;
+        let lengths = (
+            refreshed.held.len(),
+            refreshed.unheard.len(),
+            refreshed.waiting.len(),
+        );
+        if lengths != (books.held.len(), books.unheard.len(), books.waiting.len()) {
             return Err(self.malformed("a refresh of another length"));
         }
-        let count = |value: i64| usize::try_from(value).unwrap_or(0);
-        let status = |value: &i64| match value {
-            1 => Status::Holds,
-            2 => Status::Waits,
-            3 => Status::TakenBack,
-            _ => Status::Gone,
-        };
-        let (held, rest) = answer[2..].split_at(books.held.len());
-        let (unheard, waiting) = rest.split_at(books.unheard.len());
-        Ok(Refreshed {
-            capacity: count(answer[0]),
-            replicas: count(answer[1]),
-            held: held.iter().map(status).collect(),
-            unheard: unheard.iter().map(status).collect(),
-            waiting: waiting.iter().map(status).collect(),
-        })
+        Ok(refreshed)
     }
 
     async fn set_capacity(&self, capacity: usize) -> Result<usize, Error> {
-        let mut invocation = self.invocation(&SCRIPTS.set_capacity);
-        invocation.arg(capacity);
-        self.run(&invocation).await
+        self.call(
+            &SCRIPTS.set_capacity,
+            "set_capacity",
+            scripts::SET_CAPACITY_ARGS,
+            |args| {
+                args.number("capacity", capacity as f64);
+            },
+            scripts::SET_CAPACITY_REPLY,
+            |reply| reply.count("capacity"),
+        )
+        .await
     }
 
     async fn state(&self) -> Result<State, Error> {
-        let invocation = self.invocation(&SCRIPTS.state);
-        let (capacity, active, queued, replicas, adaptive): (usize, usize, usize, usize, i64) =
-            self.run(&invocation).await?;
-        Ok(State {
-            capacity,
-            active,
-            queued,
-            replicas,
-            adaptive: adaptive == 1,
-        })
+        self.call(
+            &SCRIPTS.state,
+            "state",
+            scripts::STATE_ARGS,
+            |_| {},
+            scripts::STATE_REPLY,
+            |reply| {
+                Ok(State {
+                    capacity: reply.count("capacity")?,
+                    active: reply.count("active")?,
+                    unheard: reply.count("unheard")?,
+                    queued: reply.count("queued")?,
+                    replicas: reply.count("replicas")?,
+                    adaptive: reply.number("adaptive")? == Some(1),
+                })
+            },
+        )
+        .await
     }
 
     async fn tick(&self, tick: &Tick<'_>) -> Result<Ticked, Error> {
-        let mut invocation = self.invocation(&SCRIPTS.fleet_tick);
-        let fields = tick.counts.fields();
-        let field = |name: &str| {
-            fields
+        let counts = tick.counts.fields();
+        let total = |name: &str| {
+            counts
                 .iter()
                 .find(|(n, _)| n == name)
-                .map_or(0, |(_, v)| *v)
+                .map_or(0.0, |(_, value)| *value as f64)
         };
-        invocation
-            .arg(tick.candidate)
-            .arg(ms(tick.leader_ttl))
-            .arg(tick.seen)
-            .arg(field("ended"))
-            .arg(field("congested"))
-            .arg(field("stale"))
-            .arg(field("rejected"))
-            .arg(ms(tick.shortest))
-            .arg(ms(tick.longest))
-            .arg(tick.tolerance);
         // Each series' fields, in the order the script reads them.
-        let mut series: Vec<&str> = Vec::new();
-        for (name, _) in &fields {
+        let mut prefixes: Vec<&str> = Vec::new();
+        for (name, _) in &counts {
             if let Some((prefix, _)) = name.rsplit_once('/') {
-                if !series.contains(&prefix) {
-                    series.push(prefix);
+                if !prefixes.contains(&prefix) {
+                    prefixes.push(prefix);
                 }
             }
         }
-        invocation.arg(series.len());
-        for prefix in series {
-            let of = |suffix: &str| {
-                let name = format!("{prefix}/{suffix}");
-                fields.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
-            };
-            invocation.arg(format!("{prefix}/"));
-            for suffix in ["e", "o", "v", "t", "s", "q"] {
-                invocation.arg(of(suffix).unwrap_or(0));
-            }
-            invocation.arg(of("m").map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX)));
-        }
-        invocation.arg(u8::from(tick.starting)).arg(tick.judged);
-        let fields: Vec<String> = self.run(&invocation).await?;
-        parse_ticked(&fields).ok_or_else(|| self.malformed("a malformed tick"))
+        let of = |prefix: &str, suffix: &str| {
+            let name = format!("{prefix}/{suffix}");
+            counts.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+        };
+        let number = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
+        let arguments = |args: &mut Encoder<'_, '_>| {
+            args.text("candidate", tick.candidate)
+                .number("leader_ttl", ms(tick.leader_ttl) as f64)
+                .number("seen", tick.seen as f64)
+                .number("ended", total("ended"))
+                .number("congested", total("congested"))
+                .number("stale", total("stale"))
+                .number("rejected", total("rejected"))
+                .number("shortest", ms(tick.shortest) as f64)
+                .number("longest", ms(tick.longest) as f64)
+                .number("tolerance", tick.tolerance)
+                .records("series", &prefixes, |prefix, series| {
+                    series.text("prefix", &format!("{prefix}/"));
+                    for suffix in ["e", "o", "v", "t", "s", "q"] {
+                        series.number(suffix, number(of(prefix, suffix).unwrap_or(0)));
+                    }
+                    series.number("m", of(prefix, "m").map_or(-1, number));
+                })
+                .number("starting", u8::from(tick.starting))
+                .number("judged", tick.judged as f64);
+        };
+        self.call(
+            &SCRIPTS.tick,
+            "tick",
+            scripts::TICK_ARGS,
+            arguments,
+            scripts::TICK_REPLY,
+            decode_ticked,
+        )
+        .await
     }
 
     async fn decide(&self, decision: &Decision<'_>) -> Result<Option<usize>, Error> {
-        let mut invocation = self.invocation(&SCRIPTS.fleet_decide);
-        let us = |us: Option<u64>| us.map_or(-1, |us| i64::try_from(us).unwrap_or(i64::MAX));
+        let us = |us: Option<u64>| us.map_or(-1.0, |us| us as f64);
         let known = &decision.known;
-        invocation
-            .arg(decision.leader)
-            .arg(decision.window)
-            .arg(decision.capacity)
-            .arg(us(known.rtt_us))
-            .arg(us(known.baseline_us))
-            .arg(us(known.estimate_us))
-            .arg(decision.handover);
-        let capacity: i64 = self.run(&invocation).await?;
-        // A negative answer: another process leads now, or took the window.
-        Ok(usize::try_from(capacity).ok())
+        let arguments = |args: &mut Encoder<'_, '_>| {
+            args.text("leader", decision.leader)
+                .text("window", &decision.window.to_string())
+                .number("capacity", decision.capacity as f64)
+                .number("rtt_us", us(known.rtt_us))
+                .number("baseline_us", us(known.baseline_us))
+                .number("estimate_us", us(known.estimate_us))
+                .text("handover", decision.handover);
+        };
+        self.call(
+            &SCRIPTS.decide,
+            "decide",
+            scripts::DECIDE_ARGS,
+            arguments,
+            scripts::DECIDE_REPLY,
+            // A negative answer: another process leads now, or took the window.
+            |reply| {
+                Ok(reply
+                    .number("capacity")?
+                    .and_then(|c| usize::try_from(c).ok()))
+            },
+        )
+        .await
     }
 }
 
@@ -362,45 +446,45 @@ fn parse_message(message: &str) -> Option<Event> {
     }))
 }
 
-/// The tick script's strings: the known state, then, if the window was taken, the window's
-/// hash as field, value pairs (each series' counts under its [`series_field`] prefix).
-fn parse_ticked(fields: &[String]) -> Option<Ticked> {
-    let number = |index: usize| -> Option<u64> {
-        fields
-            .get(index)
-            .and_then(|field| field.parse::<i64>().ok())
-            .and_then(|value| u64::try_from(value).ok())
-    };
-    let taken = number(0)? == 1;
+/// The tick script's reply: what the fleet knows, and the window's hash if it was taken.
+fn decode_ticked(reply: &mut Decoder<'_>) -> Result<Ticked, Malformed> {
+    let positive = |value: Option<i64>| value.and_then(|value| u64::try_from(value).ok());
+    let taken = reply.number("taken")? == Some(1);
+    let capacity = reply.count("capacity")?;
+    let epoch = positive(reply.number("epoch")?)
+        .ok_or_else(|| Malformed("the epoch is not a window".to_owned()))?;
+    let leads = reply.number("leads")? == Some(1);
+    let age_ms = positive(reply.number("age")?).unwrap_or(0);
     let known = Known {
-        epoch: number(2)?,
-        decreased: number(5).unwrap_or(0),
-        rtt_us: number(6),
-        baseline_us: number(7),
-        estimate_us: number(8),
+        epoch,
+        decreased: positive(reply.number("decreased")?).unwrap_or(0),
+        rtt_us: positive(reply.number("rtt_us")?),
+        baseline_us: positive(reply.number("baseline_us")?),
+        estimate_us: positive(reply.number("estimate_us")?),
     };
-    let taken = taken.then(|| parse_window(fields.get(10..).unwrap_or_default()));
-    Some(Ticked {
-        capacity: usize::try_from(number(1)?).unwrap_or(usize::MAX),
-        leads: number(3)? == 1,
-        age_ms: number(4).unwrap_or(0),
+    let handed = reply.text("baselines")?;
+    let window = reply.pairs("window")?;
+    Ok(Ticked {
+        capacity,
+        leads,
+        age_ms,
         known,
-        taken,
-        handed: fields.get(9).cloned().unwrap_or_default(),
+        taken: taken.then(|| parse_window(&window)),
+        handed,
     })
 }
 
 /// A window's hash, as `HGETALL` lists it: the fleet's counts ([`Window::from_fields`]) and
 /// the load the store sampled. A field this crate did not write is skipped.
-fn parse_window(pairs: &[String]) -> TakenWindow {
+fn parse_window(pairs: &[(String, String)]) -> TakenWindow {
     let mut window = TakenWindow::default();
     let mut counts = Vec::new();
-    for pair in pairs.chunks_exact(2) {
-        let Ok(value) = pair[1].parse::<i64>() else {
+    for (name, value) in pairs {
+        let Ok(value) = value.parse::<i64>() else {
             continue;
         };
         let value = u64::try_from(value).unwrap_or(0);
-        match pair[0].as_str() {
+        match name.as_str() {
             "samples" => window.samples = value,
             "active_sum" => window.active_sum = value,
             "peak" => window.peak = value,
@@ -418,6 +502,14 @@ mod tests {
 
     fn strings(fields: &[&str]) -> Vec<String> {
         fields.iter().map(|field| (*field).to_owned()).collect()
+    }
+
+    /// The tick's reply `values`, decoded whole.
+    fn parse_ticked(values: &[String]) -> Result<Ticked, Malformed> {
+        let mut reply = Decoder::new(values, scripts::TICK_REPLY);
+        let ticked = decode_ticked(&mut reply)?;
+        reply.finish()?;
+        Ok(ticked)
     }
 
     #[test]

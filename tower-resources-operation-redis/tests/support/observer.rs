@@ -120,6 +120,14 @@ impl Seen {
         longest.max(to - last)
     }
 
+    /// The first success at or after `from` (ms), of any replica.
+    pub fn first_success_after(&self, from: u64) -> Option<u64> {
+        self.successes
+            .iter()
+            .map(|(at, _)| *at)
+            .find(|at| *at >= from)
+    }
+
     /// Successes between `from` and `to` (ms).
     pub fn successes_between(&self, from: u64, to: u64) -> usize {
         self.successes
