@@ -1,7 +1,7 @@
 //! [`RedisLimitBuilder`]: a fleet limit's settings, and where its background work runs.
 
 use std::borrow::Cow;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
@@ -10,10 +10,12 @@ use tower_resources_operation::adaptive::Adaptive;
 use tower_resources_operation::limit::Capacity;
 
 use crate::error::Error;
+use crate::fleet::assemble;
 use crate::fleet::background::Background;
 use crate::fleet::books::new_token;
 use crate::fleet::control::{AdaptiveSettings, FleetControl};
-use crate::fleet::member::{Handle, Member, Settings, Unreachable};
+use crate::fleet::member::Settings;
+use crate::fleet::share::Unreachable;
 use crate::limit::RedisLimit;
 use crate::redis_store::{self, Address, Keys, RedisStore, Transport};
 
@@ -380,35 +382,22 @@ impl RedisLimitBuilder {
             },
         );
         let token = new_token();
-        let member = Arc::new(Member::new(
-            store,
-            Settings {
-                name: Arc::clone(&name),
-                capacity: self.capacity,
-                overwrite: self.overwrite_capacity,
-                max_queued: self.max_queued,
-                unreachable: self.unreachable,
-                lease_ttl,
-                call_timeout: self.call_timeout,
-                fallback_poll: self.fallback_poll.min(lease_ttl / 3),
-                claim_timeout,
-            },
-            Arc::clone(&token),
-            self.adaptive.map(|mut adaptive| {
-                adaptive.tick = self.adaptive_tick;
-                FleetControl::new(adaptive, &token, self.call_timeout, lease_ttl)
-            }),
-        ));
-        let (releases, released) = unbounded_channel();
-        let handle = Arc::new_cyclic(|handle: &Weak<Handle<RedisStore>>| {
-            let handle = handle.clone();
-            let gauge = Capacity::of_limit(Some(&name), move || {
-                handle.upgrade().map(|handle| handle.member.reading())
-            })
-            .expect("the name was checked when the builder was made");
-            Handle::new(Arc::clone(&member), releases, gauge)
+        let settings = Settings {
+            name: Arc::clone(&name),
+            capacity: self.capacity,
+            overwrite: self.overwrite_capacity,
+            max_queued: self.max_queued,
+            unreachable: self.unreachable,
+            lease_ttl,
+            call_timeout: self.call_timeout,
+            fallback_poll: self.fallback_poll.min(lease_ttl / 3),
+            claim_timeout,
+        };
+        let control = self.adaptive.map(|mut adaptive| {
+            adaptive.tick = self.adaptive_tick;
+            FleetControl::new(adaptive, &token, self.call_timeout, lease_ttl)
         });
-        let background = Background::new(member, released, heard);
+        let (handle, background) = assemble(store, settings, token, control, heard);
         let limit = RedisLimit::from_handle(handle);
         for meter in &self.meters {
             limit.register_metrics(meter);

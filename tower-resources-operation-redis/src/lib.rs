@@ -419,13 +419,17 @@ mod fleet;
 mod guard;
 mod limit;
 mod log;
+#[cfg(test)]
+mod memory_store;
 pub mod metrics;
 mod redis_store;
+#[cfg(test)]
+mod store_scenarios;
 
 pub use builder::RedisLimitBuilder;
 pub use error::{Error, ErrorKind};
 pub use fleet::background::Background;
-pub use fleet::member::Unreachable;
+pub use fleet::share::Unreachable;
 pub use limit::{Fleet, RedisLimit, RedisPermit};
 pub use redis_store::Address;
 

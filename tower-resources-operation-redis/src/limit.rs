@@ -13,8 +13,9 @@ use tower_resources_operation::limit::{Capacity, Ended, LimitId};
 use tower_resources_operation::{Acquire, Rejected};
 
 use crate::error::Error;
-use crate::fleet::member::{Handle, Unreachable};
+use crate::fleet::member::Handle;
 use crate::fleet::place::{Kind, Place};
+use crate::fleet::share::Unreachable;
 use crate::fleet::waiter::acquire;
 use crate::redis_store::RedisStore;
 

@@ -11,11 +11,17 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use tokio::sync::Notify;
-use tower_resources_operation::adaptive::{Adaptive, Sample, Window};
+use tokio::time::Instant;
+use tower_resources_operation::adaptive::{Adaptive, Algorithm, Window};
 use tower_resources_operation::limit::Ended;
 
 use super::books::lock;
+use super::member::Member;
+use super::store::{Decision, Known, Store, Tick};
+use crate::guard::guarded;
 
 /// An atomic duration's "none".
 const NONE: u64 = u64::MAX;
@@ -189,71 +195,133 @@ impl fmt::Debug for FleetControl {
     }
 }
 
-/// What a tick or a decision says of the fleet's adaptive state.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Known {
-    pub(crate) epoch: u64,
-    /// The first window after the fleet's last decrease (0 for none).
-    pub(crate) decreased: u64,
-    pub(crate) rtt_us: Option<u64>,
-    pub(crate) baseline_us: Option<u64>,
-    pub(crate) estimate_us: Option<u64>,
-}
-
-/// What a tick answered.
-#[derive(Clone, Debug)]
-pub(crate) struct Ticked {
-    pub(crate) capacity: usize,
-    pub(crate) leads: bool,
-    pub(crate) age_ms: u64,
-    pub(crate) known: Known,
-    /// The window, if this process took it.
-    pub(crate) taken: Option<Taken>,
-    /// What the last leader's algorithm handed over ([`Algorithm::handover`]): for a leader
-    /// that has no algorithm yet (it asked, [`Tick::starting`](super::store::Tick::starting)),
-    /// else empty.
-    ///
-    /// [`Algorithm::handover`]: tower_resources_operation::adaptive::Algorithm::handover
-    pub(crate) handed: String,
-}
-
-/// A window the leader took.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Taken {
-    /// The fleet's counts, every process's ticks added up.
-    pub(crate) counts: Window,
-    /// The fleet's places held, sampled at each tick: how many samples, their sum, the most.
-    pub(crate) samples: u64,
-    pub(crate) active_sum: u64,
-    pub(crate) peak: u64,
-}
-
-impl Taken {
-    /// The sample the algorithm decides from, at `capacity`: the core's, with the fleet's
-    /// load as the store sampled it and the window's length.
-    pub(crate) fn sample(&self, capacity: usize, adaptive: &Adaptive, age_ms: u64) -> Sample {
-        let mut sample = self.counts.sample(capacity, adaptive);
-        sample.peak_in_flight = usize::try_from(self.peak).unwrap_or(usize::MAX);
-        if self.samples > 0 {
-            sample.in_flight = self.active_sum as f64 / self.samples as f64;
-        }
-        sample.elapsed = Duration::from_millis(age_ms);
-        sample
-    }
-
-    /// Whether few operations ended in the window, whenever admitted: fewer than half its
-    /// capacity. Such a window (a hand-over, or a stall while a dead process's places lapse)
-    /// measured too little to grow on.
-    pub(crate) fn is_thin(&self, capacity: usize) -> bool {
-        self.counts.ends().saturating_mul(2) < capacity as u64
-    }
-}
-
 /// `duration` in whole microseconds, for the atomics and the store.
 pub(crate) fn micros(duration: Duration) -> u64 {
     u64::try_from(duration.as_micros())
         .unwrap_or(NONE - 1)
         .min(NONE - 1)
+}
+
+/// An adaptive limit's loop: a tick every `tick` (sooner at the first sign of congestion, or
+/// when the leader hears the window is due), and the leader's decision on each window it takes.
+/// Store errors here reach no request: the counts of a tick that failed are dropped, and the
+/// loop goes on. Never ends by itself.
+pub(crate) async fn decide<S: Store>(member: Arc<Member<S>>) {
+    let Some(control) = member.control.as_ref() else {
+        return;
+    };
+    let settings = &control.settings;
+    let adaptive = &settings.adaptive;
+    // The leader's algorithm: made anew each time this process takes the lease, resumed at
+    // the fleet's capacity if the fleet was decided before (a hand-over: no slow start from a
+    // capacity that is not new).
+    let mut algorithm: Option<Box<dyn Algorithm>> = None;
+    // A hand-over's capacity, and until when it is held to one place above it: the dead
+    // leader's places lapse within a lease TTL, and until they do the fleet looks busier than
+    // its backend is.
+    let mut handed_over: Option<(usize, Instant)> = None;
+    // What the last leader's algorithm measured, as a tick answered it to this process while
+    // it had no algorithm: what its own starts from.
+    let mut handed = String::new();
+    loop {
+        let _ = tokio::time::timeout(settings.tick, control.doorbell.notified()).await;
+        if member.health.is_down() {
+            // The counts of an outage are dropped: the fleet cannot be measured meanwhile.
+            control.drop_counts();
+            continue;
+        }
+        let seen = control.epoch();
+        let (counts, judged) = control.take_counts();
+        let tick = Tick {
+            candidate: &control.id,
+            leader_ttl: control.leader_ttl,
+            seen,
+            counts,
+            judged,
+            shortest: (settings.tick * 2).max(Duration::from_millis(100)),
+            longest: adaptive.interval(),
+            tolerance: adaptive.tolerated_share(),
+            starting: algorithm.is_none(),
+        };
+        let Ok(ticked) = member.store.tick(&tick).await else {
+            continue;
+        };
+        member.capacity.store(ticked.capacity, Relaxed);
+        control.learn(&ticked.known);
+        control.leads.store(ticked.leads, Relaxed);
+        if !ticked.leads {
+            (algorithm, handed_over) = (None, None);
+            continue;
+        }
+        let Some(taken) = ticked.taken else {
+            continue;
+        };
+        if algorithm.is_none() {
+            handed = ticked.handed;
+        }
+        let algorithm = algorithm.get_or_insert_with(|| {
+            let mut algorithm = adaptive.new_algorithm();
+            // Windows were decided before this one (the first the fleet ever closed opens
+            // window 2): by a leader that is gone. Its successor starts from the capacity and
+            // from what it measured.
+            if ticked.known.epoch > 2 {
+                let handover = std::mem::take(&mut handed);
+                let _ = guarded(|| algorithm.resume(ticked.capacity, &handover));
+                handed_over = Some((ticked.capacity, Instant::now() + member.settings.lease_ttl));
+            }
+            algorithm
+        });
+        let sample = taken.sample(ticked.capacity, adaptive, ticked.age_ms);
+        let bounds = adaptive.bounds();
+        let mut next = guarded(|| algorithm.update(&sample))
+            .unwrap_or(ticked.capacity)
+            .clamp(*bounds.start(), *bounds.end());
+        if next > ticked.capacity && taken.is_thin(ticked.capacity) {
+            // Few ended, whenever admitted: the window measured too little to grow on (a
+            // hand-over, a stall while a dead process's places lapse).
+            next = ticked.capacity;
+        }
+        match handed_over {
+            Some((capacity, until)) if Instant::now() < until => next = next.min(capacity + 1),
+            Some(_) => handed_over = None,
+            None => {}
+        }
+        let (baseline, estimate, handover) = guarded(|| {
+            (
+                algorithm.baseline(),
+                algorithm.estimate(),
+                algorithm.handover(),
+            )
+        })
+        .unwrap_or_default();
+        let rtt_us = sample.mean_run_time.map(micros).or(ticked.known.rtt_us);
+        // A decrease opens a window of its own (the store does the same): what was admitted
+        // since the window was taken ran at the capacity it lowers.
+        let decreases = next < ticked.capacity;
+        let epoch = ticked.known.epoch + u64::from(decreases);
+        let known = Known {
+            epoch,
+            decreased: match decreases {
+                true => epoch,
+                false => ticked.known.decreased,
+            },
+            rtt_us,
+            baseline_us: baseline.map(micros).or(ticked.known.baseline_us),
+            estimate_us: estimate.map(micros).or(ticked.known.estimate_us),
+        };
+        let decision = Decision {
+            leader: &control.id,
+            window: ticked.known.epoch,
+            capacity: next,
+            known,
+            handover: &handover,
+        };
+        if let Ok(Some(capacity)) = member.store.decide(&decision).await {
+            member.capacity.store(capacity, Relaxed);
+            control.learn(&known);
+            control.decisions.fetch_add(1, Relaxed);
+        }
+    }
 }
 
 #[cfg(test)]

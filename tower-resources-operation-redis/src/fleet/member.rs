@@ -18,33 +18,10 @@ use super::checks::Checks;
 use super::control::FleetControl;
 use super::doorbell::Doorbell;
 use super::health::{Change, Health};
-use super::share::Share;
+use super::share::{Share, Unreachable};
 use super::store::{Answer, Event, Refresh, State, Status, Store};
 use crate::error::Error;
 use crate::log::{inform, warn};
-
-/// What a fleet limit answers while its store cannot be reached.
-///
-/// A fleet limit that protects a shared resource should neither stop the fleet (every caller
-/// turned away) nor lift the limit (every caller admitted) while the store it is kept in is
-/// away. Google's Doorman hands each client a safe capacity to fall back on; a fleet limit
-/// works its own out: its share of the fleet's last capacity.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Unreachable {
-    /// Each replica admits up to its share of the fleet's last capacity, that capacity divided
-    /// by the replicas alive when it last reached the store (rounded down, and at least 1), and
-    /// queues the rest locally; so the fleet runs at most that capacity meanwhile, once the
-    /// operations admitted before the outage have ended. A replica that never reached the store
-    /// has no share: it turns operations away, as `Closed` does. The default.
-    #[default]
-    Share,
-    /// Turns every operation away as `unavailable` (HTTP `503`, gRPC `UNAVAILABLE`).
-    Closed,
-    /// Admits every operation without the fleet limit, counted in
-    /// `gym.resources.limit.failed_open`.
-    Open,
-}
 
 /// What a member is made with: the builder's settings, as checked.
 pub(crate) struct Settings {
@@ -260,7 +237,8 @@ impl<S: Store> Member<S> {
 
     /// The fleet's state; the first read says whether this replica agrees with the fleet.
     pub(crate) async fn state(&self) -> Result<State, Error> {
-        let state = self.call(self.store.state()).await?;
+        let token = lock(&self.books).token().to_owned();
+        let state = self.call(self.store.state(&token)).await?;
         self.read_capacity(state.capacity);
         self.share.read_replicas(state.replicas);
         self.places.held.store(state.active, Ordering::Relaxed);
@@ -312,15 +290,23 @@ impl<S: Store> Member<S> {
         self.places
             .unheard
             .store(refreshed.fleet_unheard, Ordering::Relaxed);
+        // Ids the store holds a lease for that this member let go of while the refresh was on
+        // its way (a permit dropped, a place of the share ended): its release may have reached
+        // the store first. Given back again.
+        let mut stray = Vec::new();
         for (id, status) in held.iter().zip(&refreshed.held) {
+            let still_held = lock(&self.books).held.contains(id);
             match status {
+                Status::Holds | Status::TakenBack if !still_held => stray.push(id.clone()),
                 Status::Holds | Status::Waits => {}
                 Status::TakenBack => {
                     self.counts.leases_lost.fetch_add(1, Ordering::Relaxed);
                 }
                 Status::Gone => {
                     // Lost, and its place may be someone else's now: no longer extended.
-                    self.counts.leases_lost.fetch_add(1, Ordering::Relaxed);
+                    if still_held {
+                        self.counts.leases_lost.fetch_add(1, Ordering::Relaxed);
+                    }
                     lock(&self.books).held.remove(id);
                 }
             }
@@ -334,7 +320,13 @@ impl<S: Store> Member<S> {
             // Still running: a lease from now on, extended and given back as any other.
             if books.unheard.remove(id) {
                 books.held.insert(id.clone());
+            } else {
+                stray.push(id.clone());
             }
+        }
+        if !stray.is_empty() {
+            // If this fails, the leases expire within a lease TTL.
+            let _ = self.release(&stray).await;
         }
         for ((_, slot), status) in waiting.iter().zip(&refreshed.waiting) {
             match status {

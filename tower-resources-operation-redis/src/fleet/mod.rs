@@ -16,3 +16,39 @@ pub(crate) mod place;
 pub(crate) mod share;
 pub(crate) mod store;
 pub(crate) mod waiter;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::{Arc, Weak};
+
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tower_resources_operation::limit::Capacity;
+
+use background::Background;
+use control::FleetControl;
+use member::{Handle, Member, Settings};
+use store::{Event, Store};
+
+/// A member of the fleet on `store`, whose ids start with `token`: its handle (what the limit's
+/// clones share) and its background work, which hears what the store pushes on `events`.
+pub(crate) fn assemble<S: Store>(
+    store: S,
+    settings: Settings,
+    token: Arc<str>,
+    control: Option<FleetControl>,
+    events: UnboundedReceiver<Event>,
+) -> (Arc<Handle<S>>, Background) {
+    let name = Arc::clone(&settings.name);
+    let member = Arc::new(Member::new(store, settings, token, control));
+    let (releases, released) = unbounded_channel();
+    let handle = Arc::new_cyclic(|handle: &Weak<Handle<S>>| {
+        let handle = handle.clone();
+        let gauge = Capacity::of_limit(Some(&name), move || {
+            handle.upgrade().map(|handle| handle.member.reading())
+        })
+        .expect("the name was checked when the builder was made");
+        Handle::new(Arc::clone(&member), releases, gauge)
+    });
+    (handle, Background::new(member, released, events))
+}

@@ -9,7 +9,30 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::books::lock;
-use super::member::{Member, Unreachable};
+use super::member::Member;
+
+/// What a fleet limit answers while its store cannot be reached.
+///
+/// A fleet limit that protects a shared resource should neither stop the fleet (every caller
+/// turned away) nor lift the limit (every caller admitted) while the store it is kept in is
+/// away. Google's Doorman hands each client a safe capacity to fall back on; a fleet limit
+/// works its own out: its share of the fleet's last capacity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Unreachable {
+    /// Each replica admits up to its share of the fleet's last capacity, that capacity divided
+    /// by the replicas alive when it last reached the store (rounded down, and at least 1), and
+    /// queues the rest locally; so the fleet runs at most that capacity meanwhile, once the
+    /// operations admitted before the outage have ended. A replica that never reached the store
+    /// has no share: it turns operations away, as `Closed` does. The default.
+    #[default]
+    Share,
+    /// Turns every operation away as `unavailable` (HTTP `503`, gRPC `UNAVAILABLE`).
+    Closed,
+    /// Admits every operation without the fleet limit, counted in
+    /// `gym.resources.limit.failed_open`.
+    Open,
+}
 
 /// What a member knows of the fleet for its share: the replicas alive as last read, and whether
 /// the fleet is settling after the store's return.

@@ -51,9 +51,8 @@
 use std::future::Future;
 use std::time::Duration;
 
-use tower_resources_operation::adaptive::Window;
+use tower_resources_operation::adaptive::{Adaptive, Sample, Window};
 
-use super::control::{Known, Ticked};
 use crate::error::Error;
 
 /// What a fleet limit asks of its store. See [the module](self).
@@ -84,8 +83,8 @@ pub(crate) trait Store: Send + Sync + 'static {
     /// process. Returns it.
     fn set_capacity(&self, capacity: usize) -> impl Future<Output = Result<usize, Error>> + Send;
 
-    /// The fleet's state now.
-    fn state(&self) -> impl Future<Output = Result<State, Error>> + Send;
+    /// The fleet's state now; says the member `member` is alive (it asks).
+    fn state(&self, member: &str) -> impl Future<Output = Result<State, Error>> + Send;
 
     /// An adaptive limit's tick: this process's counts into the fleet's window, the leader's
     /// lease kept or taken, and the window taken if this process leads and it is due.
@@ -233,4 +232,86 @@ pub(crate) enum Event {
     Due,
     /// The connection dropped or was made again: pushed wake-ups may have been lost.
     Reconnected,
+}
+
+/// What a tick or a decision says of the fleet's adaptive state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Known {
+    pub(crate) epoch: u64,
+    /// The first window after the fleet's last decrease (0 for none).
+    pub(crate) decreased: u64,
+    pub(crate) rtt_us: Option<u64>,
+    pub(crate) baseline_us: Option<u64>,
+    pub(crate) estimate_us: Option<u64>,
+}
+
+/// What a tick answered.
+#[derive(Clone, Debug)]
+pub(crate) struct Ticked {
+    pub(crate) capacity: usize,
+    pub(crate) leads: bool,
+    pub(crate) age_ms: u64,
+    pub(crate) known: Known,
+    /// The window, if this process took it.
+    pub(crate) taken: Option<TakenWindow>,
+    /// What the last leader's algorithm handed over ([`Algorithm::handover`]): for a leader
+    /// that has no algorithm yet (it asked, [`Tick::starting`](super::store::Tick::starting)),
+    /// else empty.
+    ///
+    /// [`Algorithm::handover`]: tower_resources_operation::adaptive::Algorithm::handover
+    pub(crate) handed: String,
+}
+
+/// A window the leader took.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TakenWindow {
+    /// The fleet's counts, every process's ticks added up.
+    pub(crate) counts: Window,
+    /// The fleet's places held, sampled at each tick: how many samples, their sum, the most.
+    pub(crate) samples: u64,
+    pub(crate) active_sum: u64,
+    pub(crate) peak: u64,
+}
+
+impl TakenWindow {
+    /// A window as the store kept it, field by field (a hash as `HGETALL` lists it): the
+    /// fleet's counts ([`Window::from_fields`]) and the load the store sampled. A field this
+    /// crate did not write is skipped.
+    pub(crate) fn from_fields(fields: &[(String, String)]) -> Self {
+        let mut window = TakenWindow::default();
+        let mut counts = Vec::new();
+        for (name, value) in fields {
+            let Ok(value) = value.parse::<i64>() else {
+                continue;
+            };
+            let value = u64::try_from(value).unwrap_or(0);
+            match name.as_str() {
+                "samples" => window.samples = value,
+                "active_sum" => window.active_sum = value,
+                "peak" => window.peak = value,
+                name => counts.push((name, value)),
+            }
+        }
+        window.counts = Window::from_fields(counts);
+        window
+    }
+
+    /// The sample the algorithm decides from, at `capacity`: the core's, with the fleet's
+    /// load as the store sampled it and the window's length.
+    pub(crate) fn sample(&self, capacity: usize, adaptive: &Adaptive, age_ms: u64) -> Sample {
+        let mut sample = self.counts.sample(capacity, adaptive);
+        sample.peak_in_flight = usize::try_from(self.peak).unwrap_or(usize::MAX);
+        if self.samples > 0 {
+            sample.in_flight = self.active_sum as f64 / self.samples as f64;
+        }
+        sample.elapsed = Duration::from_millis(age_ms);
+        sample
+    }
+
+    /// Whether few operations ended in the window, whenever admitted: fewer than half its
+    /// capacity. Such a window (a hand-over, or a stall while a dead process's places lapse)
+    /// measured too little to grow on.
+    pub(crate) fn is_thin(&self, capacity: usize) -> bool {
+        self.counts.ends().saturating_mul(2) < capacity as u64
+    }
 }

@@ -17,8 +17,9 @@ use tower_resources_operation::Rejected;
 use tower_resources_operation::Rejection;
 
 use super::books::{lock, Slot, ASK, GRANTED};
-use super::member::{Handle, Unreachable};
+use super::member::Handle;
 use super::place::{Kind, Place};
+use super::share::Unreachable;
 use super::store::{Answer, Store};
 use crate::error::Error;
 
@@ -33,12 +34,18 @@ pub(crate) async fn acquire<S: Store>(handle: Arc<Handle<S>>) -> Result<Place<S>
         // in it or in a later one, and a decrease decided meanwhile lowered a capacity it was
         // perhaps admitted at (its failure is then not news).
         waiter.asked_in = member.window();
+        // A place handed over before this call is what the call takes up, if anything: the
+        // window it was handed over in counts for this call only (a claim that lapsed meanwhile
+        // leaves the call to a place granted directly, or to the queue).
+        let handed_in = waiter.slot.handed_in.swap(0, Ordering::Relaxed);
         let error = match member.take(&waiter.id).await {
-            Ok(Answer::Granted) => return Ok(waiter.admitted(Kind::Lease)),
+            Ok(Answer::Granted) => return Ok(waiter.admitted(Kind::Lease, handed_in)),
             Ok(Answer::Queued) => {
                 waiter.queue();
                 if waiter.wait().await {
-                    return Ok(waiter.admitted(Kind::Lease));
+                    // A refresh took up the place handed over to it since its call.
+                    let handed_in = waiter.slot.handed_in.swap(0, Ordering::Relaxed);
+                    return Ok(waiter.admitted(Kind::Lease, handed_in));
                 }
                 continue;
             }
@@ -177,16 +184,16 @@ impl<S: Store> Waiter<S> {
                 .await;
             }
             if self.slot.take_news() == GRANTED {
-                return Some(Ok(self.admitted(Kind::Lease)));
+                let handed_in = self.slot.handed_in.swap(0, Ordering::Relaxed);
+                return Some(Ok(self.admitted(Kind::Lease, handed_in)));
             }
         }
     }
 
-    /// The place is its: a lease (`Kind::Lease`), or, for `Kind::Unlimited`, nothing.
-    fn admitted(&mut self, kind: fn(String) -> Kind) -> Place<S> {
-        // A place handed over was admitted in the window the store said; one granted as it
-        // asked, in the window it knew before.
-        let epoch = match self.slot.handed_in.load(Ordering::Relaxed) {
+    /// The place is its, a lease: handed over in the fleet's window `handed_in` (0: granted as
+    /// it asked, in the window it knew before).
+    fn admitted(&mut self, kind: fn(String) -> Kind, handed_in: u64) -> Place<S> {
+        let epoch = match handed_in {
             0 => self.asked_in,
             handed_in => handed_in,
         };

@@ -2,9 +2,13 @@
 //! one Lua script ([`scripts`]), on one connection per limit that also hears the limit's
 //! channel ([`transport`]).
 
+mod address;
 mod codec;
 mod errors;
+mod events;
 mod scripts;
+#[cfg(test)]
+mod tick_tests;
 mod transport;
 #[cfg(test)]
 mod windows_tests;
@@ -13,101 +17,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::{Script, ScriptInvocation};
-use tower_resources_operation::adaptive::Window;
 
 use crate::error::Error;
-use crate::fleet::control::{Known, Taken as TakenWindow, Ticked};
 use crate::fleet::store::{
-    Answer, Decision, Event, Refresh, Refreshed, State, Status, Store, Taken, Tick,
+    Answer, Decision, Known, Refresh, Refreshed, State, Status, Store, Taken, TakenWindow, Tick,
+    Ticked,
 };
+pub use address::Address;
+pub(crate) use address::Keys;
 use codec::{Decoder, Encoder, Field, Malformed};
+pub(crate) use events::parse_message;
 use scripts::SCRIPTS;
 pub(crate) use transport::Transport;
-
-/// Where a fleet limit's Redis is: one server, or (with the `cluster` feature) a Redis Cluster.
-///
-/// A `&str` or a `String` is one server's URL: `redis://host:port/db` (`rediss://` is not
-/// built in), or `redis+unix:///path`.
-///
-/// ```
-/// use tower_resources_operation_redis::Address;
-///
-/// let one: Address = "redis://redis.internal:6379/".into();
-/// # drop(one);
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Address {
-    /// One Redis server, by its URL.
-    One(String),
-    /// The nodes of a Redis Cluster (any of them: the rest are found from these), by their
-    /// URLs. Every key of a limit shares one hash slot, so one shard serves the limit, and a
-    /// failover of that shard's master is followed (see the crate docs, "Redis Cluster").
-    #[cfg(feature = "cluster")]
-    Cluster(Vec<String>),
-}
-
-impl Address {
-    /// The nodes of a Redis Cluster.
-    ///
-    /// ```
-    /// use tower_resources_operation_redis::Address;
-    ///
-    /// let cluster = Address::cluster(["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"]);
-    /// # drop(cluster);
-    /// ```
-    #[cfg(feature = "cluster")]
-    pub fn cluster<I: IntoIterator<Item = S>, S: Into<String>>(nodes: I) -> Self {
-        Address::Cluster(nodes.into_iter().map(Into::into).collect())
-    }
-}
-
-impl From<&str> for Address {
-    fn from(url: &str) -> Self {
-        Address::One(url.to_owned())
-    }
-}
-
-impl From<String> for Address {
-    fn from(url: String) -> Self {
-        Address::One(url)
-    }
-}
-
-impl From<&String> for Address {
-    fn from(url: &String) -> Self {
-        Address::One(url.clone())
-    }
-}
-
-/// The Redis names of one limit: one hash slot, `{prefix:name}:...`.
-#[derive(Debug)]
-pub(crate) struct Keys {
-    all: [String; 10],
-    pub(crate) channel: String,
-}
-
-impl Keys {
-    pub(crate) fn new(prefix: &str, name: &str) -> Self {
-        let slot = format!("{{{prefix}:{name}}}");
-        let key = |what: &str| format!("{slot}:{what}");
-        Self {
-            all: [
-                key("capacity"),
-                key("holders"),
-                key("queue"),
-                key("waiting"),
-                key("arrivals"),
-                key("claims"),
-                key("processes"),
-                key("adaptive"),
-                key("window"),
-                key("leader"),
-            ],
-            channel: key("wake"),
-        }
-    }
-}
 
 /// A limit's settings, as every script needs them.
 #[derive(Clone, Copy, Debug)]
@@ -296,12 +217,14 @@ impl Store for RedisStore {
         .await
     }
 
-    async fn state(&self) -> Result<State, Error> {
+    async fn state(&self, member: &str) -> Result<State, Error> {
         self.call(
             &SCRIPTS.state,
             "state",
             scripts::STATE_ARGS,
-            |_| {},
+            |args| {
+                args.text("member", member);
+            },
             scripts::STATE_REPLY,
             |reply| {
                 Ok(State {
@@ -405,47 +328,6 @@ fn ms(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// What was published on the limit's channel, as an event: `g <window> <ids>` places handed
-/// over in the fleet's window `window` (0 for a fixed limit),
-/// `c <capacity>`, `a <epoch> <decreased> <rtt> <baseline> <estimate>` a decision, `d` a
-/// window due.
-fn parse_message(message: &str) -> Option<Event> {
-    if let Some(handed) = message.strip_prefix("g ") {
-        let mut ids = handed.split(' ').peekable();
-        // An earlier build's scripts say no window (an id is `process:count`, never a number):
-        // the places are handed over all the same, in a window this process cannot tell.
-        let window = match ids.peek().map(|first| first.parse::<u64>()) {
-            Some(Ok(window)) => {
-                ids.next();
-                window
-            }
-            _ => 0,
-        };
-        return Some(Event::Handed {
-            window,
-            ids: ids.map(str::to_owned).collect(),
-        });
-    }
-    if let Some(capacity) = message.strip_prefix("c ") {
-        return capacity.parse().ok().map(Event::Capacity);
-    }
-    if message == "d" {
-        return Some(Event::Due);
-    }
-    let decision = message.strip_prefix("a ")?;
-    let mut parts = decision.split(' ').map(|part| part.parse::<i64>().ok());
-    let mut next = || parts.next().flatten();
-    let (epoch, decreased) = (next()?, next()?);
-    let us = |value: Option<i64>| value.and_then(|v| u64::try_from(v).ok());
-    Some(Event::Decided(Known {
-        epoch: u64::try_from(epoch).ok()?,
-        decreased: u64::try_from(decreased).unwrap_or(0),
-        rtt_us: us(next()),
-        baseline_us: us(next()),
-        estimate_us: us(next()),
-    }))
-}
-
 /// The tick script's reply: what the fleet knows, and the window's hash if it was taken.
 fn decode_ticked(reply: &mut Decoder<'_>) -> Result<Ticked, Malformed> {
     let positive = |value: Option<i64>| value.and_then(|value| u64::try_from(value).ok());
@@ -469,187 +351,7 @@ fn decode_ticked(reply: &mut Decoder<'_>) -> Result<Ticked, Malformed> {
         leads,
         age_ms,
         known,
-        taken: taken.then(|| parse_window(&window)),
+        taken: taken.then(|| TakenWindow::from_fields(&window)),
         handed,
     })
-}
-
-/// A window's hash, as `HGETALL` lists it: the fleet's counts ([`Window::from_fields`]) and
-/// the load the store sampled. A field this crate did not write is skipped.
-fn parse_window(pairs: &[(String, String)]) -> TakenWindow {
-    let mut window = TakenWindow::default();
-    let mut counts = Vec::new();
-    for (name, value) in pairs {
-        let Ok(value) = value.parse::<i64>() else {
-            continue;
-        };
-        let value = u64::try_from(value).unwrap_or(0);
-        match name.as_str() {
-            "samples" => window.samples = value,
-            "active_sum" => window.active_sum = value,
-            "peak" => window.peak = value,
-            name => counts.push((name, value)),
-        }
-    }
-    window.counts = Window::from_fields(counts);
-    window
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tower_resources_operation::{Executor, Operation};
-
-    fn strings(fields: &[&str]) -> Vec<String> {
-        fields.iter().map(|field| (*field).to_owned()).collect()
-    }
-
-    /// The tick's reply `values`, decoded whole.
-    fn parse_ticked(values: &[String]) -> Result<Ticked, Malformed> {
-        let mut reply = Decoder::new(values, scripts::TICK_REPLY);
-        let ticked = decode_ticked(&mut reply)?;
-        reply.finish()?;
-        Ok(ticked)
-    }
-
-    #[test]
-    fn a_tick_that_took_no_window_says_what_the_fleet_knows() {
-        let ticked =
-            parse_ticked(&strings(&["0", "7", "12", "0", "40", "", "", "", "", ""])).unwrap();
-        assert_eq!(
-            (ticked.capacity, ticked.leads, ticked.age_ms),
-            (7, false, 40)
-        );
-        assert_eq!((ticked.known.epoch, ticked.known.decreased), (12, 0));
-        assert_eq!(ticked.known.rtt_us, None);
-        assert!(ticked.taken.is_none());
-    }
-
-    #[test]
-    fn a_taken_window_makes_the_fleets_sample_series_by_series() {
-        let fields = strings(&[
-            "1",
-            "8",
-            "5",
-            "1",
-            "150",
-            "3",
-            "50000",
-            "51000",
-            "52000", // known
-            "judge/inline/1000000/4.000/-1/12.500 nobody/knows/1/1/1/1 verify/subprocess/x",
-            "ended",
-            "8",
-            "congested",
-            "1",
-            "stale",
-            "2",
-            "rejected",
-            "0", // counts
-            "samples",
-            "4",
-            "active_sum",
-            "30",
-            "peak",
-            "9",
-            "announced",
-            "1",
-            "verify/subprocess/e",
-            "9",
-            "verify/subprocess/o",
-            "6",
-            "verify/subprocess/v",
-            "300000",
-            "verify/subprocess/t",
-            "6",
-            "verify/subprocess/s",
-            "300000",
-            "verify/subprocess/q",
-            "14648437",
-            "verify/subprocess/m",
-            "49000",
-            "judge/inline/e",
-            "2",
-            "judge/inline/o",
-            "2",
-            "judge/inline/v",
-            "2000000",
-            "judge/inline/t",
-            "2",
-            "judge/inline/s",
-            "2000000",
-            "judge/inline/q",
-            "1953125",
-            "judge/inline/m",
-            "1000000",
-            "nobody/knows/e",
-            "5",
-            "verify/subprocess/zz",
-            "1", // not ours: skipped
-        ]);
-        let ticked = parse_ticked(&fields).unwrap();
-        assert!(ticked.leads);
-        assert_eq!(ticked.known.baseline_us, Some(51_000));
-        assert_eq!(
-            ticked.handed,
-            "judge/inline/1000000/4.000/-1/12.500 nobody/knows/1/1/1/1 verify/subprocess/x",
-            "handed over as the last leader wrote it"
-        );
-        let adaptive = tower_resources_operation::adaptive::Adaptive::new(
-            tower_resources_operation::adaptive::Vegas::default(),
-            1..=64,
-        );
-        let taken = ticked.taken.unwrap();
-        assert!(!taken.is_thin(8), "11 ended of 8 places");
-        assert!(taken.is_thin(23), "11 ended of 23 places");
-        let sample = taken.sample(8, &adaptive, ticked.age_ms);
-        assert_eq!(
-            (sample.ended, sample.congested, sample.stale_congested),
-            (8, 1, 2)
-        );
-        let verify = sample
-            .series_of(Operation::Verify, Executor::Subprocess)
-            .expect("the verifies, read by kind");
-        assert_eq!(verify.mean_run_time, Some(Duration::from_millis(50)));
-        assert_eq!(verify.min_run_time, Some(Duration::from_millis(49)));
-        let judge = sample
-            .series_of(Operation::Judge, Executor::Inline)
-            .unwrap();
-        assert_eq!(judge.mean_run_time, Some(Duration::from_secs(1)));
-        assert_eq!(sample.series().count(), 2, "{sample:?}");
-        assert_eq!((sample.peak_in_flight, sample.in_flight), (9, 7.5));
-        assert!(!sample.round_trip, "congested");
-        assert_eq!(sample.elapsed, Duration::from_millis(150));
-    }
-
-    #[test]
-    fn what_is_published_is_heard_as_the_fleets_events() {
-        assert_eq!(
-            parse_message("g 7 a:1 b:2"),
-            Some(Event::Handed {
-                window: 7,
-                ids: vec!["a:1".into(), "b:2".into()]
-            })
-        );
-        assert_eq!(
-            parse_message("g a:1 b:2"),
-            Some(Event::Handed {
-                window: 0,
-                ids: vec!["a:1".into(), "b:2".into()]
-            }),
-            "no window: handed over all the same"
-        );
-        assert_eq!(parse_message("c 12"), Some(Event::Capacity(12)));
-        assert_eq!(parse_message("d"), Some(Event::Due));
-        let Some(Event::Decided(known)) = parse_message("a 7 5 50000 -1 52000") else {
-            panic!("a decision");
-        };
-        assert_eq!((known.epoch, known.decreased), (7, 5));
-        assert_eq!(
-            (known.rtt_us, known.baseline_us, known.estimate_us),
-            (Some(50_000), None, Some(52_000))
-        );
-        assert_eq!(parse_message("x"), None);
-        assert_eq!(parse_message("c many"), None);
-    }
 }

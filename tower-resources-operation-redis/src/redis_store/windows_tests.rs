@@ -1,15 +1,15 @@
-//! The Redis store's scripts against a real `redis-server`: an adaptive limit's windows stay
-//! exact although processes hear of a decision late (the rules in `fleet::store`).
+//! Every script on a real `redis-server`, its reply decoded, through the scenarios both stores
+//! run (`store_scenarios`): what Redis answers and pushes is what the in-memory store does.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
-use tower_resources_operation::adaptive::Window;
 
 use super::{Keys, RedisStore, Settings, Transport};
-use crate::fleet::control::Known;
-use crate::fleet::store::{Answer, Decision, Event, Store, Tick};
+use crate::fleet::store::{Event, Store};
+use crate::memory_store;
+use crate::store_scenarios::{self, CAPACITY, CLAIM, TTL};
 
 #[allow(dead_code, unreachable_pub)]
 #[path = "../../tests/support/redis_server.rs"]
@@ -17,10 +17,8 @@ mod redis_server;
 
 use redis_server::RedisServer;
 
-const TTL: Duration = Duration::from_secs(10);
-
-fn store(redis: &RedisServer) -> (RedisStore, UnboundedReceiver<Event>) {
-    let name: Arc<str> = Arc::from("windows");
+fn store(redis: &RedisServer, name: &str) -> (RedisStore, UnboundedReceiver<Event>) {
+    let name: Arc<str> = Arc::from(name);
     let keys = Keys::new("tro-test", &name);
     let (events, heard) = unbounded_channel();
     let transport = Transport::open(
@@ -32,127 +30,77 @@ fn store(redis: &RedisServer) -> (RedisStore, UnboundedReceiver<Event>) {
     )
     .unwrap();
     let settings = Settings {
-        capacity: 4,
+        capacity: CAPACITY,
         lease_ttl: TTL,
-        claim_timeout: Duration::from_secs(1),
+        claim_timeout: CLAIM,
         max_queued: None,
     };
     (RedisStore::new(name, keys, transport, settings), heard)
 }
 
-/// One process's tick: `ended` own ends and `congested` failures judged news against the
-/// decrease of window `judged`, taken in window `seen`. Any failure makes the window due.
-fn tick(candidate: &str, seen: u64, ended: u64, congested: u64, judged: u64) -> Tick<'_> {
-    let counts = Window::from_fields([("ended", ended), ("congested", congested)]);
-    Tick {
-        candidate,
-        leader_ttl: TTL,
-        seen,
-        counts,
-        judged,
-        shortest: Duration::from_millis(100),
-        longest: Duration::from_secs(1),
-        tolerance: 0.0,
-        starting: false,
-    }
-}
+/// A pushed message takes this long to arrive from Redis.
+const SETTLE: Duration = Duration::from_millis(100);
 
-/// The next event of `kind`, skipping the others.
-async fn next(heard: &mut UnboundedReceiver<Event>, kind: fn(&Event) -> bool) -> Event {
-    tokio::time::timeout(Duration::from_secs(5), async {
-        loop {
-            let event = heard.recv().await.expect("the channel is open");
-            if kind(&event) {
-                return event;
+/// `log` with what depends on the clock (a window's age) left out.
+fn timeless(log: Vec<String>) -> Vec<String> {
+    log.into_iter()
+        .map(|line| {
+            let mut out = String::new();
+            let mut rest = line.as_str();
+            while let Some(at) = rest.find("age_ms: ") {
+                out += &rest[..at + "age_ms: ".len()];
+                rest =
+                    rest[at + "age_ms: ".len()..].trim_start_matches(|c: char| c.is_ascii_digit());
+                out += "_";
             }
-        }
-    })
-    .await
-    .expect("the event within 5 s")
+            out + rest
+        })
+        .collect()
 }
 
-#[tokio::test]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn failures_from_before_a_decrease_are_stale_however_late_they_are_counted() {
-    let redis = RedisServer::start_required();
-    let (store, mut heard) = store(&redis);
-    store.connect().await.unwrap();
-
-    // Process `a` leads, and takes the first window (a failure makes it due).
-    let first = store.tick(&tick("a", 0, 1, 1, 0)).await.unwrap();
-    assert!(first.leads);
-    assert_eq!(first.known.epoch, 2, "taken: window 2 opened");
-    assert_eq!(first.taken.unwrap().counts.congested(), 1);
-
-    // `b` counts a failure and an own end into window 2 before the leader decides on window 1.
-    let counted = store.tick(&tick("b", 2, 1, 1, 0)).await.unwrap();
-    assert!(!counted.leads && counted.taken.is_none());
-
-    // The leader lowers the capacity: a window of its own opens (3), the first after the
-    // decrease, and every process is told.
-    let known = Known {
-        epoch: 3,
-        decreased: 3,
-        ..Known::default()
-    };
-    let decision = Decision {
-        leader: "a",
-        window: 2,
-        capacity: 2,
-        known,
-        handover: "",
-    };
-    assert_eq!(store.decide(&decision).await.unwrap(), Some(2));
-    let Event::Decided(told) = next(&mut heard, |e| matches!(e, Event::Decided(_))).await else {
-        unreachable!()
-    };
-    assert_eq!((told.epoch, told.decreased), (3, 3));
-
-    // `b` had not heard: a failure it judged against no decrease is stale. `a` judged its own
-    // against the decrease of window 2 (the one decided as window 3 opened): news.
-    store.tick(&tick("b", 2, 0, 1, 0)).await.unwrap();
-    let taken = store.tick(&tick("a", 3, 1, 1, 2)).await.unwrap();
-    let counts = taken.taken.expect("a failure that is news: due").counts;
-    let stale = counts.into_stale().into_next().fields();
-    let stale = stale
-        .iter()
-        .find(|(name, _)| name == "stale")
-        .map_or(0, |(_, v)| *v);
-    assert_eq!(
-        (counts.congested(), stale - counts.congested()),
-        (1, 2),
-        "news: `a`'s; stale: `b`'s counted before the decrease, and `b`'s judged too kindly"
-    );
-    assert_eq!(counts.ended(), 1, "window 2's own ends are not window 3's");
-}
-
-#[tokio::test]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn a_place_handed_over_says_the_window_it_was_handed_over_in() {
-    let redis = RedisServer::start_required();
-    let (store, mut heard) = store(&redis);
-    store.connect().await.unwrap();
-    // Window 2, by one tick that took the first.
-    assert_eq!(
-        store
-            .tick(&tick("a", 0, 1, 1, 0))
-            .await
-            .unwrap()
-            .known
-            .epoch,
-        2
-    );
-    for id in ["p:1", "p:2", "p:3", "p:4"] {
-        assert_eq!(store.take(id).await.unwrap().answer, Answer::Granted);
+/// The two logs are the same, step by step.
+fn agree(on_redis: Vec<String>, on_memory: Vec<String>) {
+    for (redis, memory) in on_redis.iter().zip(&on_memory) {
+        assert_eq!(redis, memory, "Redis, then the in-memory store");
     }
-    assert_eq!(store.take("q:1").await.unwrap().answer, Answer::Queued);
-    store.release(&["p:1".to_owned()]).await.unwrap();
-    let handed = next(&mut heard, |e| matches!(e, Event::Handed { .. })).await;
-    assert_eq!(
-        handed,
-        Event::Handed {
-            window: 2,
-            ids: vec!["q:1".to_owned()]
-        }
-    );
+    assert_eq!(on_redis.len(), on_memory.len());
+}
+
+/// What the in-memory store answers to `scenario`, on paused time.
+fn on_memory<F: std::future::Future<Output = Vec<String>>>(
+    scenario: impl FnOnce() -> F,
+) -> Vec<String> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap()
+        .block_on(scenario())
+}
+
+#[tokio::test]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
+async fn places_on_redis_are_what_they_are_on_the_in_memory_store() {
+    let redis = RedisServer::start_required();
+    let (store, mut heard) = store(&redis, "places");
+    store.connect().await.unwrap();
+    let pause = |duration| tokio::time::sleep(duration);
+    let on_redis = store_scenarios::places(&store, &mut heard, pause, SETTLE).await;
+    let on_memory = tokio::task::spawn_blocking(|| on_memory(memory_store::tests::places))
+        .await
+        .unwrap();
+    agree(timeless(on_redis), timeless(on_memory));
+}
+
+#[tokio::test]
+#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
+async fn a_fleets_windows_on_redis_are_what_they_are_on_the_in_memory_store() {
+    let redis = RedisServer::start_required();
+    let (store, mut heard) = store(&redis, "windows");
+    store.connect().await.unwrap();
+    let on_redis = store_scenarios::windows(&store, &mut heard, SETTLE).await;
+    let on_memory = tokio::task::spawn_blocking(|| on_memory(memory_store::tests::windows))
+        .await
+        .unwrap();
+    agree(timeless(on_redis), timeless(on_memory));
 }
