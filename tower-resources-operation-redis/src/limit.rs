@@ -207,8 +207,9 @@ impl RedisLimit {
         })
     }
 
-    /// Reports this limit's own instruments, `gym.resources.limit.failed_open` and
-    /// `gym.resources.limit.leases_lost` (see [`metrics`](crate::metrics)), through `meter`,
+    /// Reports this limit's own instruments, `gym.resources.limit.failed_open`,
+    /// `gym.resources.limit.leases_lost` and `gym.resources.limit.unheard` (see
+    /// [`metrics`](crate::metrics)), through `meter`,
     /// for as long as the limit lives. The same as
     /// [`RedisLimitBuilder::meter`](crate::RedisLimitBuilder::meter).
     ///

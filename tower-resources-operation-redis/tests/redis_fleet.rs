@@ -4,8 +4,6 @@
 //! - a burst through all three never runs more than the fleet's capacity at once, as seen by an
 //!   observer independent of the limit (each handler records its entry and exit on a second
 //!   `redis-server`), and every replica's books balance;
-//! - a replica killed with `kill -9` while it holds places gives them back within the lease TTL
-//!   (plus a little slack for the check);
 //! - with Redis stopped and restarted in the middle of a load, no caller hangs, each gets the
 //!   answer its replica is configured for (turned away as `unavailable`, or admitted without the
 //!   fleet limit), and every replica takes places again once Redis is back.
@@ -330,64 +328,6 @@ async fn three_replicas_never_run_more_than_the_fleets_capacity_at_once_body() {
     }
     let handle = test_handle(&redis, CAPACITY);
     assert_eq!(settled(&handle).await, (CAPACITY, 0, 0));
-}
-
-#[test]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-fn a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease_ttl() {
-    replica_or(replica, || {
-        runtime().block_on(
-            a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease_ttl_body(),
-        )
-    });
-}
-
-async fn a_replica_killed_while_it_holds_places_gives_them_back_within_the_lease_ttl_body() {
-    const CAPACITY: usize = 3;
-    const TTL: Duration = Duration::from_millis(1_500);
-    let (redis, observer) = (RedisServer::start_required(), RedisServer::start_required());
-    let mut settings = burst(&redis, &observer, CAPACITY);
-    settings.mode = "hold".to_owned();
-    settings.ttl_ms = TTL.as_millis() as u64;
-    let mut holder = start(&settings);
-    let holder = within_thread("the holder", Duration::from_secs(60), move || {
-        holder.until("HOLDING");
-        holder
-    });
-    let handle = test_handle(&redis, CAPACITY);
-    let fleet = handle.fleet().await.unwrap();
-    assert_eq!((fleet.active, fleet.queued), (CAPACITY, 0));
-
-    // A waiter of the test's own, queued behind the dead replica's places.
-    let waiter = {
-        let handle = handle.clone();
-        tokio::spawn(async move { handle.acquire().await.map(drop) })
-    };
-    holder.kill(); // SIGKILL
-    let killed = Instant::now();
-
-    support::within("the waiter", waiter)
-        .await
-        .unwrap()
-        .expect("a place");
-    let waited = killed.elapsed();
-    loop {
-        let fleet = handle.fleet().await.unwrap();
-        if fleet.active == 0 {
-            break;
-        }
-        assert!(
-            killed.elapsed() < TTL + Duration::from_secs(2),
-            "{fleet:?} long after the kill"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let back = killed.elapsed();
-    println!("a waiter got a place {waited:?} after the kill; every place was back {back:?} after");
-    assert!(
-        back <= TTL + Duration::from_secs(2),
-        "the places came back {back:?} after the kill, the TTL is {TTL:?}"
-    );
 }
 
 #[test]

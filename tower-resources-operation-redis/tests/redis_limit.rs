@@ -1,18 +1,18 @@
-//! The fleet limit on a real `redis-server`, one rule at a time, with several handles built
-//! with one name standing for several replicas: shared by name; first come, first served
-//! across handles; a release wakes a waiter without polling (counted in `INFO commandstats`);
-//! an uncontended operation costs two round trips; a caller that goes away leaves no ticket
-//! and no lease; resizing for the whole fleet (raising admits at once, lowering revokes
-//! nobody); the queue bound and the queue timeout answered as the local `Limit` answers them;
-//! failing closed and failing open when Redis is stopped or frozen, for new callers and for
-//! waiters; a lease lost while its operation runs (counted, taken back only if its place is
-//! free); recovery after a restart; and what the metrics say.
+//! The fleet limit on a real `redis-server`, for what only Redis can show, with several handles
+//! built with one name standing for several replicas: shared by name (its keys); a release wakes
+//! a waiter of another handle on the channel, without polling (counted in `INFO
+//! commandstats`); an uncontended operation costs two round trips; the queue bound and the
+//! queue timeout answered through a layer as the local `Limit` answers them; failing closed and
+//! failing open when Redis is stopped or frozen, for new callers and for waiters; a lease lost
+//! when Redis forgets it (counted in the metrics, taken back only if its place is free);
+//! recovery after a restart; and what the metrics say. The protocol's own rules (first come,
+//! first served, cancellation, the capacity, lost leases) are checked on the in-memory store on
+//! paused time (`src/fleet/tests/`).
 
 mod support;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::{Request, Response, StatusCode};
@@ -145,36 +145,6 @@ async fn every_handle_built_with_one_name_shares_one_capacity_and_other_names_do
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn waiters_from_every_replica_are_served_first_come_first_served() {
-    let redis = RedisServer::start_required();
-    let replicas: Vec<RedisLimit> = (0..3)
-        .map(|_| patient("sandboxes", 1).build(redis.url()).unwrap())
-        .collect();
-    let holding = take(&replicas[0]).await;
-
-    // Eight waiters, arriving one after another, from the three replicas in turn.
-    let order = Arc::new(Mutex::new(Vec::new()));
-    let mut waiters = Vec::new();
-    for arrival in 0..8 {
-        let limit = replicas[arrival % 3].clone();
-        let order = Arc::clone(&order);
-        waiters.push(tokio::spawn(async move {
-            let permit = limit.acquire().await.expect("a place");
-            order.lock().unwrap().push(arrival);
-            drop(permit);
-        }));
-        until_queued(&replicas[0], arrival + 1).await;
-    }
-
-    drop(holding);
-    for waiter in waiters {
-        within("a waiter", waiter).await.unwrap();
-    }
-    assert_eq!(*order.lock().unwrap(), (0..8).collect::<Vec<_>>());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
 async fn a_release_wakes_a_waiter_of_another_replica_without_a_poll() {
     let redis = RedisServer::start_required();
     let replica_a = patient("judges", 1).build(redis.url()).unwrap();
@@ -237,100 +207,9 @@ async fn an_uncontended_operation_costs_two_round_trips() {
 // Cancellation
 // ---------------------------------------------------------------------------------------------
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn a_waiter_that_goes_away_leaves_no_ticket_and_a_dropped_permit_no_lease() {
-    let redis = RedisServer::start_required();
-    let replica_a = patient("judges", 1).build(redis.url()).unwrap();
-    let replica_b = patient("judges", 1).build(redis.url()).unwrap();
-    let holding = take(&replica_a).await;
-
-    let gone = wait_for(&replica_b);
-    until_queued(&replica_a, 1).await;
-    gone.abort();
-    until_queued(&replica_a, 0).await;
-    assert_eq!(replica_b.queued(), 0);
-
-    // One that goes away as the place is handed to it gives the place back too.
-    let racing = wait_for(&replica_b);
-    until_queued(&replica_a, 1).await;
-    drop(holding);
-    racing.abort();
-    // If the place reached it before the abort, its permit is the task's output: gone with
-    // the handle.
-    drop(racing);
-    until("every place back", || async {
-        fleet(&replica_a).await == (1, 0, 0)
-    })
-    .await;
-    assert_eq!((replica_a.active(), replica_b.active()), (0, 0));
-    take(&replica_a).await;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Capacity
 // ---------------------------------------------------------------------------------------------
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn raising_the_capacity_admits_the_fleets_waiters_at_once_and_lowering_it_revokes_nobody() {
-    let redis = RedisServer::start_required();
-    let replica_a = patient("judges", 1).build(redis.url()).unwrap();
-    let replica_b = patient("judges", 1).build(redis.url()).unwrap();
-    let operator = patient("judges", 1).build(redis.url()).unwrap();
-    replica_b.ready().await.unwrap();
-    let first = take(&replica_a).await;
-    let waiters = [wait_for(&replica_b), wait_for(&replica_b)];
-    until_queued(&replica_a, 2).await;
-
-    let before = script_calls(&redis);
-    operator.set_capacity(3).await.unwrap();
-    let [second, third] = waiters;
-    let (second, third) = (
-        within("a waiter", second).await.unwrap(),
-        within("a waiter", third).await.unwrap(),
-    );
-    assert_eq!(
-        script_calls(&redis) - before,
-        3,
-        "the resize handed the places over, and each waiter took its own up, without a poll"
-    );
-    assert_eq!(fleet(&operator).await, (3, 3, 0));
-    support::eventually("every replica hears of it", || {
-        replica_a.capacity() == 3 && replica_b.capacity() == 3
-    })
-    .await;
-
-    // Lowered below what runs: nobody is revoked; a newcomer waits until the fleet is below it.
-    operator.set_capacity(1).await.unwrap();
-    assert_eq!(fleet(&operator).await, (1, 3, 0));
-    let newcomer = wait_for(&replica_a);
-    until_queued(&operator, 1).await;
-    drop(first);
-    drop(second);
-    until("two places out", || async {
-        fleet(&operator).await == (1, 1, 1)
-    })
-    .await;
-    assert!(!newcomer.is_finished());
-    drop(third);
-    let newcomer = within("the newcomer", newcomer).await.unwrap();
-    assert_eq!(fleet(&operator).await, (1, 1, 0));
-    drop(newcomer);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn the_first_replica_stores_the_capacity_and_later_ones_read_it() {
-    let redis = RedisServer::start_required();
-    let first = patient("judges", 3).build(redis.url()).unwrap();
-    first.ready().await.unwrap();
-    assert_eq!(fleet(&first).await.0, 3);
-    let later = patient("judges", 7).build(redis.url()).unwrap();
-    assert_eq!(later.capacity(), 7, "its own, until it reads the fleet's");
-    drop(take(&later).await);
-    assert_eq!(later.capacity(), 3, "the fleet's, once read");
-}
 
 // ---------------------------------------------------------------------------------------------
 // Bounded waiting
@@ -577,33 +456,6 @@ async fn a_lost_lease_is_counted_and_taken_back_while_its_place_is_free() {
     drop(running);
     drop(within("the waiter", waiting).await.unwrap());
     assert_eq!(named(&t, LEASES_LOST_INSTRUMENT, "judges"), 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server on PATH (apt-get install redis-server): cargo test -- --include-ignored runs it"]
-async fn a_lost_lease_whose_place_was_given_to_another_is_counted_and_never_taken_back() {
-    let redis = RedisServer::start_required();
-    let limit = quick("judges", 1).build(redis.url()).unwrap();
-    let other = quick("judges", 1).build(redis.url()).unwrap();
-    let running = take(&limit).await;
-    let _: () = ::redis::cmd("DEL")
-        .arg("{tro:judges}:holders")
-        .query(&mut redis.connection())
-        .unwrap();
-    // The place looks free: another takes it.
-    let taken = take(&other).await;
-
-    support::eventually("the loss seen", || limit.leases_lost() == 1).await;
-    assert_eq!(fleet(&other).await, (1, 1, 0), "the place is given once");
-    // The operation that lost its lease runs on, and its end gives back nothing of another's.
-    drop(running);
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(fleet(&other).await, (1, 1, 0));
-    drop(taken);
-    until("every place back", || async {
-        fleet(&other).await == (1, 0, 0)
-    })
-    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

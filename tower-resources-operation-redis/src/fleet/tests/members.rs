@@ -183,3 +183,49 @@ async fn the_first_member_stores_the_capacity_and_a_later_one_built_otherwise_ke
     first.handle.member.state().await.unwrap();
     assert_eq!(first.handle.member.capacity.load(Ordering::SeqCst), 5);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_goes_away_leaves_no_ticket_and_one_handed_a_place_as_it_goes_gives_it_back()
+{
+    let fleet = Fleet::new(1);
+    let (a, b) = (fleet.replica(), fleet.replica());
+    let holding = a.acquire().await.unwrap();
+    let admitted = Arc::new(AtomicUsize::new(0));
+    let gone = b.waiter(&admitted);
+    until("queued", Duration::from_secs(1), || b.queued() == 1).await;
+    gone.abort();
+    until("its ticket gone", Duration::from_secs(1), || {
+        fleet.store.queue().is_empty()
+    })
+    .await;
+    assert_eq!(b.queued(), 0);
+    // One that goes away just as the place is handed to it gives the place back too.
+    let racing = b.waiter(&admitted);
+    until("queued", Duration::from_secs(1), || b.queued() == 1).await;
+    drop(holding);
+    racing.abort();
+    until("every place back", TTL, || fleet.store.holders().is_empty()).await;
+    assert_eq!((a.active(), b.active()), (0, 0));
+    drop(a.acquire().await.unwrap());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_lease_whose_place_was_given_to_another_is_counted_and_never_taken_back() {
+    let fleet = Fleet::new(1);
+    let (a, b) = (fleet.replica(), fleet.replica());
+    let running = a.acquire().await.unwrap();
+    // The store forgets the lease (a restart without persistence), and the place looks free.
+    fleet.store.wipe();
+    let taken = b.acquire().await.unwrap();
+    until("the loss seen", TTL, || {
+        a.handle.member.counts.leases_lost.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    assert_eq!(fleet.store.holders().len(), 1, "the place is given once");
+    // The operation that lost its lease runs on; its end gives back nothing of another's.
+    drop(running);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(fleet.store.holders().len(), 1);
+    drop(taken);
+    until("every place back", TTL, || fleet.store.holders().is_empty()).await;
+}
