@@ -1,4 +1,4 @@
-//! The ratios of the performance targets (issue 4), measured in interleaved rounds so they hold on a
+//! The ratios of the performance targets, measured in interleaved rounds so they hold on a
 //! shared machine.
 //!
 //! ```text
@@ -67,7 +67,7 @@ where
     (name, Box::new(move |n| run(service.clone(), n)))
 }
 
-/// The targets of issue 34's "Keep", for the sections they are stated for: `(section, case,
+/// The performance targets, for the sections they are stated for: `(section, case,
 /// reference, the most the ratio may be)`. The bound build (`--features
 /// experimental-bound-instruments`) is held to the same ones.
 const TARGETS: &[(&str, &str, &str, f64)] = &[

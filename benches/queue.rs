@@ -10,7 +10,7 @@
 //! `poll_ready` took it), then spawns N tasks on a current-thread runtime, each
 //! `tokio::spawn(service.clone().oneshot(()))`: what hyper and axum do per request. The inner
 //! service captures one `Arc`; its future either awaits a tokio `Semaphore` (as a handler that
-//! takes a resource does, the method of issue 34) or is ready at once. The memory per queued
+//! takes a resource does) or is ready at once. The memory per queued
 //! operation is measured two ways, each case in a fresh child process: the heap in use once
 //! all of them wait, less the heap before (a counting global allocator), and the growth of the
 //! resident set size over the same span, each divided by N. The time for the queue to drain

@@ -208,7 +208,7 @@ pub mod bare {
     }
 
     /// `NESTED`: it also does what a layer must to find a request that reaches a limit whose
-    /// place it already holds (issue 34's first point), as the layer does it: a thread-local
+    /// place it already holds, as the layer does it: a thread-local
     /// read before taking a place, and the place published around the inner `poll_ready` and
     /// around each poll of the response future. A request found nested is not handled: the
     /// bench has none.

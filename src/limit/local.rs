@@ -242,8 +242,8 @@ impl Resize for State {
 /// from a golden-ratio (Weyl) sequence of the thread's own, heard where it falls in the first
 /// `1 / (mask + 1)` of its circle. One add and one multiply, nothing shared, and the ops heard
 /// are spread as evenly as such a sequence spreads (no period for a workload to fall in step
-/// with); an xorshift's six dependent steps cost a limit with metrics off about 2 ns, 15% of
-/// the operation.
+/// with); an xorshift would put six dependent steps on the path of every admission, sampled or
+/// not.
 #[inline]
 fn heard(mask: u32) -> bool {
     thread_local! {

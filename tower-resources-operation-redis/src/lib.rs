@@ -114,7 +114,10 @@
 //! `gym.resources.limit.unheard` (places held by members the fleet has not heard from within
 //! half a TTL, in every replica's metrics), so the stall reads as what it is, not as a saturated
 //! limit with nothing running. `tests/fleet_changes.rs` kills a replica holding every place
-//! of the fleet: the survivors' next success comes 1.3-2.7 s later with the defaults.
+//! of the fleet: with the defaults the survivors' next success comes when the last lease
+//! expires, found by their next refresh (a waiting member refreshes every third of the TTL):
+//! 1.3 to 2.7 s after the kill, by where in its refresh cycle the replica died (1.67 s in
+//! each of three runs).
 //!
 //! # Choosing the lease TTL
 //!

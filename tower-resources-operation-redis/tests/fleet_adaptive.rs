@@ -571,6 +571,16 @@ fn fleet_state(redis: &RedisServer, name: &str) -> (usize, u64) {
     (capacity.unwrap_or(0), epoch.unwrap_or(0))
 }
 
+/// The ids of the leases the fleet holds now (each starts with its member's token).
+fn holders(redis: &RedisServer, name: &str) -> Vec<String> {
+    ::redis::cmd("ZRANGE")
+        .arg(format!("{{tro:{name}}}:holders"))
+        .arg(0)
+        .arg(-1)
+        .query(&mut redis.connection())
+        .unwrap()
+}
+
 /// How many times the fleet's capacity was decreased.
 fn fleet_decreases(redis: &RedisServer, name: &str) -> u64 {
     let decreases: Option<u64> = ::redis::cmd("HGET")
@@ -839,6 +849,7 @@ async fn leader_killed(redis: &RedisServer, algorithm: &str) {
     let killed_at = backend.now();
     dead.child.wait().unwrap();
     let (after, epoch_after) = fleet_state(redis, name);
+    let held_at_the_kill = holders(redis, name);
     // The capacity through the hand-over, every 20 ms for 3 s; when another replica leads.
     let mut peak = after;
     let mut trajectory = vec![after];
@@ -861,6 +872,23 @@ async fn leader_killed(redis: &RedisServer, algorithm: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let handed_over = backend.figures(killed_at, killed_at + 3.0);
+    // Whose leases the fleet held at the kill: by now (3 s, two TTLs) the dead process has
+    // left the processes' set, and the survivors are in it.
+    let alive: Vec<String> = ::redis::cmd("ZRANGE")
+        .arg(format!("{{tro:{name}}}:processes"))
+        .arg(0)
+        .arg(-1)
+        .query(&mut redis.connection())
+        .unwrap();
+    let dead_leases = held_at_the_kill
+        .iter()
+        .filter(|id| !alive.iter().any(|token| id.split(':').next() == Some(token)))
+        .count();
+    println!(
+        "at the kill the fleet held {} leases, {dead_leases} of them the dead leader's (they \
+         read as unheard until they lapse)",
+        held_at_the_kill.len()
+    );
     println!(
         "the hand-over: capacity {before} at the kill ({stood} at most in the 3 s before), then \
          {trajectory:?} in the 3 s after (peak {peak} in the hand-over); failures per success {:.3} in the 3 s after, {:.3} in the 3 s before \

@@ -23,9 +23,6 @@ use super::member::Member;
 use super::store::{Decision, Known, Store, Tick};
 use crate::guard::guarded;
 
-/// An atomic duration's "none".
-const NONE: u64 = u64::MAX;
-
 /// How an adaptive fleet limit decides, as the builder was told: the core's [`Adaptive`]
 /// (algorithm, bounds, tolerance, longest window), and how often each process ticks.
 #[derive(Clone, Debug)]
@@ -54,9 +51,9 @@ pub(crate) struct FleetControl {
     carried: Mutex<Window>,
     /// The fleet's window, as this process last heard (0 before it heard any).
     epoch: AtomicU64,
-    /// The fleet's baseline and estimate, in µs (`NONE`).
-    baseline_us: AtomicU64,
-    estimate_us: AtomicU64,
+    /// The fleet's baseline and estimate, in µs, as last heard (read by the metrics'
+    /// callbacks, written once a tick).
+    measured_us: Mutex<(Option<u64>, Option<u64>)>,
     /// Whether this process held the leader's lease at its last tick.
     pub(crate) leads: AtomicBool,
     /// Windows this process decided.
@@ -82,8 +79,7 @@ impl FleetControl {
             decreased: AtomicU64::new(0),
             carried: Mutex::default(),
             epoch: AtomicU64::new(0),
-            baseline_us: AtomicU64::new(NONE),
-            estimate_us: AtomicU64::new(NONE),
+            measured_us: Mutex::default(),
             leads: AtomicBool::new(false),
             decisions: AtomicU64::new(0),
             doorbell: Notify::new(),
@@ -111,11 +107,11 @@ impl FleetControl {
 
     /// The fleet's baseline and estimate, as last heard.
     pub(crate) fn measured(&self) -> (Option<Duration>, Option<Duration>) {
-        let read = |us: &AtomicU64| match us.load(Relaxed) {
-            NONE => None,
-            us => Some(Duration::from_micros(us)),
-        };
-        (read(&self.baseline_us), read(&self.estimate_us))
+        let (baseline, estimate) = *lock(&self.measured_us);
+        (
+            baseline.map(Duration::from_micros),
+            estimate.map(Duration::from_micros),
+        )
     }
 
     /// An operation admitted in window `admitted` ended: into the tally, and the doorbell at
@@ -175,10 +171,7 @@ impl FleetControl {
             let judged = std::mem::take(&mut *lock(&self.tally));
             *lock(&self.carried) += judged.into_stale().into_next();
         }
-        self.baseline_us
-            .store(known.baseline_us.unwrap_or(NONE), Relaxed);
-        self.estimate_us
-            .store(known.estimate_us.unwrap_or(NONE), Relaxed);
+        *lock(&self.measured_us) = (known.baseline_us, known.estimate_us);
     }
 }
 
@@ -195,11 +188,9 @@ impl fmt::Debug for FleetControl {
     }
 }
 
-/// `duration` in whole microseconds, for the atomics and the store.
+/// `duration` in whole microseconds, for the store.
 pub(crate) fn micros(duration: Duration) -> u64 {
-    u64::try_from(duration.as_micros())
-        .unwrap_or(NONE - 1)
-        .min(NONE - 1)
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// An adaptive limit's loop: a tick every `tick` (sooner at the first sign of congestion, or

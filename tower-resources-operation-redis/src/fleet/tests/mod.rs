@@ -6,7 +6,6 @@
 //! its leader, and the interleavings that real servers cannot be made to reach.
 
 mod members;
-mod model;
 mod races;
 mod shares;
 mod windows;
