@@ -882,7 +882,11 @@ async fn leader_killed(redis: &RedisServer, algorithm: &str) {
         .unwrap();
     let dead_leases = held_at_the_kill
         .iter()
-        .filter(|id| !alive.iter().any(|token| id.split(':').next() == Some(token)))
+        .filter(|id| {
+            !alive
+                .iter()
+                .any(|token| id.split(':').next() == Some(token))
+        })
         .count();
     println!(
         "at the kill the fleet held {} leases, {dead_leases} of them the dead leader's (they \
