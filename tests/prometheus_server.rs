@@ -494,9 +494,14 @@ async fn every_dashboard_query_answers(prometheus: &Prometheus, named: bool) {
     let queries = support::prometheus::panel_queries(&dashboard);
     assert!(!queries.is_empty());
     assert!(queries.iter().any(|query| reads_named_limits(&query.expr)));
-    // An adaptive limit's series exist only where a limit has a controller.
+    // An adaptive limit's series exist only where a limit has a controller, and a fleet limit's
+    // only where the app runs one.
     let adaptive = !prometheus
         .query("gym_resources_limit_adaptive_baseline_ms")
+        .await
+        .is_empty();
+    let fleet = !prometheus
+        .query("gym_resources_limit_unheard")
         .await
         .is_empty();
     for query in queries {
@@ -504,6 +509,8 @@ async fn every_dashboard_query_answers(prometheus: &Prometheus, named: bool) {
         let result = prometheus.query(&expr).await;
         let expected = if query.expr.contains("gym_resources_limit_adaptive_") {
             adaptive
+        } else if query.expr.contains("gym_resources_limit_unheard") {
+            fleet
         } else {
             named || !reads_named_limits(&query.expr)
         };

@@ -50,8 +50,11 @@ fn run_replica(settings: Settings) {
                 .build()
                 .expect("the exporter");
             let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-            let metrics = OperationMetrics::new(&provider.meter(METER_NAME));
+            let meter = provider.meter(METER_NAME);
+            let metrics = OperationMetrics::new(&meter);
+            // With the fleet limit's own instruments, which the dead-holder panel reads.
             let limit = RedisLimit::builder(NAME, CAPACITY)
+                .meter(&meter)
                 .lease_ttl(Duration::from_secs(3))
                 .call_timeout(Duration::from_secs(1))
                 .build(settings["redis"].as_str())
@@ -376,6 +379,13 @@ fn the_dashboard_and_the_alerts_read_a_saturated_fleet_limit_as_the_fleets() {
                  / sum by (nemo_gym_resources_limit) (gym_resources_limit_capacity)",
             )
             .expect("the old reading");
+        // Every member is alive and heard from: the dead-holder panel reads the fleet, and 0.
+        let unheard = prometheus
+            .of_limit(&dashboard_query(
+                "Fleet: places held by members not heard from",
+                "A",
+            ))
+            .expect("the fleet limit's unheard places");
         let seen = support::observer::Seen::read(&observer);
         let firing = prometheus
             .query(r#"ALERTS{alertname="ResourcesOperationLimitSaturated", alertstate="firing"}"#);
@@ -383,7 +393,7 @@ fn the_dashboard_and_the_alerts_read_a_saturated_fleet_limit_as_the_fleets() {
         println!(
             "three replicas of a fleet limit of {CAPACITY}, 24 callers: the dashboard's \
              utilisation {utilisation:.3} (capacities added up: {added_up:.3}), capacity \
-             {capacity}; at most {most} at once, counted outside the limit; firing: {firing:?}"
+             {capacity}, unheard {unheard}; at most {most} at once, counted outside the limit; firing: {firing:?}"
         );
         assert!(most <= CAPACITY as i64, "{most} at once");
         assert!(
@@ -391,6 +401,7 @@ fn the_dashboard_and_the_alerts_read_a_saturated_fleet_limit_as_the_fleets() {
             "utilisation {utilisation:.3}"
         );
         assert_eq!(capacity, CAPACITY as f64, "the fleet's capacity, read once");
+        assert_eq!(unheard, 0.0, "places held by members not heard from");
         assert_eq!(firing.len(), 1, "one alert, the fleet's: {firing:?}");
         assert_eq!(firing[0]["metric"]["scope"], "fleet", "{firing:?}");
         assert_eq!(firing[0]["metric"]["nemo_gym_resources_limit"], NAME);
