@@ -225,6 +225,13 @@ impl Measured {
 #[derive(Clone, Debug)]
 pub(super) struct Baselines {
     table: [Baseline; SeriesKey::COUNT],
+    /// How long each series' callers wait before they give up on one of its operations, in
+    /// seconds, as its operations given up on showed (see [`near_patience`](Self::near_patience)).
+    patience: [Option<f64>; SeriesKey::COUNT],
+    /// The window in which each last had an end, counted in `heard_windows`.
+    heard: [u64; SeriesKey::COUNT],
+    /// Windows heard, whatever they were.
+    heard_windows: u64,
     /// The window in which each was last measured.
     measured: [u64; SeriesKey::COUNT],
     /// Windows taken in.
@@ -237,6 +244,9 @@ impl Default for Baselines {
     fn default() -> Self {
         Self {
             table: [Baseline::default(); SeriesKey::COUNT],
+            patience: [None; SeriesKey::COUNT],
+            heard: [0; SeriesKey::COUNT],
+            heard_windows: 0,
             measured: [0; SeriesKey::COUNT],
             windows: 0,
             last: None,
@@ -283,6 +293,7 @@ impl Baselines {
             let stale = self.windows - self.measured[index] > Self::STALE;
             if stale {
                 *baseline = Baseline::default();
+                self.patience[index] = None;
             }
             let new = baseline.run_time.is_none();
             self.measured[index] = self.windows;
@@ -308,6 +319,41 @@ impl Baselines {
         Some(mix)
     }
 
+    /// Takes in which series `sample` heard from, and how long their callers waited before they
+    /// gave up on some of their operations, if they did: half-way from what it knew.
+    pub(super) fn hear(&mut self, sample: &Sample) {
+        self.heard_windows += 1;
+        for series in sample.series.iter() {
+            self.heard[series.key().index()] = self.heard_windows;
+            let Some(waited) = series.given_up_run_time() else {
+                continue;
+            };
+            let patience = &mut self.patience[series.key().index()];
+            let waited = waited.as_secs_f64();
+            *patience = Some(patience.map_or(waited, |known| known + 0.5 * (waited - known)));
+        }
+    }
+
+    /// Whether a series heard from lately (within [`STALE`](Self::STALE) windows) runs near its
+    /// callers' patience: they give up on its operations after about its run time at low load
+    /// (a tenth less, for its spread) and before twice that. One operation in flight above a
+    /// knee can cost each operation admitted there a whole run time more (it waits for a place
+    /// at the server, or runs at half its speed): for such a kind of work, that is its callers'
+    /// patience gone. (Callers who leave sooner than the run time were not waiting on a slow
+    /// answer: they left for reasons of their own.)
+    pub(super) fn near_patience(&self) -> bool {
+        (0..SeriesKey::COUNT).any(|index| {
+            let lately = self.heard_windows - self.heard[index] <= Self::STALE;
+            match (self.patience[index], self.table[index].run_time) {
+                _ if !lately => false,
+                (Some(patience), Some(run_time)) => {
+                    (0.9 * run_time..2.0 * run_time).contains(&patience)
+                }
+                _ => false,
+            }
+        })
+    }
+
     /// The last round trip's baseline (what its operations would take at low load), in
     /// seconds.
     pub(super) fn get(&self) -> Option<f64> {
@@ -329,6 +375,8 @@ impl Baselines {
                     level: baseline.level,
                     deviation: deviation.and_then(|d| Duration::try_from_secs_f64(d).ok()),
                     support: baseline.support,
+                    patience: self.patience[index]
+                        .and_then(|patience| Duration::try_from_secs_f64(patience).ok()),
                 })
             })
             .collect()
@@ -359,6 +407,8 @@ impl Baselines {
                 support,
             };
             self.measured[index] = self.windows;
+            self.patience[index] = handed.patience.map(|patience| patience.as_secs_f64());
+            self.heard[index] = self.heard_windows;
             (sum, weight) = (sum + support * run_time, weight + support);
         }
         if weight > 0.0 {
@@ -439,5 +489,53 @@ mod tests {
         still.measured(0.05, Some(0.0), 1.0, 1);
         assert!(still.measured(0.0505, Some(0.0), 2.0, 2).rose);
         assert_eq!(still.run_time, Some(0.05));
+    }
+
+    /// A window of one judge series: `timed` of 1 s measured, `given_up` given up on after
+    /// `after_ms`.
+    fn judges(timed: u64, given_up: u64, after_ms: u64) -> Sample {
+        let mut window = crate::adaptive::tests::sample(4);
+        let second = Duration::from_secs(1);
+        let mut judge = SeriesSample::new(Operation::Judge, Executor::Inline);
+        (judge.ended, judge.ok, judge.timed) = (timed + given_up, timed, timed);
+        judge.mean_run_time = (timed > 0).then_some(second);
+        judge.run_time_deviation = Some(Duration::ZERO);
+        judge.given_up = given_up;
+        judge.given_up_after = Duration::from_millis(after_ms * given_up);
+        window.series.insert(judge);
+        window
+    }
+
+    #[test]
+    fn a_kind_whose_callers_give_up_within_twice_its_run_time_is_near_their_patience() {
+        for (after_ms, near) in [(1_000, true), (1_900, true), (2_100, false), (300, false)] {
+            let mut baselines = Baselines::default();
+            baselines.hear(&judges(4, 0, 0));
+            baselines.measure(&judges(4, 0, 0));
+            assert!(!baselines.near_patience(), "none given up yet");
+            baselines.hear(&judges(0, 2, after_ms));
+            assert_eq!(
+                baselines.near_patience(),
+                near,
+                "given up after {after_ms} ms"
+            );
+        }
+    }
+
+    #[test]
+    fn a_kind_not_heard_for_a_while_is_no_longer_near_its_callers_patience() {
+        let mut baselines = Baselines::default();
+        baselines.measure(&judges(4, 0, 0));
+        baselines.hear(&judges(0, 2, 1_000));
+        let others = crate::adaptive::tests::sample(4);
+        for _ in 0..Baselines::STALE {
+            baselines.hear(&others);
+        }
+        assert!(
+            baselines.near_patience(),
+            "heard within the last 64 windows"
+        );
+        baselines.hear(&others);
+        assert!(!baselines.near_patience());
     }
 }
