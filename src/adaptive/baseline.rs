@@ -9,13 +9,17 @@ use crate::attributes::{Executor, Operation, SeriesKey};
 /// The run time an algorithm takes as normal: the mean run time of a round trip at low load,
 /// with the load (operations in flight) it holds up to.
 ///
-/// It follows what it measures. A round trip at no more load than the baseline's measures it
-/// again, up or down: when the load falls (the limit was lowered, or the demand fell), the run
-/// time the algorithm sees is the low-load run time, whatever it was before. A round trip at
-/// more load lowers it if it is faster by more than chance (what the spread of the run times
-/// explains), and extends the load it holds up to if it is no slower than chance, has less than half an
-/// operation waiting, and measured as many operations as its load (a round trip closed early
-/// measured only those that did not wait). So a server that became slower is found out once the load falls to where the
+/// It follows what it measures. A round trip at less load than the baseline holds up to (or at
+/// one operation in flight) measures it again, up or down: when the load falls (the limit was
+/// lowered, or the demand fell), the run time the algorithm sees is the low-load run time,
+/// whatever it was before. A round trip at more load lowers it if it is faster by more than
+/// chance (what the spread of the run times explains), and extends the load it holds up to if
+/// it is no slower than chance, has less than half an operation waiting, and measured as many
+/// operations as its load (a round trip closed early measured only those that did not wait).
+/// A round trip at the load it holds up to does not measure it again: that load may have been
+/// taken in with a queue that chance hid, and a baseline measured again and again there climbs
+/// with the queue (verifiers that share a CPU by turns, whose run time grows a little with each
+/// one more). So a server that became slower is found out once the load falls below where the
 /// baseline was measured, and a baseline is never an average that lags behind the load (which
 /// is how a baseline taken at the bottom of the bounds from a moving average drifts up).
 #[derive(Clone, Copy, Debug, Default)]
@@ -142,16 +146,21 @@ impl Baseline {
         let support = self.support;
         let (baseline, level, pool, support) = match self.run_time {
             None => (run_time, level, true, n_f),
-            // At no more load than it holds up to: measured again, up or down.
-            Some(baseline) if level <= self.level + 0.5 => (
+            // At less load than it holds up to (or at one operation, the least there is):
+            // measured again, up or down. Not at the load it holds up to: that load may have
+            // been taken in with a queue within chance, and measured there again and again the
+            // baseline would climb with the queue.
+            Some(baseline) if level <= (self.level - 0.5).max(1.0) => (
                 baseline + Self::WEIGHT * (run_time - baseline),
                 level,
                 true,
                 (Self::WEIGHT * support + n_f).min(Self::POOLED),
             ),
-            // Faster at more load, by more than chance: it was too high.
+            // Faster at more load, by more than chance: it was too high. (The load it holds up
+            // to is not this one: a fast round trip at a load with a queue, by chance, says
+            // nothing of the queue.)
             Some(baseline) if baseline - run_time > chance(baseline, support).unwrap_or(0.0) => {
-                (run_time, level, true, n_f)
+                (run_time, self.level, true, n_f)
             }
             // No slower than chance, and less than half an operation waiting: it holds up to
             // here, if the round trip measured as many operations as its load; and the round
@@ -436,9 +445,14 @@ mod tests {
     fn holds_up_to_the_load_at_which_the_run_time_does_not_climb() {
         let mut baseline = Baseline::default();
         baseline.add(0.1, 1.0);
-        // The same at 16 in flight: the baseline holds up to 16, and is measured again there.
+        // The same at 16 in flight: the baseline holds up to 16, and is measured again below.
         baseline.add(0.1, 16.0);
-        assert!((baseline.add(0.12, 16.0) - 0.11).abs() < 1e-9);
+        assert!((baseline.add(0.12, 12.0) - 0.11).abs() < 1e-9);
+        // Not at 16 itself: a rise there is a queue, however slight.
+        let mut held = Baseline::default();
+        held.add(0.1, 1.0);
+        held.add(0.1, 16.0);
+        assert_eq!(held.add(0.12, 16.0), 0.1);
     }
 
     #[test]

@@ -59,10 +59,10 @@ use super::Adaptive;
 /// never compound. The places of overdue operations are not cut (that would take them from the
 /// operations still delivering): they are taken out one by one as those operations fail.
 ///
-/// **Baseline.** It follows what it measures: a round trip at no more load than the one the
+/// **Baseline.** It follows what it measures: a round trip at less load than the one the
 /// baseline was taken at measures it again, up or down; a faster one at more load, by more than
 /// chance, lowers it. A server that became slower makes the queue look longer, so the capacity
-/// falls back to the load the baseline was taken at, where it is measured again: the probe of
+/// falls below the load the baseline was taken at, where it is measured again: the probe of
 /// the minimum that Envoy and BBR schedule happens when it is needed. It is reported as the
 /// limit's baseline gauge; the estimate gauge is a moving average of the round trips' run
 /// times.
