@@ -1000,7 +1000,8 @@ async fn the_baseline_reads_the_low_load_run_time_behind_a_server_queue() {
     );
     // The run time without a queue is 43.5 ms on average: within 10%.
     within("baseline (ms)", points[0].value, 39.2..=47.9);
-    // 6 slots, and a queue of 1 to 3 kept in front of them.
+    // 6 slots, and a queue of 1 to 2 kept in front of them (a place more, for the mix of
+    // operations admitted before the last step).
     assert!(
         (6..=9).contains(&limit.capacity()),
         "capacity {}",

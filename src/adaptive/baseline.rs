@@ -353,13 +353,13 @@ impl Baselines {
     pub(super) fn near_patience(&self) -> bool {
         (0..SeriesKey::COUNT).any(|index| {
             let lately = self.heard_windows - self.heard[index] <= Self::STALE;
-            match (self.patience[index], self.table[index].run_time) {
-                _ if !lately => false,
-                (Some(patience), Some(run_time)) => {
-                    (0.9 * run_time..2.0 * run_time).contains(&patience)
+            lately
+                && match (self.patience[index], self.table[index].run_time) {
+                    (Some(patience), Some(run_time)) => {
+                        (0.9 * run_time..2.0 * run_time).contains(&patience)
+                    }
+                    _ => false,
                 }
-                _ => false,
-            }
         })
     }
 

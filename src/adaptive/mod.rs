@@ -90,8 +90,11 @@
 //! load, and before twice that, runs near its callers' patience. While such a series is heard
 //! (within the last 64 windows), [`Vegas`] does not probe where it last had to shrink, let
 //! alone past it, and takes any queue that is more than chance as the knee: it holds one place
-//! under it. Once that series has been away for 64 windows it probes again. (Callers who leave
-//! before the usual run time were not waiting on a slow answer; they say nothing of patience.)
+//! under it. What it gives up for that: a backend that gained room is not looked for until that
+//! series has been away for 64 windows. It learns the patience from the first operations given
+//! up on, which its first slow start past the knee costs. (Callers who leave sooner than the
+//! usual run time were not waiting on a slow answer: a series whose operations are given up on
+//! that soon, on average, is not taken as near its callers' patience.)
 //!
 //! Against the scenarios Vector publishes for its adaptive request concurrency (ARC), and ARC's
 //! controller run beside them on the same simulated links, `Vegas` holds a knee where ARC does

@@ -97,7 +97,7 @@ pub struct Vegas {
     /// one more after each failed probe that cost more than its own failure (a server whose
     /// refusals hold a place, so that others queued behind them are refused too), one less
     /// after one that cost only its own, none once one passes. And how many it has waited.
-    patience: u32,
+    plateau: u32,
     waited: u32,
     /// Failures since the last failed probe, beyond its own; `None` when none failed since the
     /// last probe was judged.
@@ -130,7 +130,7 @@ impl Default for Vegas {
             probed: false,
             judging: false,
             restarted: None,
-            patience: 0,
+            plateau: 0,
             waited: 0,
             echo: None,
             cutting: false,
@@ -146,7 +146,7 @@ impl Default for Vegas {
 
 impl Vegas {
     /// The most round trips it waits below a ceiling before probing it again.
-    const PATIENCE: u32 = 8;
+    const PLATEAU: u32 = 8;
 
     /// How many operations may wait at the server: the capacity grows while fewer than `alpha`
     /// do, and shrinks once more than `beta` do. Defaults to 1 and 2.
@@ -178,8 +178,9 @@ impl Vegas {
     }
 
     /// The capacity after a round trip at `limit` that measured `waiting` operations waiting
-    /// at the server rather than running and `overdue` holding a place without answering, and
-    /// whether the run time `rose` above the baseline by more than chance.
+    /// at the server rather than running and `overdue` holding a place without answering,
+    /// whether the run time `rose` above the baseline by more than chance, and whether a kind of
+    /// work `near` its callers' patience is in the mix.
     fn step(&mut self, limit: f64, waiting: f64, overdue: f64, rose: bool, near: bool) -> f64 {
         let room = waiting + overdue < self.alpha;
         let probed = std::mem::take(&mut self.probed);
@@ -208,12 +209,12 @@ impl Vegas {
         }
         // With a kind of work near its callers' patience in the mix, a queue that is more than
         // chance is no band to hold in: the operations of that kind admitted into it are given
-        // up on. Back below it, at least one place.
-        let (beta, middle) = match near && rose {
-            true => (self.alpha - f64::EPSILON, self.alpha),
-            false => (self.beta, (self.alpha + self.beta) / 2.0),
+        // up on. Back to `alpha` waiting, at least one place.
+        let (queued, middle) = match near && rose {
+            true => (waiting >= self.alpha, self.alpha),
+            false => (waiting > self.beta, (self.alpha + self.beta) / 2.0),
         };
-        if waiting > beta {
+        if queued {
             self.ceiling = Some(limit);
             (limit - (waiting - middle))
                 .round()
@@ -221,18 +222,16 @@ impl Vegas {
                 .max((limit / 2.0).ceil())
         } else if room && !probed {
             if let Some(echo) = self.echo.take() {
-                self.patience = match echo {
-                    0 => self.patience / 2,
-                    _ => (self.patience * 2 + 1).min(Self::PATIENCE),
+                self.plateau = match echo {
+                    0 => self.plateau / 2,
+                    _ => (self.plateau * 2 + 1).min(Self::PLATEAU),
                 };
             }
             match self.ceiling {
                 // Near a ceiling, a kind of work near its callers' patience is in the mix: a
                 // probe would cost the operations of that kind admitted into it. It holds
                 // while that kind flows.
-                Some(ceiling)
-                    if limit + 1.0 >= ceiling && (near || self.waited < self.patience) =>
-                {
+                Some(ceiling) if limit + 1.0 >= ceiling && (near || self.waited < self.plateau) => {
                     self.waited += 1;
                     limit
                 }
@@ -248,7 +247,7 @@ impl Vegas {
                     // above, and a step of half the capacity would go that far past it.
                     self.slow_start = true;
                     self.ceiling = None;
-                    self.patience = 0;
+                    self.plateau = 0;
                     self.restarted = Some(4.0);
                     limit + 2.0
                 }
@@ -350,16 +349,17 @@ impl Algorithm for Vegas {
         .encode()
     }
 
-    /// Past the slow start, below a ceiling one place above the capacity, with its most
-    /// patience: as a limit that settled there, it holds, probes one place up, and holds again
-    /// before it looks for more room. Its first window is read against the handed baselines.
+    /// Past the slow start, below a ceiling one place above the capacity, on its longest
+    /// plateau: as a limit that settled there, it holds, probes one place up, and holds again
+    /// before it looks for more room. Its first window is read against the handed baselines
+    /// (and what its predecessor knew of each kind's callers' patience).
     fn resume(&mut self, capacity: usize, handover: &str) {
         let handover = &Handover::parse(capacity, handover);
         let capacity = handover.capacity as f64;
         self.limit = Some(capacity);
         self.slow_start = false;
         self.ceiling = Some(capacity + 1.0);
-        (self.patience, self.waited) = (Self::PATIENCE, 0);
+        (self.plateau, self.waited) = (Self::PLATEAU, 0);
         self.baseline.resume(&handover.baselines);
         self.estimate = Average {
             value: handover.estimate.map(|estimate| estimate.as_secs_f64()),
