@@ -21,7 +21,7 @@ use support::simulation::{run, within, Above, Figure, Figures, Form, Scenario, S
 use support::Telemetry;
 use tokio::sync::oneshot;
 use tower::{service_fn, Layer as _, ServiceExt as _};
-use tower_resources_operation::adaptive::{Adaptive, Aimd, Algorithm, Gradient, Sample};
+use tower_resources_operation::adaptive::{Adaptive, Algorithm, Sample, Vegas};
 use tower_resources_operation::limit::{Ended, LimitPermit};
 use tower_resources_operation::names::{
     LIMIT_ATTRIBUTE, LIMIT_BASELINE_INSTRUMENT, LIMIT_CAPACITY_INSTRUMENT,
@@ -46,20 +46,9 @@ fn adaptive<A: Algorithm + Clone + Sync>(algorithm: A, max: usize) -> Limit {
         .build()
 }
 
-/// A scenario's limit, run by the gradient: from 1 up to 64, more than any server here can take.
-fn gradient() -> Limit {
-    adaptive(Gradient::default(), 64)
-}
-
-/// A scenario's limit, run by AIMD, which backs off on failures alone.
-fn aimd() -> Limit {
-    adaptive(Aimd::default(), 64)
-}
-
-/// A scenario's limit, run by AIMD, which backs off too once the mean run time passes
-/// `threshold`.
-fn aimd_with_threshold(threshold: Duration) -> Limit {
-    adaptive(Aimd::default().run_time_threshold(threshold), 64)
+/// A scenario's limit, run by Vegas: from 1 up to 64, more than any server here can take.
+fn vegas() -> Limit {
+    adaptive(Vegas::default(), 64)
 }
 
 /// 80 clients on `server` for `length` seconds, through the layer.
@@ -107,90 +96,79 @@ async fn settles(scenario: Scenario, limit: Limit, bounds: &[(&[Figure], RangeIn
 // -------------------------------------------------------------------------------------------------
 // The scenarios.
 
-/// A link whose latency is the same at any load: the limit grows to its max and stays there.
+/// A link whose latency is the same at any load (100 ms, give or take 10%): the limit grows to
+/// its max, or near it.
 #[tokio::test(start_paused = true)]
-async fn flat_latency_grows_to_max() {
-    for (name, limit) in [("flat/aimd", aimd()), ("flat/gradient", gradient())] {
-        let server = Server::new(1 << 20, 100 * MS, Above::Ignores);
-        // Nothing ever signals congestion and the clients keep the limit full, so the only
-        // place to stop is max (64 slots of 100 ms: 640 op/s). AIMD needs about 15 s from 1,
-        // one place per window; the gradient less.
-        settles(
-            scenario(name, server, 40),
-            limit,
-            &[
-                (&[Figure::LimitMode], 64.0..=64.0),
-                (&[Figure::LimitMean, Figure::InFlight], 60.0..=64.0),
-                (&[Figure::Throughput], 576.0..=704.0),
-                (&[Figure::Failures], 0.0..=0.0),
-            ],
-        )
-        .await;
-    }
+async fn flat_latency_grows_near_max() {
+    let server = Server::new(1 << 20, 100 * MS, Above::Ignores);
+    // Nothing signals congestion and the clients keep the limit full; the slow start reaches
+    // max (64 slots of 100 ms: 640 op/s) in a second. Vegas then reads `L × (1 − baseline /
+    // run time)` operations waiting: at 56 in flight one of them is a rise of 2%, about what
+    // the jitter leaves between a round trip's mean and a baseline taken from the faster ones,
+    // so it may hold there: 0.85 max to max.
+    settles(
+        scenario("flat", server, 40),
+        vegas(),
+        &[
+            (
+                &[Figure::LimitMode, Figure::LimitMean, Figure::InFlight],
+                54.0..=64.0,
+            ),
+            (&[Figure::Throughput], 540.0..=704.0),
+            (&[Figure::Failures], 0.0..=0.0),
+        ],
+    )
+    .await;
 }
 
 /// A server with a queue of its own above N = 16 at once: the run time grows with every
 /// operation above N, and nothing fails.
 #[tokio::test(start_paused = true)]
 async fn a_server_that_defers_above_n_settles_near_n() {
-    for (name, limit, upper) in [
-        // The gradient lets the run time climb 25% above its baseline, which this server
-        // reaches at 1.25 N (20); its √capacity headroom and its smoothing carry it a little
-        // past that before it shrinks. Up to 1.6 N.
-        ("defers16/gradient", gradient(), 25.6),
-        // AIMD backs off once the mean run time passes 150 ms, which this server reaches at
-        // 1.5 N (24); up to 1.75 N.
-        (
-            "defers16/aimd+threshold",
-            aimd_with_threshold(150 * MS),
-            28.0,
-        ),
-    ] {
-        let server = Server::new(16, 100 * MS, Above::Defers);
-        // Never below N: the server would idle. 16 slots of 100 ms: 160 op/s.
-        settles(
-            scenario(name, server, 60),
-            limit,
-            &[
-                (
-                    &[Figure::LimitMean, Figure::LimitMode, Figure::InFlight],
-                    16.0..=upper,
-                ),
-                (&[Figure::Throughput], 152.0..=168.0),
-                (&[Figure::Failures], 0.0..=0.0),
-            ],
-        )
-        .await;
-    }
+    let server = Server::new(16, 100 * MS, Above::Defers);
+    // Vegas keeps 1 or 2 operations waiting at the server: N + 1 or N + 2, and the mean of a
+    // round trip's run times (give or take 10%) moves the estimate by about one more. Never
+    // below N: the server would idle. 16 slots of 100 ms: 160 op/s.
+    settles(
+        scenario("defers16", server, 60),
+        vegas(),
+        &[
+            (
+                &[Figure::LimitMean, Figure::LimitMode, Figure::InFlight],
+                16.0..=19.0,
+            ),
+            (&[Figure::Throughput], 152.0..=168.0),
+            (&[Figure::Failures], 0.0..=0.0),
+        ],
+    )
+    .await;
 }
 
 /// A server that answers an error at once (after 5 ms, a `503`) to any request above N = 16:
 /// the limit settles at N or just under, and each probe above N costs about one failure.
 #[tokio::test(start_paused = true)]
 async fn a_server_that_fails_above_n_settles_near_n() {
-    for (name, limit) in [("fails16/aimd", aimd()), ("fails16/gradient", gradient())] {
-        let server = Server::new(16, 100 * MS, Above::Fails);
-        let scenario = Scenario {
-            form: Form::Scoped,
-            ..scenario(name, server, 60)
-        };
-        settles(
-            scenario,
-            limit,
-            &[
-                // The first failure above N closes its window and takes 10% (at least one
-                // place) away; the limit then climbs back one window at a time (32 operations,
-                // 0.2 s). So it spends most of its time at N or a place or two under: 0.8 N to
-                // 1.1 N.
-                (&[Figure::LimitMean, Figure::InFlight], 12.8..=17.6),
-                (&[Figure::LimitMode], 14.0..=17.0),
-                // About one failure per probe, one probe per window of 32: a few percent.
-                (&[Figure::Failures], 0.0..=0.05),
-                (&[Figure::Throughput], 136.0..=176.0),
-            ],
-        )
-        .await;
-    }
+    let server = Server::new(16, 100 * MS, Above::Fails);
+    let scenario = Scenario {
+        form: Form::Scoped,
+        ..scenario("fails16", server, 60)
+    };
+    settles(
+        scenario,
+        vegas(),
+        &[
+            // The first failure above N closes its window and takes 10% (at least one place)
+            // away; the limit then climbs back one place a round trip, and waits longer below
+            // N after each probe that costs more than its own failure. So it spends most of its
+            // time at N or a place or two under: 0.8 N to 1.1 N.
+            (&[Figure::LimitMean, Figure::InFlight], 12.8..=17.6),
+            (&[Figure::LimitMode], 14.0..=17.0),
+            // About one failure per probe: a few percent at most.
+            (&[Figure::Failures], 0.0..=0.05),
+            (&[Figure::Throughput], 136.0..=176.0),
+        ],
+    )
+    .await;
 }
 
 /// The server of `defers16` behind a jittery link: each run time is off by up to ±50%, and one
@@ -198,104 +176,66 @@ async fn a_server_that_fails_above_n_settles_near_n() {
 /// must not collapse below it chasing the noise.
 #[tokio::test(start_paused = true)]
 async fn a_jittery_link_with_a_fixed_ideal_does_not_collapse() {
-    for (name, limit, upper) in [
-        // As for `defers16`: up to 1.6 N.
-        ("jitter16/gradient", gradient(), 25.6),
-        // A threshold of 150 ms against a mean of 110 ms: backs off from 1.36 N on; up to
-        // 1.75 N.
-        (
-            "jitter16/aimd+threshold",
-            aimd_with_threshold(150 * MS),
-            28.0,
-        ),
-    ] {
-        let server = Server::new(16, 100 * MS, Above::Defers).jitter(0.5, 20, 3.0);
-        settles(
-            scenario(name, server, 60),
-            limit,
-            &[
-                // No reading of the settled phase below 0.75 N: the moving average and the
-                // baseline that follows it down ride out the noise.
-                (&[Figure::LowestLimit], 12.0..=upper),
-                (&[Figure::LimitMean, Figure::InFlight], 16.0..=upper),
-                // 16 slots of 110 ms: 145 op/s.
-                (&[Figure::Throughput], 138.0..=153.0),
-                (&[Figure::Failures], 0.0..=0.0),
-            ],
-        )
-        .await;
-    }
+    let server = Server::new(16, 100 * MS, Above::Defers).jitter(0.5, 20, 3.0);
+    settles(
+        scenario("jitter16", server, 60),
+        vegas(),
+        &[
+            // No reading of the settled phase below 0.6 N: a round trip whose spikes read as a
+            // queue takes a few places away, and the limit climbs back one place, then two, a
+            // round trip. Up to 1.25 N on average: the queue of 1 or 2 that Vegas keeps, read
+            // through the noise.
+            (&[Figure::LowestLimit], 9.6..=24.0),
+            (&[Figure::LimitMean, Figure::InFlight], 15.0..=20.0),
+            // 16 slots of 110 ms: 145 op/s.
+            (&[Figure::Throughput], 138.0..=153.0),
+            (&[Figure::Failures], 0.0..=0.0),
+        ],
+    )
+    .await;
 }
 
 /// A slow link: 2 s per request, a queue of its own above N = 8.
 #[tokio::test(start_paused = true)]
 async fn a_slow_link_settles_near_n() {
-    for (name, limit) in [
-        ("slow8/gradient", gradient()),
-        ("slow8/aimd+threshold", aimd_with_threshold(secs(3))),
-    ] {
-        let server = Server::new(8, secs(2), Above::Defers);
-        let scenario = Scenario {
-            clients: 40,
-            ..scenario(name, server, 240)
-        };
-        settles(
-            scenario,
-            limit,
-            &[
-                // A window lasts one turnover of the limit (about 2 s here), and the run times
-                // it sees started a window earlier: the controller overshoots and comes back,
-                // swinging between N and about 1.7 N. So a wider range than for fast
-                // operations: N to 2 N.
-                (&[Figure::LimitMean, Figure::InFlight], 8.0..=16.0),
-                (&[Figure::LowestLimit], 6.0..=16.0),
-                // 8 slots of 2 s: 4 op/s.
-                (&[Figure::Throughput], 3.8..=4.2),
-                (&[Figure::Failures], 0.0..=0.0),
-            ],
-        )
-        .await;
-    }
+    let server = Server::new(8, secs(2), Above::Defers);
+    let scenario = Scenario {
+        clients: 40,
+        ..scenario("slow8", server, 240)
+    };
+    settles(
+        scenario,
+        vegas(),
+        &[
+            // A window lasts one turnover of the limit (about 2 s here), and the run times it
+            // sees started a window earlier: the controller overshoots and comes back, swinging
+            // between N and about 1.7 N. So a wider range than for fast operations: N to 2 N.
+            (&[Figure::LimitMean, Figure::InFlight], 8.0..=16.0),
+            (&[Figure::LowestLimit], 6.0..=16.0),
+            // 8 slots of 2 s: 4 op/s.
+            (&[Figure::Throughput], 3.8..=4.2),
+            (&[Figure::Failures], 0.0..=0.0),
+        ],
+    )
+    .await;
 }
 
 /// A shallow knee: above N = 16 the run time grows by a quarter for each N more at once (at
 /// 2 N it is 125 ms), and nothing fails.
 #[tokio::test(start_paused = true)]
-async fn a_shallow_knee_settles_where_the_run_time_passes_the_tolerance() {
-    let knee = || Server::new(16, 100 * MS, Above::Slows { slope: 0.25 });
-    for (name, limit, settled, throughput) in [
-        // The gradient's tolerance (10%) is reached at 1.4 N = 22.4: around it, give or take
-        // the size of one step, 1.1 N to 1.6 N. What those deliver: 17.6 at 102.5 ms is
-        // 171 op/s, 25.6 at 115 ms 222.
-        ("knee16/gradient", gradient(), 17.6..=25.6, 168.0..=225.0),
-        // A threshold of 125 ms is reached at 2 N = 32: 1.5 N to 2.5 N. 24 at 112.5 ms is
-        // 213 op/s, 40 at 137.5 ms 291. (Throughput keeps growing past the knee here, slowly:
-        // the tolerance is what trades run time for it.)
-        (
-            "knee16/aimd+threshold",
-            aimd_with_threshold(125 * MS),
-            24.0..=40.0,
-            210.0..=295.0,
-        ),
-    ] {
-        settles(
-            scenario(name, knee(), 60),
-            limit,
-            &[
-                (&[Figure::LimitMean, Figure::InFlight], settled),
-                (&[Figure::Throughput], throughput),
-                (&[Figure::Failures], 0.0..=0.0),
-            ],
-        )
-        .await;
-    }
-
-    // AIMD without a threshold sees no knee at all (nothing fails): it grows to max. This is
-    // what the threshold is for.
+async fn a_shallow_knee_settles_where_a_queue_of_one_or_two_shows() {
+    let knee = Server::new(16, 100 * MS, Above::Slows { slope: 0.25 });
+    // `L × (1 − 100 ms / run time)` operations wait at L in flight: 1 at 20 (106 ms), 2 at 23
+    // (111 ms). Vegas holds between, give or take a place for the jitter of 10%: 1.1 N to
+    // 1.5 N. What those deliver: 18 at 103 ms is 174 op/s, 24 at 112.5 ms 213.
     settles(
-        scenario("knee16/aimd", knee(), 60),
-        aimd(),
-        &[(&[Figure::LimitMode], 64.0..=64.0)],
+        scenario("knee16", knee, 60),
+        vegas(),
+        &[
+            (&[Figure::LimitMean, Figure::InFlight], 18.0..=24.0),
+            (&[Figure::Throughput], 172.0..=215.0),
+            (&[Figure::Failures], 0.0..=0.0),
+        ],
     )
     .await;
 }
@@ -304,15 +244,9 @@ async fn a_shallow_knee_settles_where_the_run_time_passes_the_tolerance() {
 /// follows it down and up again, both when the server queues and when it fails above it.
 #[tokio::test(start_paused = true)]
 async fn a_capacity_that_falls_and_comes_back_is_followed_down_and_up() {
-    for (name, above, limit, form) in [
-        ("drop24to8/gradient", Above::Defers, gradient(), Form::Layer),
-        ("drop24to8/aimd-fails", Above::Fails, aimd(), Form::Scoped),
-        (
-            "drop24to8/gradient-fails",
-            Above::Fails,
-            gradient(),
-            Form::Layer,
-        ),
+    for (name, above, form) in [
+        ("drop24to8/defers", Above::Defers, Form::Layer),
+        ("drop24to8/fails", Above::Fails, Form::Scoped),
     ] {
         let server = Server::new(24, 100 * MS, above);
         let scenario = Scenario {
@@ -326,13 +260,15 @@ async fn a_capacity_that_falls_and_comes_back_is_followed_down_and_up() {
             ],
             ..scenario(name, server, 120)
         };
-        let phases = simulate(scenario, limit, &[(20, 40), (60, 80), (100, 120)]).await;
+        let phases = simulate(scenario, vegas(), &[(20, 40), (60, 80), (100, 120)]).await;
         for (figures, n) in phases.iter().zip([24.0, 8.0, 24.0]) {
-            // Each phase as its own steady server (20 s is long enough to get there): a server
-            // that queues gets N to 1.6 N (see `defers16`), one that fails 0.8 N to 1.1 N (see
-            // `fails16`).
+            // Each phase as its own steady server (20 s is long enough to get there): one that
+            // fails gets 0.8 N to 1.1 N (see `fails16`); one that queues gets N to 1.8 N. Not
+            // the N + 2 of `defers16` once its capacity fell: a round trip at a lower load
+            // measures the run time at low load again (how a server that became slower is
+            // found), and at 1.5 N that run time still holds part of the server's own queue.
             let (range, failures) = match above {
-                Above::Defers => (n..=1.6 * n, 0.0..=0.0),
+                Above::Defers => (n..=1.8 * n, 0.0..=0.0),
                 _ => (0.8 * n..=1.1 * n, 0.0..=0.1),
             };
             figures.assert_within(
@@ -380,7 +316,7 @@ fn flat() -> Arc<Server> {
 #[tokio::test(start_paused = true)]
 async fn the_layer_adapts_its_limit() {
     let telemetry = Telemetry::new();
-    let limit = adaptive(Aimd::default(), 16);
+    let limit = adaptive(Vegas::default(), 16);
     let server = flat();
     let service = ResourcesOperationLayer::new(limit.clone())
         .operation(Operation::Judge)
@@ -404,7 +340,7 @@ async fn the_layer_adapts_its_limit() {
 #[tokio::test(start_paused = true)]
 async fn the_scoped_api_adapts_its_limit() {
     let telemetry = Telemetry::new();
-    let limit = adaptive(Gradient::default(), 16);
+    let limit = adaptive(Vegas::default(), 16);
     let server = flat();
     let metrics = telemetry.metrics.clone();
     let (limit2, server2) = (limit.clone(), Arc::clone(&server));
@@ -432,7 +368,7 @@ async fn the_scoped_api_adapts_its_limit() {
 #[tokio::test(start_paused = true)]
 async fn a_limit_shared_by_two_routes_has_one_controller() {
     let telemetry = Telemetry::new();
-    let limit = adaptive(Aimd::default(), 32);
+    let limit = adaptive(Vegas::default(), 32);
     let route = |operation: Operation, server: Arc<Server>| {
         ResourcesOperationLayer::new(limit.clone())
             .operation(operation)
@@ -490,7 +426,7 @@ async fn a_limit_shared_by_two_routes_has_one_controller() {
 #[tokio::test(start_paused = true)]
 async fn a_per_request_named_limit_adapts() {
     let telemetry = Telemetry::new();
-    let judges = adaptive(Gradient::default(), 16);
+    let judges = adaptive(Vegas::default(), 16);
     let server = flat();
     let layer = ResourcesOperationLayer::new(64)
         .metrics(telemetry.metrics.clone())
@@ -517,7 +453,7 @@ async fn a_per_request_named_limit_adapts() {
 #[tokio::test(start_paused = true)]
 async fn metrics_off_still_adapts() {
     // A server that fails above 6: AIMD settles at 6 or just under.
-    let layer_limit = adaptive(Aimd::default(), 32);
+    let layer_limit = adaptive(Vegas::default(), 32);
     let server = Arc::new(Server::new(6, 100 * MS, Above::Fails));
     let service = ResourcesOperationLayer::new(layer_limit.clone())
         .metrics(OperationMetrics::disabled())
@@ -538,7 +474,7 @@ async fn metrics_off_still_adapts() {
         layer_limit.capacity()
     );
 
-    let scoped_limit = adaptive(Gradient::default(), 16);
+    let scoped_limit = adaptive(Vegas::default(), 16);
     let server = flat();
     let limit = scoped_limit.clone();
     drive(32, 2_000, move || {
@@ -660,9 +596,9 @@ async fn every_form_tells_the_limit_each_operations_series_metrics_on_or_off() {
 #[tokio::test(start_paused = true)]
 async fn a_named_adaptive_limit_reports_its_baseline_and_estimate() {
     let telemetry = Telemetry::new();
-    let named = adaptive(Gradient::default(), 8);
+    let named = adaptive(Vegas::default(), 8);
     let unnamed = Limit::builder(1)
-        .adaptive(Adaptive::new(Gradient::default(), 1..=8))
+        .adaptive(Adaptive::new(Vegas::default(), 1..=8))
         .build();
     let fixed = Limit::builder(4).name("fixed").build();
     let server = flat();
@@ -711,7 +647,7 @@ async fn a_named_adaptive_limit_reports_its_baseline_and_estimate() {
 async fn the_limits_own_rejections_do_not_shrink_it() {
     let limit = Limit::builder(1)
         .max_queued(0)
-        .adaptive(Adaptive::new(Aimd::default(), 1..=16))
+        .adaptive(Adaptive::new(Vegas::default(), 1..=16))
         .build();
     let server = flat();
     let rejected = Arc::new(AtomicUsize::new(0));
@@ -742,7 +678,7 @@ async fn the_limits_own_rejections_do_not_shrink_it() {
 async fn lowering_the_capacity_revokes_no_running_operation() {
     let telemetry = Telemetry::new();
     let limit = Limit::builder(4)
-        .adaptive(Adaptive::new(Aimd::default(), 1..=4))
+        .adaptive(Adaptive::new(Vegas::default(), 1..=4))
         .build();
     let service = ResourcesOperationLayer::new(limit.clone())
         .metrics(telemetry.metrics.clone())
@@ -858,10 +794,17 @@ fn verifier(iterations: u64) {
     assert!(status.success());
 }
 
-/// CPU-bound verifier subprocesses through a limit that starts at 1: on a machine with C cores
-/// the run time holds up to about C at once and grows past it, so the limit should settle near
-/// C. The test measures where it settles and asserts only that it moved and stays sane: other
-/// work on the machine shares its cores.
+/// CPU-bound verifier subprocesses through a limit that starts at 1, within `1..=64`, and 16
+/// clients per core: on a machine with C cores the run time holds up to about C at once and
+/// grows past it, so the limit should settle near C (a queue of 1 or 2 above it), far below
+/// the bounds and the clients. The test prints the mean capacity of the second half of the run
+/// (on 2 cores, at most 8 is the goal: more only queues at the CPU) and asserts only that the
+/// limit moved and stays sane: other work on the machine shares its cores. Measure on a quiet
+/// machine:
+///
+/// ```text
+/// cargo test --test adaptive cpu_bound -- --nocapture
+/// ```
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cpu_bound_verifiers_settle_near_the_number_of_cores() {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -877,11 +820,11 @@ async fn cpu_bound_verifiers_settle_near_the_number_of_cores() {
     let telemetry = Telemetry::new();
     let verifiers = Limit::builder(1)
         .name("verifiers")
-        .adaptive(Adaptive::new(Gradient::default(), 1..=4 * cores))
+        .adaptive(Adaptive::new(Vegas::default(), 1..=64))
         .build();
     let until = std::time::Instant::now() + secs(10);
     let mut readings = Vec::new();
-    let clients: Vec<_> = (0..8 * cores)
+    let clients: Vec<_> = (0..16 * cores)
         .map(|_| {
             let (limit, metrics) = (verifiers.clone(), telemetry.metrics.clone());
             tokio::spawn(async move {
@@ -922,8 +865,83 @@ async fn cpu_bound_verifiers_settle_near_the_number_of_cores() {
         readings.iter().any(|&capacity| capacity > 1),
         "the limit never moved from 1"
     );
-    within("settled capacity", mean, 1.0..=(4 * cores) as f64);
+    within("settled capacity", mean, 1.0..=64.0);
     assert!(baseline.is_some() && estimate.is_some());
+}
+
+/// `iterations` of a busy loop: a verifier's work, on whichever thread runs it.
+fn busy(iterations: u64) -> u64 {
+    let mut x = 0u64;
+    for _ in 0..iterations {
+        x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
+    }
+    x
+}
+
+/// CPU-bound verifiers on blocking threads (a busy loop of about 10 ms of one core each,
+/// calibrated here), through a limit that starts at 1, within `1..=64`, and 16 clients per
+/// core, for 20 s: on a machine with C cores each one more above C shares the cores by turns,
+/// so the run time grows a little with each (not at once, as behind a server's queue). The
+/// limit should settle near C (a queue of 1 or 2 above it), not climb with a baseline that
+/// follows the queue up. The test prints the mean capacity of the second half of the run (on 2
+/// cores, at most 8 is the goal: more only queues at the CPU) and asserts only that the limit
+/// moved and stays within its bounds: other work on the machine shares its cores. Measure on a
+/// quiet machine:
+///
+/// ```text
+/// cargo test --test adaptive busy_loop -- --ignored --nocapture
+/// ```
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "20 s of every core: cargo test --test adaptive busy_loop -- --ignored --nocapture"]
+async fn busy_loop_verifiers_on_threads_settle_near_the_number_of_cores() {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let probe = 10_000_000;
+    let started = std::time::Instant::now();
+    tokio::task::spawn_blocking(move || busy(probe))
+        .await
+        .unwrap();
+    let per_iteration = started.elapsed().as_secs_f64() / probe as f64;
+    let iterations = (0.01 / per_iteration) as u64;
+
+    let verifiers = Limit::builder(1)
+        .name("verifiers")
+        .adaptive(Adaptive::new(Vegas::default(), 1..=64))
+        .build();
+    let until = std::time::Instant::now() + secs(20);
+    let clients: Vec<_> = (0..16 * cores)
+        .map(|_| {
+            let limit = verifiers.clone();
+            tokio::spawn(async move {
+                while std::time::Instant::now() < until {
+                    let verified = OperationMetrics::disabled()
+                        .resources_operation(&limit, Operation::Verify, Executor::Thread, async {
+                            tokio::task::spawn_blocking(move || busy(iterations)).await
+                        })
+                        .await;
+                    verified.unwrap().unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut readings = Vec::new();
+    while std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        readings.push(verifiers.capacity());
+    }
+    for client in clients {
+        client.await.unwrap();
+    }
+    let settled = &readings[readings.len() / 2..];
+    let mean = settled.iter().sum::<usize>() as f64 / settled.len() as f64;
+    println!(
+        "busy-loop verifiers on {cores} cores ({iterations} iterations each): capacity every \
+         0.25 s: {readings:?}; second half mean {mean:.2}"
+    );
+    assert!(
+        readings.iter().any(|&capacity| capacity > 1),
+        "the limit never moved from 1"
+    );
+    within("settled capacity", mean, 1.0..=64.0);
 }
 
 /// The baseline gauge reads the run time at low load, within 10%, where the server keeps a
@@ -982,7 +1000,8 @@ async fn the_baseline_reads_the_low_load_run_time_behind_a_server_queue() {
     );
     // The run time without a queue is 43.5 ms on average: within 10%.
     within("baseline (ms)", points[0].value, 39.2..=47.9);
-    // 6 slots, and a queue of 1 to 3 kept in front of them.
+    // 6 slots, and a queue of 1 to 2 kept in front of them (a place more, for the mix of
+    // operations admitted before the last step).
     assert!(
         (6..=9).contains(&limit.capacity()),
         "capacity {}",

@@ -464,13 +464,13 @@ async fn the_exporters_default_appends_milliseconds_to_the_histogram_names() {
 /// with the limit's name as its only label of the crate's.
 #[tokio::test]
 async fn a_named_adaptive_limit_shows_its_controllers_series() {
-    use tower_resources_operation::adaptive::{Adaptive, Aimd};
+    use tower_resources_operation::adaptive::{Adaptive, Vegas};
     use tower_resources_operation::names::LIMIT_ATTRIBUTE;
 
     let exporter = Exporter::without_units();
     let judges = tower_resources_operation::Limit::builder(1)
         .name("judges")
-        .adaptive(Adaptive::new(Aimd::default(), 1..=4))
+        .adaptive(Adaptive::new(Vegas::default(), 1..=4))
         .build();
     // Enough operations to close a window, so the controller has measured something.
     for _ in 0..32 {

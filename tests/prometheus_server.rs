@@ -29,7 +29,7 @@ use axum::routing::get;
 use axum::Router;
 use serde_json::Value;
 use tower::Layer as _;
-use tower_resources_operation::adaptive::{Adaptive, Aimd};
+use tower_resources_operation::adaptive::{Adaptive, Vegas};
 use tower_resources_operation::{
     Executor, Limit, Operation, OperationMetrics, ResourcesOperationLayer,
 };
@@ -311,7 +311,7 @@ async fn a_real_prometheus_sees_the_limit_bind() {
     // records), so the app's counts stay its own.
     let judges = Limit::builder(1)
         .name("judges")
-        .adaptive(Adaptive::new(Aimd::default(), 1..=4))
+        .adaptive(Adaptive::new(Vegas::default(), 1..=4))
         .build();
     let _registered = ResourcesOperationLayer::new(judges.clone())
         .metrics(telemetry.metrics.clone())

@@ -177,6 +177,11 @@ pub struct SeriesSample {
     pub min_run_time: Option<Duration>,
     /// The standard deviation of their run times; `None` with fewer than 2.
     pub run_time_deviation: Option<Duration>,
+    /// Its operations that ended in the window, whenever admitted, that their callers gave up
+    /// on: `timeout`, or `cancelled` (a caller's own timeout around the limit reads as this).
+    pub given_up: u64,
+    /// Their run times, summed: how long those callers waited.
+    pub given_up_after: Duration,
 }
 
 impl SeriesSample {
@@ -193,7 +198,16 @@ impl SeriesSample {
             mean_run_time: None,
             min_run_time: None,
             run_time_deviation: None,
+            given_up: 0,
+            given_up_after: Duration::ZERO,
         }
+    }
+
+    /// How long the callers of its operations given up on in the window waited, on average:
+    /// how much patience they have. `None` if none was given up on.
+    pub fn given_up_run_time(&self) -> Option<Duration> {
+        let given_up = u32::try_from(self.given_up).unwrap_or(u32::MAX);
+        (given_up > 0).then(|| self.given_up_after / given_up)
     }
 
     /// The mean run time of its operations that ended `ok` in the window, whenever admitted:
@@ -252,28 +266,77 @@ impl fmt::Debug for BySeries {
 
 /// How a controller decides the next capacity of its limit, once per window.
 ///
+/// The crate ships [`Vegas`](super::Vegas); another is a few lines of your own, given to
+/// [`Adaptive::new`]. Additive increase, multiplicative decrease (AIMD, as TCP's congestion
+/// window; 0.5 shipped it as `Aimd`): one place more after a round trip that filled the limit
+/// without a failure, 0.9 times as many (at least one place less) after one with a failure.
+/// It reacts to failures only, so a backend that slows down without failing lets it grow to
+/// its `max`:
+///
 /// ```
 /// use tower_resources_operation::adaptive::{Adaptive, Algorithm, Sample};
 /// use tower_resources_operation::Limit;
 ///
-/// /// One more while nothing fails, half as many when something does.
 /// #[derive(Clone)]
-/// struct Halving;
+/// struct Aimd;
 ///
-/// impl Algorithm for Halving {
+/// impl Algorithm for Aimd {
 ///     fn update(&mut self, sample: &Sample) -> usize {
-///         if sample.congested > 0 {
-///             sample.capacity / 2
-///         } else if sample.is_used() {
-///             sample.capacity + 1
+///         let capacity = sample.capacity;
+///         if sample.is_congested() {
+///             (capacity * 9 / 10).min(capacity.saturating_sub(1))
+///         } else if sample.round_trip && sample.is_used() {
+///             capacity + 1
 ///         } else {
-///             sample.capacity
+///             capacity
 ///         }
 ///     }
 /// }
 ///
-/// let judges = Limit::builder(4).adaptive(Adaptive::new(Halving, 1..=32)).build();
+/// let mut failed = Sample::new(20, 1, 64);
+/// failed.congested = 1;
+/// assert_eq!(Aimd.update(&failed), 18);
+/// let judges = Limit::builder(1).adaptive(Adaptive::new(Aimd, 1..=64)).build();
 /// # drop(judges);
+/// ```
+///
+/// A latency gradient (as Netflix's Gradient2 and Envoy's adaptive concurrency; 0.5 shipped
+/// one as `Gradient`): the capacity times the ratio of the run time at low load (here the
+/// lowest mean seen) to the recent one, within a tolerance of 10%, plus a headroom of
+/// `√capacity`. A limit shared by several kinds of work reads each against its own
+/// ([`Sample::series`]), as `Vegas` does:
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_resources_operation::adaptive::{Algorithm, Sample};
+///
+/// #[derive(Clone, Default)]
+/// struct Gradient {
+///     baseline: Option<Duration>,
+/// }
+///
+/// impl Algorithm for Gradient {
+///     fn update(&mut self, sample: &Sample) -> usize {
+///         let Some(run_time) = sample.mean_run_time.filter(|_| sample.round_trip) else {
+///             return sample.capacity;
+///         };
+///         let baseline = *self.baseline.insert(self.baseline.unwrap_or(run_time).min(run_time));
+///         let gradient = (1.1 * baseline.as_secs_f64() / run_time.as_secs_f64()).clamp(0.5, 1.0);
+///         let capacity = sample.capacity as f64;
+///         (capacity * gradient + capacity.sqrt()).round() as usize
+///     }
+///
+///     fn baseline(&self) -> Option<Duration> {
+///         self.baseline
+///     }
+/// }
+///
+/// let mut gradient = Gradient::default();
+/// let mut sample = Sample::new(16, 1, 64);
+/// sample.mean_run_time = Some(Duration::from_millis(100));
+/// assert_eq!(gradient.update(&sample), 20, "no climb: the headroom");
+/// sample.mean_run_time = Some(Duration::from_millis(220));
+/// assert_eq!(gradient.update(&sample), 12, "twice the run time: half, and the headroom");
 /// ```
 pub trait Algorithm: Send + 'static {
     /// The capacity for the next window, from what the last one showed. The controller clamps
@@ -355,6 +418,8 @@ pub(crate) struct SeriesBaseline {
     pub(crate) deviation: Option<Duration>,
     /// About how many operations it rests on.
     pub(crate) support: f64,
+    /// How long its callers wait before they give up on one of its operations, if known.
+    pub(crate) patience: Option<Duration>,
 }
 
 impl SeriesBaseline {
@@ -368,6 +433,7 @@ impl SeriesBaseline {
             level: 1.0,
             deviation: None,
             support: 1.0,
+            patience: None,
         }
     }
 }
@@ -380,7 +446,9 @@ fn micros(duration: Duration) -> u64 {
 impl Handover {
     /// What [`Algorithm::handover`] says: one word for the estimate (`e:<µs>`), then one per
     /// series, `<operation>/<executor>/<run time µs>/<level>/<deviation µs, -1 for
-    /// none>/<support>`, separated by spaces (NeMo Gym's values have neither `/` nor spaces).
+    /// none>/<support>`, then one per series whose callers' patience is known,
+    /// `p:<operation>/<executor>/<µs>` (a word of its own, which a reader that does not know it
+    /// skips), separated by spaces (NeMo Gym's values have neither `/` nor spaces).
     pub(crate) fn encode(&self) -> String {
         let estimate = self.estimate.map(|e| format!("e:{}", micros(e)));
         let baselines = self.baselines.iter().map(|b| {
@@ -396,9 +464,14 @@ impl Handover {
                 b.support
             )
         });
+        let patience = self.baselines.iter().filter_map(|b| {
+            let patience = micros(b.patience?);
+            Some(format!("p:{}/{}/{patience}", b.operation, b.executor))
+        });
         estimate
             .into_iter()
             .chain(baselines)
+            .chain(patience)
             .collect::<Vec<_>>()
             .join(" ")
     }
@@ -409,11 +482,30 @@ impl Handover {
         for word in text.split(' ') {
             if let Some(us) = word.strip_prefix("e:") {
                 handover.estimate = us.parse().ok().map(Duration::from_micros);
+            } else if let Some(patience) = word.strip_prefix("p:") {
+                handover.patience(patience);
             } else if let Some(baseline) = SeriesBaseline::parse(word) {
                 handover.baselines.push(baseline);
             }
         }
         handover
+    }
+}
+
+impl Handover {
+    /// Reads a patience word's `<operation>/<executor>/<µs>` into its series' baseline, handed
+    /// before it; a word for no such series is skipped.
+    fn patience(&mut self, word: &str) -> Option<()> {
+        let mut parts = word.split('/');
+        let operation = parts.next()?.parse::<Operation>().ok()?;
+        let executor = parts.next()?.parse::<Executor>().ok()?;
+        let us: u64 = parts.next()?.parse().ok()?;
+        let baseline = self
+            .baselines
+            .iter_mut()
+            .find(|b| b.operation == operation && b.executor == executor)?;
+        baseline.patience = Some(Duration::from_micros(us));
+        Some(())
     }
 }
 
@@ -445,7 +537,9 @@ mod tests {
         );
         (verify.level, verify.deviation, verify.support) =
             (6.5, Some(Duration::from_micros(4_000)), 32.0);
-        let judge = SeriesBaseline::new(Operation::Judge, Executor::Inline, Duration::from_secs(1));
+        let mut judge =
+            SeriesBaseline::new(Operation::Judge, Executor::Inline, Duration::from_secs(1));
+        judge.patience = Some(Duration::from_millis(1_050));
         let handover = Handover {
             capacity: 9,
             baselines: vec![verify, judge],
@@ -453,7 +547,7 @@ mod tests {
         };
         let text = handover.encode();
         assert_eq!(Handover::parse(9, &text), handover);
-        let noisy = format!("x/y/1 {text} verify/inline/oops e:nope");
+        let noisy = format!("x/y/1 {text} verify/inline/oops p:tool/inline/5 p:judge e:nope");
         let read = Handover::parse(4, &noisy);
         assert_eq!((read.capacity, read.baselines.len()), (4, 2));
         assert_eq!(

@@ -9,13 +9,17 @@ use crate::attributes::{Executor, Operation, SeriesKey};
 /// The run time an algorithm takes as normal: the mean run time of a round trip at low load,
 /// with the load (operations in flight) it holds up to.
 ///
-/// It follows what it measures. A round trip at no more load than the baseline's measures it
-/// again, up or down: when the load falls (the limit was lowered, or the demand fell), the run
-/// time the algorithm sees is the low-load run time, whatever it was before. A round trip at
-/// more load lowers it if it is faster by more than chance (what the spread of the run times
-/// explains), and extends the load it holds up to if it is no slower than chance, has less than half an
-/// operation waiting, and measured as many operations as its load (a round trip closed early
-/// measured only those that did not wait). So a server that became slower is found out once the load falls to where the
+/// It follows what it measures. A round trip at less load than the baseline holds up to (or at
+/// one operation in flight) measures it again, up or down: when the load falls (the limit was
+/// lowered, or the demand fell), the run time the algorithm sees is the low-load run time,
+/// whatever it was before. A round trip at more load lowers it if it is faster by more than
+/// chance (what the spread of the run times explains), and extends the load it holds up to if
+/// it is no slower than chance, has less than half an operation waiting, and measured as many
+/// operations as its load (a round trip closed early measured only those that did not wait).
+/// A round trip at the load it holds up to does not measure it again: that load may have been
+/// taken in with a queue that chance hid, and a baseline measured again and again there climbs
+/// with the queue (verifiers that share a CPU by turns, whose run time grows a little with each
+/// one more). So a server that became slower is found out once the load falls below where the
 /// baseline was measured, and a baseline is never an average that lags behind the load (which
 /// is how a baseline taken at the bottom of the bounds from a moving average drifts up).
 #[derive(Clone, Copy, Debug, Default)]
@@ -142,16 +146,21 @@ impl Baseline {
         let support = self.support;
         let (baseline, level, pool, support) = match self.run_time {
             None => (run_time, level, true, n_f),
-            // At no more load than it holds up to: measured again, up or down.
-            Some(baseline) if level <= self.level + 0.5 => (
+            // At less load than it holds up to (or at one operation, the least there is):
+            // measured again, up or down. Not at the load it holds up to: that load may have
+            // been taken in with a queue within chance, and measured there again and again the
+            // baseline would climb with the queue.
+            Some(baseline) if level <= (self.level - 0.5).max(1.0) => (
                 baseline + Self::WEIGHT * (run_time - baseline),
                 level,
                 true,
                 (Self::WEIGHT * support + n_f).min(Self::POOLED),
             ),
-            // Faster at more load, by more than chance: it was too high.
+            // Faster at more load, by more than chance: it was too high. (The load it holds up
+            // to is not this one: a fast round trip at a load with a queue, by chance, says
+            // nothing of the queue.)
             Some(baseline) if baseline - run_time > chance(baseline, support).unwrap_or(0.0) => {
-                (run_time, level, true, n_f)
+                (run_time, self.level, true, n_f)
             }
             // No slower than chance, and less than half an operation waiting: it holds up to
             // here, if the round trip measured as many operations as its load; and the round
@@ -225,6 +234,13 @@ impl Measured {
 #[derive(Clone, Debug)]
 pub(super) struct Baselines {
     table: [Baseline; SeriesKey::COUNT],
+    /// How long each series' callers wait before they give up on one of its operations, in
+    /// seconds, as its operations given up on showed (see [`near_patience`](Self::near_patience)).
+    patience: [Option<f64>; SeriesKey::COUNT],
+    /// The window in which each last had an end, counted in `heard_windows`.
+    heard: [u64; SeriesKey::COUNT],
+    /// Windows heard, whatever they were.
+    heard_windows: u64,
     /// The window in which each was last measured.
     measured: [u64; SeriesKey::COUNT],
     /// Windows taken in.
@@ -237,6 +253,9 @@ impl Default for Baselines {
     fn default() -> Self {
         Self {
             table: [Baseline::default(); SeriesKey::COUNT],
+            patience: [None; SeriesKey::COUNT],
+            heard: [0; SeriesKey::COUNT],
+            heard_windows: 0,
             measured: [0; SeriesKey::COUNT],
             windows: 0,
             last: None,
@@ -283,6 +302,7 @@ impl Baselines {
             let stale = self.windows - self.measured[index] > Self::STALE;
             if stale {
                 *baseline = Baseline::default();
+                self.patience[index] = None;
             }
             let new = baseline.run_time.is_none();
             self.measured[index] = self.windows;
@@ -308,6 +328,41 @@ impl Baselines {
         Some(mix)
     }
 
+    /// Takes in which series `sample` heard from, and how long their callers waited before they
+    /// gave up on some of their operations, if they did: half-way from what it knew.
+    pub(super) fn hear(&mut self, sample: &Sample) {
+        self.heard_windows += 1;
+        for series in sample.series.iter() {
+            self.heard[series.key().index()] = self.heard_windows;
+            let Some(waited) = series.given_up_run_time() else {
+                continue;
+            };
+            let patience = &mut self.patience[series.key().index()];
+            let waited = waited.as_secs_f64();
+            *patience = Some(patience.map_or(waited, |known| known + 0.5 * (waited - known)));
+        }
+    }
+
+    /// Whether a series heard from lately (within [`STALE`](Self::STALE) windows) runs near its
+    /// callers' patience: they give up on its operations after about its run time at low load
+    /// (a tenth less, for its spread) and before twice that. One operation in flight above a
+    /// knee can cost each operation admitted there a whole run time more (it waits for a place
+    /// at the server, or runs at half its speed): for such a kind of work, that is its callers'
+    /// patience gone. (Callers who leave sooner than the run time were not waiting on a slow
+    /// answer: they left for reasons of their own.)
+    pub(super) fn near_patience(&self) -> bool {
+        (0..SeriesKey::COUNT).any(|index| {
+            let lately = self.heard_windows - self.heard[index] <= Self::STALE;
+            lately
+                && match (self.patience[index], self.table[index].run_time) {
+                    (Some(patience), Some(run_time)) => {
+                        (0.9 * run_time..2.0 * run_time).contains(&patience)
+                    }
+                    _ => false,
+                }
+        })
+    }
+
     /// The last round trip's baseline (what its operations would take at low load), in
     /// seconds.
     pub(super) fn get(&self) -> Option<f64> {
@@ -329,6 +384,8 @@ impl Baselines {
                     level: baseline.level,
                     deviation: deviation.and_then(|d| Duration::try_from_secs_f64(d).ok()),
                     support: baseline.support,
+                    patience: self.patience[index]
+                        .and_then(|patience| Duration::try_from_secs_f64(patience).ok()),
                 })
             })
             .collect()
@@ -359,6 +416,8 @@ impl Baselines {
                 support,
             };
             self.measured[index] = self.windows;
+            self.patience[index] = handed.patience.map(|patience| patience.as_secs_f64());
+            self.heard[index] = self.heard_windows;
             (sum, weight) = (sum + support * run_time, weight + support);
         }
         if weight > 0.0 {
@@ -386,9 +445,14 @@ mod tests {
     fn holds_up_to_the_load_at_which_the_run_time_does_not_climb() {
         let mut baseline = Baseline::default();
         baseline.add(0.1, 1.0);
-        // The same at 16 in flight: the baseline holds up to 16, and is measured again there.
+        // The same at 16 in flight: the baseline holds up to 16, and is measured again below.
         baseline.add(0.1, 16.0);
-        assert!((baseline.add(0.12, 16.0) - 0.11).abs() < 1e-9);
+        assert!((baseline.add(0.12, 12.0) - 0.11).abs() < 1e-9);
+        // Not at 16 itself: a rise there is a queue, however slight.
+        let mut held = Baseline::default();
+        held.add(0.1, 1.0);
+        held.add(0.1, 16.0);
+        assert_eq!(held.add(0.12, 16.0), 0.1);
     }
 
     #[test]
@@ -439,5 +503,53 @@ mod tests {
         still.measured(0.05, Some(0.0), 1.0, 1);
         assert!(still.measured(0.0505, Some(0.0), 2.0, 2).rose);
         assert_eq!(still.run_time, Some(0.05));
+    }
+
+    /// A window of one judge series: `timed` of 1 s measured, `given_up` given up on after
+    /// `after_ms`.
+    fn judges(timed: u64, given_up: u64, after_ms: u64) -> Sample {
+        let mut window = crate::adaptive::tests::sample(4);
+        let second = Duration::from_secs(1);
+        let mut judge = SeriesSample::new(Operation::Judge, Executor::Inline);
+        (judge.ended, judge.ok, judge.timed) = (timed + given_up, timed, timed);
+        judge.mean_run_time = (timed > 0).then_some(second);
+        judge.run_time_deviation = Some(Duration::ZERO);
+        judge.given_up = given_up;
+        judge.given_up_after = Duration::from_millis(after_ms * given_up);
+        window.series.insert(judge);
+        window
+    }
+
+    #[test]
+    fn a_kind_whose_callers_give_up_within_twice_its_run_time_is_near_their_patience() {
+        for (after_ms, near) in [(1_000, true), (1_900, true), (2_100, false), (300, false)] {
+            let mut baselines = Baselines::default();
+            baselines.hear(&judges(4, 0, 0));
+            baselines.measure(&judges(4, 0, 0));
+            assert!(!baselines.near_patience(), "none given up yet");
+            baselines.hear(&judges(0, 2, after_ms));
+            assert_eq!(
+                baselines.near_patience(),
+                near,
+                "given up after {after_ms} ms"
+            );
+        }
+    }
+
+    #[test]
+    fn a_kind_not_heard_for_a_while_is_no_longer_near_its_callers_patience() {
+        let mut baselines = Baselines::default();
+        baselines.measure(&judges(4, 0, 0));
+        baselines.hear(&judges(0, 2, 1_000));
+        let others = crate::adaptive::tests::sample(4);
+        for _ in 0..Baselines::STALE {
+            baselines.hear(&others);
+        }
+        assert!(
+            baselines.near_patience(),
+            "heard within the last 64 windows"
+        );
+        baselines.hear(&others);
+        assert!(!baselines.near_patience());
     }
 }

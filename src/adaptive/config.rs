@@ -60,9 +60,9 @@ impl Adaptive {
     /// A controller that runs `algorithm` and keeps the capacity within `bounds`.
     ///
     /// Start the limit at the bottom of the bounds: an algorithm that reacts to latency takes
-    /// its baseline from the run times it sees at low load, and [`Vegas`](super::Vegas) and
-    /// [`Aimd`](super::Aimd) slow-start from there (half as many again each round trip) until
-    /// the first sign of congestion.
+    /// its baseline from the run times it sees at low load, and [`Vegas`](super::Vegas)
+    /// slow-starts from there (half as many again each round trip) until the first sign of
+    /// congestion.
     ///
     /// # Panics
     ///

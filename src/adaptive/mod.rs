@@ -17,9 +17,12 @@
 //! assert_eq!(verifiers.capacity(), 1);
 //! ```
 //!
-//! Use [`Vegas`] unless you have a reason not to: it finds a server that slows down above some
+//! The crate ships one algorithm, [`Vegas`]: it finds a server that slows down above some
 //! load, one that fails or times out above it, and one that stops answering above it, with
-//! nothing to set, and fills a server that does none of these quickly.
+//! nothing to set, fills a server that does none of these quickly, and keeps the callers of a
+//! kind of work that runs near their patience out of its probes. An algorithm of your own is an
+//! [`Algorithm`]: its docs show how to write the two that 0.5 shipped beside it (AIMD, and a
+//! latency gradient).
 //!
 //! # How it decides
 //!
@@ -27,7 +30,9 @@
 //! admitted), its series (its [`Operation`](crate::Operation) and
 //! [`Executor`](crate::Executor)), and whether its outcome is a sign of congestion
 //! (`timeout`, `error`, `crashed`; not `ok`, nor `cancelled`, whose caller went
-//! away). The controller adds them to the current *window*, which lasts about one round trip:
+//! away), or a sign that its caller gave up on it (`timeout`, `cancelled`: see
+//! [Callers' patience](#callers-patience)). The controller adds them to the current *window*,
+//! which lasts about one round trip:
 //!
 //! - it measures the operations admitted after it opened, which ran at the capacity it set;
 //! - it closes once as many of them as the capacity have ended (about two run times after it
@@ -53,21 +58,15 @@
 //!
 //! - [`Vegas`]: estimates how many operations wait at the server rather than run (from the run
 //!   time against the run time at low load, and the places held by operations that do not
-//!   answer) and keeps that between 1 and 3; a slow start that ends at the first sign of a
-//!   rise; probes where it last failed one place at a time.
-//! - [`Aimd`]: additive increase, multiplicative decrease, after a slow start, on failures only,
-//!   unless given a run-time ratio or threshold; slow-starts again once back where it last
-//!   failed.
-//! - [`Gradient`]: a slow start, then compares the recent run time with a baseline and shrinks
-//!   the limit by their ratio when the run time climbs past a tolerance (10%); grows by a
-//!   headroom of `√capacity` while it does not.
+//!   answer) and keeps that between 1 and 2; a slow start that ends at the first sign of a
+//!   rise; probes where it last had to shrink one place at a time.
 //! - [`Algorithm`]: your own.
 //!
-//! Every built-in algorithm decreases the same way: `backoff` times the capacity at once, and on
-//! toward what the backend served over the last round trip (the run times of the operations
-//! that ended `ok`, over the time they ended in), by half at most, taking the rest out as the
-//! operations admitted before the decrease fail. A capacity that falls from 24 to 8 is followed to
-//! 10 or less within 3 round trips, not six decreases of ×0.9.
+//! On congestion `Vegas` takes `backoff` times the capacity at once, and goes on toward what the
+//! backend served over the last round trip (the run times of the operations that ended `ok`,
+//! over the time they ended in), by half at most, taking the rest out as the operations
+//! admitted before the decrease fail. A capacity that falls from 24 to 8 is followed to 10 or
+//! less within 3 round trips, not six decreases of ×0.9.
 //!
 //! # Mixed work
 //!
@@ -79,15 +78,33 @@
 //! measured for the first time, or not for a while, counts as no queue. A kind that runs longer
 //! than a window lasts is not taken for places that do not answer.
 //!
+//! # Callers' patience
+//!
+//! A probe above the knee (one place more than the backend serves at its pace) costs each
+//! operation admitted into it up to a whole run time more: it waits for a place at the server,
+//! or runs at half its speed. A verify of 100 ms whose caller waits a second does not mind; a
+//! judge of 1 s whose caller waits a second is given up on. The controller hears how long the
+//! callers of each series waited when they gave up (an operation that ended `timeout`, or
+//! `cancelled`: a caller's own timeout around the limit, such as tower's `Timeout` over the
+//! layer, drops the operation). A series whose callers give up after about its run time at low
+//! load, and before twice that, runs near its callers' patience. While such a series is heard
+//! (within the last 64 windows), [`Vegas`] does not probe where it last had to shrink, let
+//! alone past it, and takes any queue that is more than chance as the knee: it holds one place
+//! under it. What it gives up for that: a backend that gained room is not looked for until that
+//! series has been away for 64 windows. It learns the patience from the first operations given
+//! up on, which its first slow start past the knee costs. (Callers who leave sooner than the
+//! usual run time were not waiting on a slow answer: a series whose operations are given up on
+//! that soon, on average, is not taken as near its callers' patience.)
+//!
 //! Against the scenarios Vector publishes for its adaptive request concurrency (ARC), and ARC's
 //! controller run beside them on the same simulated links, `Vegas` holds a knee where ARC does
 //! at ARC's rate or better, fills a constant link sooner, and fails fewer requests on a server
-//! that defers or drops what is above its capacity; each algorithm meets the targets of what it
-//! reacts to, on those and on mixed work, a falling capacity and a slow rise
+//! that defers or drops what is above its capacity; it meets the same targets on mixed work,
+//! on callers whose patience is the slow kind's run time, a falling capacity and a slow rise
 //! (`tests/arc_scenarios.rs`).
 //!
-//! The limit's own rejections (a full queue, a queue timeout) are counted in the sample, but the
-//! built-in algorithms do not shrink for them: they say the limit is too small for the demand,
+//! The limit's own rejections (a full queue, a queue timeout) are counted in the sample, but
+//! `Vegas` does not shrink for them: they say the limit is too small for the demand,
 //! not that what it guards is overloaded, and shrinking would turn more away. A rejection from
 //! *downstream* (a `503`, RESOURCE_EXHAUSTED) reaches the controller as the `error` the
 //! classifier makes of it.
@@ -138,25 +155,21 @@
 //! within a few windows. `cargo bench --bench adaptive` measures what an adaptive limit costs
 //! beside a plain one (`BENCHMARKS.md`).
 
-mod aimd;
 mod algorithm;
 mod baseline;
 mod config;
 mod controller;
-mod gradient;
 mod news;
+mod own_limit;
 mod served;
 mod tally;
 mod vegas;
-
-pub use aimd::Aimd;
 mod window;
 
 pub use algorithm::{Algorithm, Sample, SeriesSample};
 use algorithm::{Handover, SeriesBaseline};
 pub use config::Adaptive;
-pub use controller::Controller;
-pub use gradient::Gradient;
+pub use own_limit::Controller;
 pub use vegas::Vegas;
 pub use window::Window;
 
@@ -261,87 +274,59 @@ mod tests {
         }
     }
 
-    /// Every shipped algorithm, resumed at a capacity another instance set (a fleet's new
-    /// leader), grows by at most its additive step per window while nothing shows a queue,
-    /// where a fresh one slow-starts by half.
+    /// Vegas, resumed at a capacity another instance set (a fleet's new leader), grows by at
+    /// most one place per window while nothing shows a queue, where a fresh one slow-starts by
+    /// half.
     #[test]
     fn a_resumed_algorithm_grows_one_step_at_a_time_where_a_fresh_one_slow_starts() {
-        let shipped: [(&str, Box<dyn Algorithm>, usize); 4] = [
-            ("vegas", Box::new(Vegas::default()), 1),
-            ("gradient", Box::new(Gradient::default()), 3),
-            ("aimd", Box::new(Aimd::default()), 1),
-            (
-                "aimd+ratio",
-                Box::new(Aimd::default().run_time_ratio(2.0)),
-                1,
-            ),
-        ];
-        for (name, algorithm, step) in shipped {
-            let mut fresh = dyn_clone(&*algorithm, name);
-            let mut resumed = algorithm;
-            resumed.resume(20, "");
-            let mut capacity = 20;
-            for window in 0..3 {
-                let next = resumed.update(&sample(capacity));
-                assert!(
-                    next <= capacity + step,
-                    "{name}, window {window}: {capacity} -> {next}, more than one step"
-                );
-                capacity = next;
-            }
+        let mut fresh = Vegas::default();
+        let mut resumed = Vegas::default();
+        resumed.resume(20, "");
+        let mut capacity = 20;
+        for window in 0..3 {
+            let next = resumed.update(&sample(capacity));
             assert!(
-                fresh.update(&sample(20)) >= 30,
-                "{name}: a fresh one slow-starts"
+                next <= capacity + 1,
+                "window {window}: {capacity} -> {next}, more than one step"
             );
+            capacity = next;
         }
+        assert!(fresh.update(&sample(20)) >= 30, "a fresh one slow-starts");
     }
 
-    /// Every shipped algorithm that reads run times, resumed with the baselines its predecessor
-    /// measured, reads a first window with a queue at the backend as a queue (and lowers the
-    /// capacity); resumed without them, it takes that window's run time for the one at low load,
-    /// sees no queue, and does not lower it. `aimd` reads failures only: no baseline moves it.
+    /// Vegas, resumed with the baselines its predecessor measured, reads a first window with a
+    /// queue at the backend as a queue (and lowers the capacity); resumed without them, it takes
+    /// that window's run time for the one at low load, sees no queue, and does not lower it.
     #[test]
     fn a_resumed_algorithm_reads_its_first_window_against_the_handed_baselines() {
-        for name in ["vegas", "gradient", "aimd+ratio", "aimd"] {
-            let mut leader = dyn_clone(&Vegas::default(), name);
-            // 100 ms at low load: a slow start from 2 without a queue.
-            let mut capacity = 2;
-            for _ in 0..3 {
-                let mut low = sample(capacity);
-                low.ended = capacity as u64 * 2;
-                capacity = leader.update(&low);
-            }
-            let handed = Handover::parse(0, &leader.handover());
-            let baselines = &handed.baselines;
-            assert_eq!(baselines.len(), 1, "{name}: {baselines:?}");
-            assert_eq!(baselines[0].run_time, Duration::from_millis(100), "{name}");
-            // The leader dies at 10; the first window after it ran with 6 waiting at the backend
-            // (250 ms where 100 is normal).
-            let mut queued = sample(10);
-            queued.mean_run_time = Some(Duration::from_millis(250));
-            queued.min_run_time = queued.mean_run_time;
-            let mut informed = dyn_clone(&Vegas::default(), name);
-            informed.resume(10, &leader.handover());
-            assert_eq!(
-                informed.baseline(),
-                Some(Duration::from_millis(100)),
-                "{name}"
-            );
-            let mut blind = dyn_clone(&Vegas::default(), name);
-            blind.resume(10, "");
-            let (informed, blind) = (informed.update(&queued), blind.update(&queued));
-            assert!(
-                blind >= 10,
-                "{name}: without the baselines, no queue: 10 -> {blind}"
-            );
-            match name {
-                "aimd" => assert_eq!(informed, blind, "failures only"),
-                _ => assert!(
-                    informed < 10,
-                    "{name}: a queue of 6 read as one: 10 -> {informed}"
-                ),
-            }
+        let mut leader = Vegas::default();
+        // 100 ms at low load: a slow start from 2 without a queue.
+        let mut capacity = 2;
+        for _ in 0..3 {
+            let mut low = sample(capacity);
+            low.ended = capacity as u64 * 2;
+            capacity = leader.update(&low);
         }
+        let handed = Handover::parse(0, &leader.handover());
+        let baselines = &handed.baselines;
+        assert_eq!(baselines.len(), 1, "{baselines:?}");
+        assert_eq!(baselines[0].run_time, Duration::from_millis(100));
+        // The leader dies at 10; the first window after it ran with 6 waiting at the backend
+        // (250 ms where 100 is normal).
+        let mut queued = sample(10);
+        queued.mean_run_time = Some(Duration::from_millis(250));
+        queued.min_run_time = queued.mean_run_time;
+        let mut informed = Vegas::default();
+        informed.resume(10, &leader.handover());
+        assert_eq!(informed.baseline(), Some(Duration::from_millis(100)));
+        let mut blind = Vegas::default();
+        blind.resume(10, "");
+        let (informed, blind) = (informed.update(&queued), blind.update(&queued));
+        assert!(
+            blind >= 10,
+            "without the baselines, no queue: 10 -> {blind}"
+        );
+        assert!(informed < 10, "a queue of 6 read as one: 10 -> {informed}");
     }
 
     /// A successor's baselines are the predecessor's: the same figures back, whatever the
@@ -357,6 +342,7 @@ mod tests {
         );
         (verify.level, verify.support) = (6.0, 40.0);
         verify.deviation = Some(Duration::from_millis(5));
+        verify.patience = Some(Duration::from_millis(120));
         let mut judge =
             SeriesBaseline::new(Operation::Judge, Executor::Inline, Duration::from_secs(1));
         (judge.level, judge.support) = (f64::NAN, f64::INFINITY);
@@ -377,16 +363,6 @@ mod tests {
             .unwrap();
         assert_eq!((judge_back.level, judge_back.support), (1.0, 1.0));
         assert_eq!(judge_back.run_time, Duration::from_secs(1));
-    }
-
-    /// A fresh algorithm of the kind `name` names.
-    fn dyn_clone(_: &dyn Algorithm, name: &str) -> Box<dyn Algorithm> {
-        match name {
-            "vegas" => Box::new(Vegas::default()),
-            "gradient" => Box::new(Gradient::default()),
-            "aimd" => Box::new(Aimd::default()),
-            _ => Box::new(Aimd::default().run_time_ratio(2.0)),
-        }
     }
 
     #[test]
@@ -420,31 +396,19 @@ mod tests {
     /// the setting and the value (0.3 clamped some of them without a word).
     #[test]
     fn each_setting_out_of_range_is_refused_naming_the_setting_and_the_value() {
-        assert_refused("Gradient::tolerance", "0.5", || {
-            Gradient::default().tolerance(0.5)
-        });
-        assert_refused("Gradient::smoothing", "0.0", || {
-            Gradient::default().smoothing(0.0)
-        });
-        assert_refused("Gradient::backoff", "1.5", || {
-            Gradient::default().backoff(1.5)
-        });
-        assert_refused("Aimd::backoff", "1.5", || Aimd::default().backoff(1.5));
         // As a person writes the range: no float's bit pattern for "0" and "1".
         assert_refused("must be above 0 and below 1; got 1.5", "", || {
-            Aimd::default().backoff(1.5)
+            Vegas::default().backoff(1.5)
         });
         assert_refused("must be at least 1; got 0.5", "", || {
-            Gradient::default().tolerance(0.5)
+            Vegas::default().queue(1.0, 0.5)
         });
-        assert_refused("must be above 0 and at most 1; got 0.0", "", || {
-            Gradient::default().smoothing(0.0)
+        assert_refused("must be at least 0 and at most 1; got 2.0", "", || {
+            Adaptive::new(Vegas::default(), 1..=8).tolerance(2.0)
         });
-        assert_refused("Aimd::backoff", "NaN", || Aimd::default().backoff(f64::NAN));
-        assert_refused("Aimd::run_time_ratio", "0.5", || {
-            Aimd::default().run_time_ratio(0.5)
+        assert_refused("Vegas::backoff", "NaN", || {
+            Vegas::default().backoff(f64::NAN)
         });
-        assert_refused("Aimd::step", "0", || Aimd::default().step(0));
         assert_refused("Vegas::backoff", "1.0", || Vegas::default().backoff(1.0));
         assert_refused("Vegas::queue alpha", "-1.0", || {
             Vegas::default().queue(-1.0, 3.0)
@@ -460,11 +424,6 @@ mod tests {
         assert_refused("bounds", "0..=4", || Adaptive::new(Vegas::default(), 0..=4));
 
         // The values at the edges of each range are taken.
-        let _ = Gradient::default()
-            .tolerance(1.0)
-            .smoothing(1.0)
-            .backoff(1.0);
-        let _ = Aimd::default().backoff(0.5).run_time_ratio(1.0).step(1);
         let _ = Vegas::default().backoff(0.5).queue(0.0, 0.0);
         let _ = Adaptive::new(Vegas::default(), 1..=1)
             .tolerance(1.0)
@@ -474,6 +433,6 @@ mod tests {
     #[test]
     #[should_panic(expected = "non-empty range")]
     fn bounds_starting_at_zero_are_refused() {
-        let _ = Adaptive::new(Aimd::default(), 0..=4);
+        let _ = Adaptive::new(Vegas::default(), 0..=4);
     }
 }

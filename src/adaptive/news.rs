@@ -17,6 +17,13 @@ pub(crate) fn is_congestion(outcome: Outcome) -> bool {
     )
 }
 
+/// Whether an operation's outcome says its caller gave up on it: `timeout` (its deadline
+/// passed), or `cancelled` (its caller dropped it: a timeout of the caller's own, around the
+/// limit, reads as this). How long it ran then says how long its callers wait.
+pub(crate) fn is_given_up(outcome: Outcome) -> bool {
+    matches!(outcome, Outcome::Timeout | Outcome::Cancelled)
+}
+
 /// The rule that keeps decreases from compounding: a failure of an operation admitted before
 /// the capacity was last lowered is not news, since that decrease answered it. So a server that
 /// fails everything above its capacity costs one decrease per round trip, however many

@@ -127,40 +127,19 @@ impl Occupancy {
 
 /// A decrease after a window with congestion at `limit`: the capacity now, `backoff` times it
 /// (at least one place less), and how many more places to take out as the operations admitted
-/// before the decrease fail (see [`Retiring`]), so that it goes toward what the backend served
-/// lately (`served`), by half at most.
+/// before the decrease fail (their failures are not news, since the decrease answered them, so
+/// they cut nothing more), so that it goes toward what the backend served lately (`served`), by
+/// half at most.
 ///
 /// So a capacity that fell from 24 to 8 is followed in two decreases, not one of ×0.9 per
 /// round trip; a probe one above what the backend takes costs one place, as before; and the
 /// places taken out beyond ×0.9 are those of operations that fail, not those of the operations
 /// that still deliver (lowering the capacity at once would take the first places to come
 /// back, theirs, while the doomed ones still hold theirs).
-pub(super) fn decrease(limit: f64, backoff: f64, served: Option<f64>) -> (f64, Retiring) {
+pub(super) fn decrease(limit: f64, backoff: f64, served: Option<f64>) -> (f64, f64) {
     let now = (limit * backoff).min(limit - 1.0).floor();
     let goal = served.map_or(now, |served| served.max(limit / 2.0).floor().min(now));
-    (now, Retiring(now - goal))
-}
-
-/// Places to take out as the operations admitted before the last decrease fail: the rest of a
-/// decrease (see [`decrease`]). Their failures are not news (the decrease answered them), so
-/// they cut nothing more.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(super) struct Retiring(pub(super) f64);
-
-impl Retiring {
-    /// Whether the places still to take out cover `failed` operations: failures of
-    /// operations admitted while the last decrease was under way, at a capacity it is still
-    /// taking out. Their places go; no new decrease.
-    pub(super) fn covers(&self, failed: u64) -> bool {
-        self.0 >= failed as f64 && failed > 0
-    }
-
-    /// The places to take out now that `stale` operations from before the decrease failed.
-    pub(super) fn retire(&mut self, stale: u64) -> f64 {
-        let retired = self.0.min(stale as f64);
-        self.0 -= retired;
-        retired
-    }
+    (now, now - goal)
 }
 
 #[cfg(test)]
@@ -234,20 +213,16 @@ mod tests {
     }
 
     #[test]
-    fn a_decrease_goes_toward_what_was_served_by_half_at_most_as_operations_fail() {
-        let (now, mut retiring) = decrease(24.0, 0.9, Some(8.0));
+    fn a_decrease_goes_toward_what_was_served_by_half_at_most() {
         assert_eq!(
-            (now, retiring),
-            (21.0, Retiring(9.0)),
+            decrease(24.0, 0.9, Some(8.0)),
+            (21.0, 9.0),
             "toward 12, half of 24"
         );
-        assert_eq!(retiring.retire(4), 4.0);
-        assert_eq!(retiring.retire(16), 5.0);
-        assert_eq!(retiring.retire(3), 0.0);
-        assert_eq!(decrease(12.0, 0.9, Some(8.0)), (10.0, Retiring(2.0)));
+        assert_eq!(decrease(12.0, 0.9, Some(8.0)), (10.0, 2.0));
         // A probe one above: one place, as without.
-        assert_eq!(decrease(6.0, 0.9, Some(5.0)), (5.0, Retiring(0.0)));
-        assert_eq!(decrease(20.0, 0.9, Some(20.0)), (18.0, Retiring(0.0)));
-        assert_eq!(decrease(20.0, 0.9, None), (18.0, Retiring(0.0)));
+        assert_eq!(decrease(6.0, 0.9, Some(5.0)), (5.0, 0.0));
+        assert_eq!(decrease(20.0, 0.9, Some(20.0)), (18.0, 0.0));
+        assert_eq!(decrease(20.0, 0.9, None), (18.0, 0.0));
     }
 }

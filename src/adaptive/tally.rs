@@ -23,7 +23,7 @@ use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use super::algorithm::{BySeries, Sample, SeriesSample};
 use super::config::Adaptive;
-use super::news::is_congestion;
+use super::news::{is_congestion, is_given_up};
 use crate::attributes::{Executor, Operation, Outcome, SeriesKey};
 use crate::limit::Ended;
 
@@ -85,6 +85,10 @@ struct SeriesCell {
     sum_us: AtomicU64,
     squares: AtomicU64,
     min_us: AtomicU64,
+    /// Its operations that their callers gave up on (`timeout`, `cancelled`), whenever
+    /// admitted: how many, and their run times summed (µs).
+    given_up: AtomicU64,
+    given_up_us: AtomicU64,
 }
 
 /// How a window counts one end: what its controller knows of it that the end does not say.
@@ -138,6 +142,8 @@ impl Tally {
                 sum_us: AtomicU64::new(0),
                 squares: AtomicU64::new(0),
                 min_us: AtomicU64::new(NONE),
+                given_up: AtomicU64::new(0),
+                given_up_us: AtomicU64::new(0),
             }),
         }
     }
@@ -161,6 +167,10 @@ impl Tally {
         cell.ends.fetch_add(ends, Relaxed);
         if ok {
             cell.served_us.fetch_add(us, Relaxed);
+        }
+        if is_given_up(outcome) {
+            cell.given_up.fetch_add(1, Relaxed);
+            cell.given_up_us.fetch_add(us, Relaxed);
         }
         if timed {
             cell.sum_us.fetch_add(us, Relaxed);
@@ -222,6 +232,8 @@ impl Tally {
                     NONE => None,
                     us => Some(us),
                 },
+                given_up: cell.given_up.swap(0, Relaxed),
+                given_up_us: cell.given_up_us.swap(0, Relaxed),
             };
         }
         let running = Running::of(self.counts.swap(0, Relaxed));
@@ -239,6 +251,8 @@ impl SeriesCell {
             && self.sum_us.load(Relaxed) == 0
             && self.squares.load(Relaxed) == 0
             && self.min_us.load(Relaxed) == NONE
+            && self.given_up.load(Relaxed) == 0
+            && self.given_up_us.load(Relaxed) == 0
     }
 }
 
@@ -298,6 +312,11 @@ pub(crate) struct SeriesCounts {
     pub(crate) squares: u64,
     /// The shortest of them, in microseconds.
     pub(crate) min_us: Option<u64>,
+    /// Its operations that ended in the window, whenever admitted, that their callers gave up
+    /// on (`timeout`, `cancelled`).
+    pub(crate) given_up: u64,
+    /// Their run times summed, in microseconds: how long those callers waited.
+    pub(crate) given_up_us: u64,
 }
 
 impl AddAssign for SeriesCounts {
@@ -312,6 +331,8 @@ impl AddAssign for SeriesCounts {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        self.given_up += other.given_up;
+        self.given_up_us += other.given_up_us;
     }
 }
 
@@ -343,8 +364,9 @@ impl Counts {
     }
 
     /// These counts, added to a window after the one they were taken in: what any window
-    /// counts of an end whenever its operation was admitted (each series' ends, `ok` ends and
-    /// what was served, the signs of congestion, the limit's rejections, the load), without
+    /// counts of an end whenever its operation was admitted (each series' ends, `ok` ends, what
+    /// was served and what was given up, the signs of congestion, the limit's rejections, the
+    /// load), without
     /// what only the window the operations were admitted in counts (its own ends, and their run
     /// times). For a fleet whose process took its counts just as the fleet's window changed.
     pub(crate) fn into_next_window(mut self) -> Self {
@@ -377,6 +399,8 @@ impl Counts {
                 &mut series.timed,
                 &mut series.sum_us,
                 &mut series.squares,
+                &mut series.given_up,
+                &mut series.given_up_us,
             ] {
                 times(count);
             }
@@ -444,6 +468,8 @@ impl SeriesCounts {
                 let squares = self.squares as f64 * 1024.0 / timed as f64;
                 Duration::from_micros((squares - mean * mean).max(0.0).sqrt() as u64)
             }),
+            given_up: self.given_up,
+            given_up_after: Duration::from_micros(self.given_up_us),
         }
     }
 }
@@ -570,6 +596,12 @@ mod tests {
         assert_eq!(judge.served_run_time(), Some(ms(950)));
         assert_eq!(sample.served, ms(2_120), "every ok end's run time");
         assert_eq!(judge.mean_run_time, Some(ms(1000)));
+        // The timeout: its caller gave up after 5 ms.
+        assert_eq!(
+            (judge.given_up, judge.given_up_run_time()),
+            (1, Some(ms(5)))
+        );
+        assert_eq!(verify.given_up_run_time(), None);
         assert_eq!(sample.series.iter().count(), 2);
         assert!(!sample.round_trip, "a stale failure, with a tolerance of 0");
         assert_eq!(tally.take(), Counts::default(), "taken");

@@ -3,7 +3,7 @@
 use std::ops::AddAssign;
 
 use super::config::Adaptive;
-use super::news::is_congestion;
+use super::news::{is_congestion, is_given_up};
 use super::tally::{Counts, SeriesCounts};
 use super::Sample;
 use crate::attributes::{Executor, Operation, Outcome, SeriesKey};
@@ -81,6 +81,10 @@ impl Window {
             series.ok += 1;
             series.served_us = series.served_us.saturating_add(us);
         }
+        if is_given_up(outcome) {
+            series.given_up += 1;
+            series.given_up_us = series.given_up_us.saturating_add(us);
+        }
         if own && ok {
             series.timed += 1;
             series.sum_us = series.sum_us.saturating_add(us);
@@ -153,9 +157,10 @@ impl Window {
 
     /// Its numbers by name, as a store keeps them: `ended`, `congested`, `stale`, `rejected`,
     /// and for each series with an end, `<operation>/<executor>/<field>`, where the field is
-    /// `e` (ends), `o` (`ok` ends), `v` (their run times summed, µs), and, of its own `ok` ends,
-    /// `t` (how many), `s` (their run times summed, µs), `q` (their squares, µs² / 1024) and `m`
-    /// (the shortest, µs). Every field adds up across processes but `m`, which keeps the least;
+    /// `e` (ends), `o` (`ok` ends), `v` (their run times summed, µs), `g` (ends given up on:
+    /// `timeout`, `cancelled`), `p` (their run times summed, µs), and, of its own `ok` ends, `t`
+    /// (how many), `s` (their run times summed, µs), `q` (their squares, µs² / 1024) and `m` (the
+    /// shortest, µs). Every field adds up across processes but `m`, which keeps the least;
     /// `ended`, `t`, `s`, `q` and `m` are what [`into_next`](Self::into_next) drops. Fields at
     /// 0 are left out.
     pub fn fields(&self) -> Vec<(String, u64)> {
@@ -175,6 +180,8 @@ impl Window {
                 ('e', Some(series.ended)),
                 ('o', Some(series.ok)),
                 ('v', Some(series.served_us)),
+                ('g', Some(series.given_up)),
+                ('p', Some(series.given_up_us)),
                 ('t', Some(series.timed)),
                 ('s', Some(series.sum_us)),
                 ('q', Some(series.squares)),
@@ -214,6 +221,8 @@ impl Window {
                         "e" => series.ended = value,
                         "o" => series.ok = value,
                         "v" => series.served_us = value,
+                        "g" => series.given_up = value,
+                        "p" => series.given_up_us = value,
                         "t" => series.timed = value,
                         "s" => series.sum_us = value,
                         "q" => series.squares = value,
@@ -253,13 +262,18 @@ mod tests {
         assert!(!window.record(&ended(Outcome::Ok, 300), false, true));
         assert!(window.record(&ended(Outcome::Timeout, 1000), true, true));
         assert!(!window.record(&ended(Outcome::Error, 5), true, false));
+        window.record(&ended(Outcome::Cancelled, 3000), false, true);
         window.reject();
         let fields = window.fields();
+        let field = |name: &str| fields.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+        // Given up on: the timeout after 1 s and the cancellation after 3 s.
+        assert_eq!(field("judge/inline/g"), Some(2));
+        assert_eq!(field("judge/inline/p"), Some(4_000_000));
         let back = Window::from_fields(fields.iter().map(|(k, v)| (k.as_str(), *v)));
         assert_eq!(back, window);
         assert_eq!(
             (window.ended(), window.ends(), window.congested()),
-            (3, 4, 1)
+            (3, 5, 1)
         );
         let noise = [("judge/inline/z", 7), ("bogus/inline/e", 7), ("x", 1)];
         let with_noise = fields.iter().map(|(k, v)| (k.as_str(), *v)).chain(noise);

@@ -317,12 +317,12 @@ impl LimitBuilder {
     /// [`Limit::builder`] is where it starts (brought within the bounds).
     ///
     /// ```
-    /// use tower_resources_operation::adaptive::{Adaptive, Aimd};
+    /// use tower_resources_operation::adaptive::{Adaptive, Vegas};
     /// use tower_resources_operation::Limit;
     ///
     /// let judges = Limit::builder(1)
     ///     .name("judges")
-    ///     .adaptive(Adaptive::new(Aimd::default(), 1..=64))
+    ///     .adaptive(Adaptive::new(Vegas::default(), 1..=64))
     ///     .build();
     /// assert!(judges.is_adaptive());
     /// ```

@@ -317,14 +317,14 @@ pub(crate) async fn decide<S: Store>(member: Arc<Member<S>>) {
 
 #[cfg(test)]
 mod tests {
-    use tower_resources_operation::adaptive::Aimd;
+    use tower_resources_operation::adaptive::Vegas;
     use tower_resources_operation::Outcome;
 
     use super::*;
 
     fn control() -> FleetControl {
         let settings = AdaptiveSettings {
-            adaptive: Adaptive::new(Aimd::default(), 1..=64),
+            adaptive: Adaptive::new(Vegas::default(), 1..=64),
             tick: Duration::from_millis(50),
         };
         FleetControl::new(
