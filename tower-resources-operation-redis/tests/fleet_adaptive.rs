@@ -908,7 +908,7 @@ async fn leader_killed(redis: &RedisServer, algorithm: &str) {
         after >= 2,
         "{algorithm}: the capacity is kept, not reset to the builder's: {after}"
     );
-    // Issue 32's bound: the new leader starts from the fleet's capacity, not from a slow
+    // The bound: the new leader starts from the fleet's capacity, not from a slow
     // start (0.4: 10 -> 15 -> 23 -> 35, peaks of 1.4-2.9 K), and a window that measured
     // little is no ground to grow on.
     assert!(
@@ -1151,7 +1151,7 @@ fn script_calls(redis: &RedisServer) -> u64 {
 }
 
 for_each_shipped!(
-    /// Issue 33's slow, steady rise: a backend whose run time is 1% longer for each other call in
+    /// A slow, steady rise: a backend whose run time is 1% longer for each other call in
     /// flight, with no jitter, and an error above K = 12. A rise that small is not a queue: the
     /// fleet's capacity stays at 0.8 K or more, as one process's does, and the fleet fills it.
     a_slow_steady_rise_is_not_a_queue_for_a_fleet,
@@ -1197,7 +1197,7 @@ async fn steady_rise(redis: &RedisServer, algorithm: &str) {
     assert!(
         capacity >= 0.8 * K as f64,
         "{algorithm}: a capacity of {capacity:.2} on average, under 0.8 K: a rise of 1% a call \
-         read as a queue (issue 33)"
+         read as a queue"
     );
     // What the fleet then filled of it (each place freed goes to a waiter through the store:
     // a release, a push, a take).
