@@ -103,7 +103,7 @@ impl<L: Acquire> Admission<L> {
         // of its queue.
         let mut busy = false;
         if idle {
-            match self.operation.admit_free(&config.limit, recording.records) {
+            match self.operation.admit_free(&config.limit, recording) {
                 Free::Admitted => return Poll::Ready(Admit::Admitted),
                 Free::Busy => busy = true,
                 Free::Ask => {}

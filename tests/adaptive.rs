@@ -452,7 +452,7 @@ async fn a_per_request_named_limit_adapts() {
 /// layer and the scoped API alike.
 #[tokio::test(start_paused = true)]
 async fn metrics_off_still_adapts() {
-    // A server that fails above 6: AIMD settles at 6 or just under.
+    // A server that fails above 6: the limit settles at 6 or just under.
     let layer_limit = adaptive(Vegas::default(), 32);
     let server = Arc::new(Server::new(6, 100 * MS, Above::Fails));
     let service = ResourcesOperationLayer::new(layer_limit.clone())

@@ -14,6 +14,7 @@ use super::scope::{self, Holding, Slot};
 use super::trace::Trace;
 use super::LimitOf;
 use crate::attributes::{Outcome, SeriesKey};
+use crate::config::Recording;
 use crate::error::Rejected;
 use crate::guard::guarded;
 use crate::limit::Acquire;
@@ -376,19 +377,24 @@ impl<A: Acquire> Lifecycle<A> {
         Poll::Ready(Ok(()))
     }
 
-    /// The path of a free permit for an operation that will record nothing (`records` is
-    /// false: metrics off, and a limit that hears no ends; and no span is enabled): takes the
-    /// permit, which is all [`poll_admit`](Self::poll_admit) would do, without setting up what
-    /// a wait or a record would need. Otherwise [`poll_admit`](Self::poll_admit) waits, or
-    /// counts the refusal.
+    /// The path of a free permit for an operation with no series to count (metrics off) and
+    /// no span enabled: takes the permit, which is all [`poll_admit`](Self::poll_admit) would
+    /// do, without setting up what a wait would need; an adaptive limit's operation that its
+    /// controller hears is stamped as it is admitted, the others (most, as the limit samples
+    /// them) record nothing. Otherwise [`poll_admit`](Self::poll_admit) waits, or counts the
+    /// refusal.
     #[inline(always)]
-    pub(crate) fn admit_free(&mut self, limit: &A, records: bool) -> Free {
-        if records || Trace::may_trace() {
+    pub(crate) fn admit_free(&mut self, limit: &A, recording: &Recording) -> Free {
+        if recording.series.is_some() || Trace::may_trace() {
             return Free::Ask;
         }
         match limit.try_acquire() {
             Some(Ok(permit)) if self.permit.is_none() => {
+                let heard = recording.records && A::hears_end(&permit);
                 self.permit = Some(permit);
+                if heard {
+                    self.record_admission(None, true, recording.key);
+                }
                 Free::Admitted
             }
             None => Free::Busy,
