@@ -763,7 +763,6 @@ async fn three_replicas_settle_near_the_backends_capacity_and_follow_it() {
         let baseline_ms = number(result, "baseline_us") / 1000.0;
         assert!((baseline_ms - number(result, "metric_baseline_ms")).abs() < 0.01);
     }
-
 }
 
 for_each_shipped!(
