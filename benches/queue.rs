@@ -106,9 +106,20 @@ where
         for _ in 0..waiters {
             tasks.push(tokio::spawn(service.clone().oneshot(())));
         }
-        // Every task runs until it waits for the permit (the scheduler polls a batch per tick).
+        // Every task runs until it waits for the permit (the scheduler polls a batch per tick;
+        // on a multi-thread runtime another worker may still be polling them): until the heap
+        // stops growing, for a task's first poll allocates its wait.
         for _ in 0..waiters.div_ceil(32) + 64 {
             tokio::task::yield_now().await;
+        }
+        loop {
+            let in_use = IN_USE.load(Ordering::Relaxed);
+            for _ in 0..64 {
+                tokio::task::yield_now().await;
+            }
+            if IN_USE.load(Ordering::Relaxed) == in_use {
+                break;
+            }
         }
         let queued = IN_USE.load(Ordering::Relaxed) - before;
         let resident = rss() - resident_before;
