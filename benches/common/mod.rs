@@ -394,7 +394,7 @@ pub mod floor {
     ///
     /// `TIMES_WAIT = false` is the floor of 0.5 before it timed the wait: it recorded 0 for every
     /// queue time and counted every operation in and out of `queued` in `call`, waiting or not
-    /// (BENCHMARKS.md, "what the floor timed").
+    /// (the `floor_untimed` case).
     pub(crate) struct Floor<S, R = Shared, const TIMES_WAIT: bool = true> {
         pub(crate) inner: ConcurrencyLimit<S>,
         pub(crate) shared: Arc<R>,

@@ -137,23 +137,22 @@
 //!
 //! # Cost
 //!
-//! No lock on an operation's path: an end adds to a handful of relaxed atomics of the window
-//! (its counts, and its series' counts, run time sum, sum of squares and what it served, the
-//! operations in flight it saw), and the operation reads the clock twice for its run time (which
-//! it reads anyway with metrics on). The thread whose operation closes a window wins an atomic flag and runs the
-//! algorithm, once per window, before that operation's place goes back. A limit without a
+//! No lock on an operation's path: an end adds to a handful of relaxed atomics of the window (its
+//! counts, and its series' counts, run time sum, sum of squares and what it served, the operations
+//! in flight it saw), and the operation reads the clock twice for its run time (which it reads
+//! anyway with metrics on). The thread whose operation closes a window wins an atomic flag and runs
+//! the algorithm, once per window, before that operation's place goes back. A limit without a
 //! controller pays one `Option` check per end.
 //!
-//! A busy limit's controller hears a sample: as each window opens, it asks its limit to let it
-//! hear one in `2^k` operations, picked at random as each is admitted, so that a window of 2 ms hears about 32
-//! of them; its counts are scaled back up for the algorithm. The others are neither timed nor
-//! counted for it: with metrics off they cost what they cost with a plain limit (a random
-//! number from the thread's own generator, a few instructions, aside). A failure is then heard
-//! with the same odds, which at that rate is still within a window. The scale falls by half at
-//! most per window, so that a window open through an idle spell costs one window that hears
-//! twice as many, not a burst that hears all; a rate that falls for good is heard in full again
-//! within a few windows. `cargo bench --bench adaptive` measures what an adaptive limit costs
-//! beside a plain one (`BENCHMARKS.md`).
+//! A busy limit's controller hears a sample: as each window opens, it asks its limit to let it hear
+//! one in `2^k` operations, picked at random as each is admitted, so that a window of 2 ms hears
+//! about 32 of them; its counts are scaled back up for the algorithm. The others are neither timed
+//! nor counted for it: with metrics off they take a plain limit's path (a number from the thread's
+//! own generator, a few instructions, aside). A failure is then heard with the same odds, which at
+//! that rate is still within a window. The scale falls by half at most per window, so that a window
+//! open through an idle spell costs one window that hears twice as many, not a burst that hears
+//! all; a rate that falls for good is heard in full again within a few windows. `cargo bench
+//! --bench adaptive` measures what an adaptive limit costs beside a plain one (`BENCHMARKS.md`).
 
 mod algorithm;
 mod baseline;
