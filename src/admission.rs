@@ -14,6 +14,9 @@ use crate::limit::Acquire;
 use crate::operation::{scope, Asking, Free, Lifecycle};
 use crate::Rejection;
 
+/// The box a wait for a permit runs in.
+type Boxed<P> = Option<ReusableBoxFuture<'static, Result<P, Rejected>>>;
+
 /// What a service holds for its next operation: the box its waits run in, where the operation
 /// stands while it holds no permit, and the operation itself, which `poll_ready` admits and
 /// `call` hands to its response future.
@@ -21,9 +24,6 @@ use crate::Rejection;
 /// Dropped empty, as every `clone().oneshot()` service is once it was called, it costs a few
 /// compares in line: the drop glue of its parts is out of line ([`release`](Self::release)),
 /// reached only when one of them holds something.
-/// The box a wait for a permit runs in.
-type Boxed<P> = Option<ReusableBoxFuture<'static, Result<P, Rejected>>>;
-
 pub(crate) struct Admission<L: Acquire> {
     /// The allocation a wait for a permit runs in, kept from one wait to the next (as
     /// tokio-util's `PollSemaphore` keeps its). A clone starts with none.
