@@ -149,7 +149,7 @@
 //! |---|---|
 //! | Redis unreachable or slow (taking a place, or while waiting for one) | as [`when_unreachable`](RedisLimitBuilder::when_unreachable) says: on this replica's share ([`Unreachable::Share`], the default, [below](#while-redis-is-away)); turned away ([`Unreachable::Closed`]: [`Rejection::Unavailable`], HTTP `503`, gRPC `UNAVAILABLE`, counted in `gym.resources.operation.rejected{rejection="unavailable"}`); or admitted without the fleet limit ([`Unreachable::Open`], counted in `gym.resources.limit.failed_open`). A caller whose call is under way when Redis goes waits at most that call's timeout; the callers after the first failure are answered at once; a waiter hears within the fallback poll and two call timeouts, whatever other callers do |
 //! | the fleet queue is full ([`max_queued`](RedisLimitBuilder::max_queued)) | turned away at once as [`Rejection::QueueFull`], as a `Limit`'s full queue |
-//! | waited longer than a queue timeout ([`Acquire::queue_timeout`], a layer's `queue_timeout`) | turned away as [`Rejection::QueueTimeout`]; its ticket goes back |
+//! | waited longer than a queue timeout (a layer's `queue_timeout`) | turned away as [`Rejection::QueueTimeout`]; its ticket goes back |
 //! | a lease lost while its operation runs (Redis restarted, a long pause) | the operation runs on; the loss is counted in `gym.resources.limit.leases_lost`; the lease is taken back if its place is still free and nobody waits, and never otherwise, so no place is knowingly given twice |
 //! | Redis restarted in the middle of a load | callers get the configured answer while it is down; the connection comes back by itself (found at the first probe), the capacity is stored again from the builder's, places run on the shares become leases, and each process's books (`queued`, `active`) stay balanced. Without persistence, leases taken before the restart and not refreshed since are lost: operations admitted before it and after may together exceed the capacity until the earlier ones end |
 //! | a release that cannot reach Redis | retried with the refresh for up to a TTL; the lease expires within the TTL anyway |
@@ -267,14 +267,14 @@
 //!   takes over (while the dead leader's places lapse, and the fleet looks busier than its
 //!   backend is) at most one place above it. A window in which fewer operations ended than
 //!   half the capacity, whenever admitted, raises nothing: it measured too little. Measured
-//!   with each shipped algorithm (`fleet_adaptive`'s leader-kill test): at most one place above
+//!   with `Vegas` (`fleet_adaptive`'s leader-kill test): at most one place above
 //!   where the fleet stood, and fewer failures per success in the 3 s after the hand-over than
-//!   settled. Each decision also stores the algorithm's [baselines](Algorithm::baselines),
-//!   series by series (the run time at low load of each kind of work), and the new leader
-//!   resumes from them and from the last estimate ([`Handover`]): its first windows, which
+//!   settled. Each decision also stores the algorithm's [hand-over](Algorithm::handover) (its baselines,
+//!   series by series: the run time at low load of each kind of work), and the new leader
+//!   [resumes](Algorithm::resume) from it and from the last estimate: its first windows, which
 //!   may run with a queue at the backend, are read as a queue, not as the run time at low
 //!   load (`fleet_adaptive`'s queue-through-a-hand-over test: the fleet's baseline stays at
-//!   51 ms where, without them, each shipped algorithm took the queued 58-205 ms for it).
+//!   51 ms where, without them, the algorithms of 0.5 took the queued 58-205 ms for it).
 //!   [`set_capacity`](RedisLimit::set_capacity) works as for a fixed limit: the algorithm
 //!   goes on from the capacity set.
 //! - **Redis errors in the controller's path reach no request.** Its calls are not counted in
