@@ -8,7 +8,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::ConfigError;
+use crate::error::config::ConfigError;
 
 macro_rules! bounded_attribute {
     (

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit, TryAcquireError};
 
 use super::feedback::Ended;
-use super::local::Limit;
 use super::report::Capacity;
 #[cfg(doc)]
 use crate::attributes::Rejection;
@@ -25,8 +24,8 @@ use crate::error::Rejected;
 ///   `.await`: the caller went away. Dropping it must leave the limit as if it had never asked
 ///   (no place taken, none leaked).
 /// - **Fairness is the limit's.** The layer asks in the order its callers poll; who gets the next
-///   place is up to the implementation (tokio's [`Semaphore`] and [`Limit`] serve first come,
-///   first served).
+///   place is up to the implementation (tokio's [`Semaphore`] and [`Limit`](crate::Limit) serve
+///   first come, first served).
 /// - **Never hang on a failure; a failure is answered.** A limit that turns an operation away
 ///   returns [`Rejected::new`] with its reason. A limit that cannot admit it (closed, shut down,
 ///   its store unreachable past a timeout of its own) returns [`Rejected::closed`] or
@@ -117,7 +116,7 @@ pub trait Acquire {
     ///
     /// A layer that cannot answer a rejection refuses, when it makes its service, a limit that
     /// says it may reject. Defaults to `false`: a limit that fails only when it is closed on
-    /// purpose (tokio's [`Semaphore`], [`Limit`]) need not say so.
+    /// purpose (tokio's [`Semaphore`], [`Limit`](crate::Limit)) need not say so.
     fn may_reject(&self) -> bool {
         false
     }
@@ -143,9 +142,9 @@ pub trait Acquire {
 
     /// Hears how an admitted operation that holds `permit` ended, before the permit goes back:
     /// every form of operation calls it once, whatever the metrics, for a limit that
-    /// [hears ends](Acquire::hears_ends) and [its end](Acquire::hears_end). An adaptive limit feeds its controller here. It must
-    /// not panic (a panic is caught, and costs only what it would have done). Defaults to
-    /// nothing.
+    /// [hears ends](Acquire::hears_ends) and [its end](Acquire::hears_end). An adaptive limit
+    /// feeds its controller here. It must not panic (a panic is caught, and costs only what it
+    /// would have done). Defaults to nothing.
     #[inline]
     fn ended(permit: &Self::Permit, ended: &Ended) {
         let _ = (permit, ended);
@@ -160,7 +159,8 @@ pub trait Acquire {
     /// another. Return the same as [`id_of`](Acquire::id_of) says of its permits.
     ///
     /// Defaults to `None`, not known: such a request then waits for a second place, as with
-    /// tower's limits. [`Limit`], `Arc<Semaphore>` and the companion's fleet limit say.
+    /// tower's limits. [`Limit`](crate::Limit), `Arc<Semaphore>` and the companion's fleet limit
+    /// say.
     fn id(&self) -> Option<LimitId> {
         None
     }
@@ -202,38 +202,6 @@ impl LimitId {
         // A reference is never null.
         let address = (shared as *const T).cast::<()>() as usize;
         Self(std::num::NonZeroUsize::new(address).unwrap_or(std::num::NonZeroUsize::MIN))
-    }
-}
-
-/// Something a limit can be made from: a number (a new [`Limit`] of that many operations at
-/// once) or any [`Acquire`] (itself).
-pub trait IntoLimit {
-    /// The limit.
-    type Limit: Acquire;
-
-    /// Makes the limit.
-    ///
-    /// # Panics
-    ///
-    /// A number that is 0 or above tokio's [`Semaphore::MAX_PERMITS`] panics: use
-    /// [`Limit::try_new`] for an error instead.
-    fn into_limit(self) -> Self::Limit;
-}
-
-impl<A: Acquire> IntoLimit for A {
-    type Limit = A;
-
-    fn into_limit(self) -> A {
-        self
-    }
-}
-
-impl IntoLimit for usize {
-    type Limit = Limit;
-
-    #[track_caller]
-    fn into_limit(self) -> Limit {
-        Limit::new(self)
     }
 }
 

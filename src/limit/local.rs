@@ -550,6 +550,38 @@ impl fmt::Debug for Limit {
 }
 
 // Not under loom: a `Limit`'s places are loom's there, which run only in a model.
+/// Something a limit can be made from: a number (a new [`Limit`] of that many operations at
+/// once) or any [`Acquire`] (itself).
+pub trait IntoLimit {
+    /// The limit.
+    type Limit: Acquire;
+
+    /// Makes the limit.
+    ///
+    /// # Panics
+    ///
+    /// A number that is 0 or above tokio's [`Semaphore::MAX_PERMITS`] panics: use
+    /// [`Limit::try_new`] for an error instead.
+    fn into_limit(self) -> Self::Limit;
+}
+
+impl<A: Acquire> IntoLimit for A {
+    type Limit = A;
+
+    fn into_limit(self) -> A {
+        self
+    }
+}
+
+impl IntoLimit for usize {
+    type Limit = Limit;
+
+    #[track_caller]
+    fn into_limit(self) -> Limit {
+        Limit::new(self)
+    }
+}
+
 #[cfg(all(test, not(tro_loom)))]
 mod tests {
     use std::ops::RangeInclusive;

@@ -23,10 +23,10 @@ pub(crate) mod local;
 mod report;
 mod resize;
 
+pub(crate) use acquire::Acquire;
 pub use acquire::LimitId;
-pub(crate) use acquire::{Acquire, IntoLimit};
 pub use feedback::Ended;
 pub(crate) use feedback::{Control, MakeControl, Resize};
-pub(crate) use local::Limit;
 pub use local::LimitPermit;
+pub(crate) use local::{IntoLimit, Limit};
 pub use report::{Capacity, Reading, Scope};
