@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use tokio_util::sync::ReusableBoxFuture;
 
+use crate::attributes::Rejection;
 use crate::config::Config;
-use crate::error::Rejected;
 use crate::limit::Acquire;
 use crate::operation::{scope, Asking, Free, Lifecycle};
-use crate::Rejection;
+use crate::rejected::Rejected;
 
 /// The box a wait for a permit runs in.
 type Boxed<P> = Option<ReusableBoxFuture<'static, Result<P, Rejected>>>;
@@ -69,14 +69,34 @@ impl<L: Acquire> Admission<L> {
         }
     }
 
-    /// One step of admitting the next operation: at once if a permit is free (one check of
-    /// where it stands, then one of the limit), else by its wait, until the limit admits it or
+    /// The path of a free permit, in line: [`Free::Admitted`] if the next operation holds its
+    /// permit, from an earlier step or taken just now (one check of where it stands, then one
+    /// of the limit). Otherwise [`poll`](Self::poll) goes on from where it stands, told whether
+    /// the limit was found busy.
+    #[inline(always)]
+    pub(crate) fn admit_free<C, P>(&mut self, config: &Config<C, L, P>) -> Free {
+        if self.operation.is_admitted() {
+            return Free::Admitted;
+        }
+        let recording = config.recording();
+        // An idle service whose request holds no place of its limit asks the limit; any other
+        // is answered by `poll`, from where it stands.
+        if !matches!(self.standing, Standing::Idle) || recording.limit_id.is_some_and(scope::holds)
+        {
+            return Free::Ask;
+        }
+        self.operation.admit_free(&config.limit, recording)
+    }
+
+    /// One step of admitting the next operation after [`admit_free`](Self::admit_free) found
+    /// no permit (`busy`: the limit had none free): by its wait, until the limit admits it or
     /// turns it away. A request that already holds a place of this limit is admitted on it.
     /// `deadline` is how long the server lets a request take, if the layer knows.
     #[inline(always)]
     pub(crate) fn poll<C, P>(
         &mut self,
         config: &Config<C, L, P>,
+        busy: bool,
         deadline: impl FnOnce() -> Option<Duration>,
         cx: &mut Context<'_>,
     ) -> Poll<Admit>
@@ -84,29 +104,15 @@ impl<L: Acquire> Admission<L> {
         L: Clone + Send + Sync + 'static,
         L::Permit: Send + 'static,
     {
-        if self.operation.is_admitted() {
-            return Poll::Ready(Admit::Admitted);
-        }
         let recording = config.recording();
-        // One check on the path of a free permit: an idle service whose request holds no place
-        // of its limit.
-        let idle = matches!(self.standing, Standing::Idle);
-        if !idle || recording.limit_id.is_some_and(scope::holds) {
+        if !matches!(self.standing, Standing::Idle) || recording.limit_id.is_some_and(scope::holds)
+        {
             match self.standing {
                 Standing::Rejected(_) => return Poll::Ready(Admit::Answer),
                 Standing::Idle | Standing::Nested => return Poll::Ready(Admit::Nested),
-                // The wait in progress goes on below.
+                // The wait in progress goes on below: a wait in progress is asked, not the
+                // limit, so that a place freed meanwhile goes to the head of its queue.
                 Standing::Waiting => {}
-            }
-        }
-        // A wait in progress is asked, not the limit: a place freed meanwhile goes to the head
-        // of its queue.
-        let mut busy = false;
-        if idle {
-            match self.operation.admit_free(&config.limit, recording) {
-                Free::Admitted => return Poll::Ready(Admit::Admitted),
-                Free::Busy => busy = true,
-                Free::Ask => {}
             }
         }
         let mut asking = ServiceWait {

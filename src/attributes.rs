@@ -8,7 +8,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::config::ConfigError;
+use crate::error::ConfigError;
 
 macro_rules! bounded_attribute {
     (

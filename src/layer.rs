@@ -12,11 +12,10 @@ use crate::attributes::{Executor, Operation};
 use crate::body::AtBodyEnd;
 use crate::classify::{DefaultClassifier, HttpClassifier};
 use crate::config::Config;
-use crate::limit::{Capacity, IntoLimit, Limit};
+use crate::limit::{Acquire, Capacity, IntoLimit, Limit};
 use crate::metrics::{MetricsSource, OperationMetrics};
 use crate::protocol::Http;
 use crate::service::ResourcesOperation;
-use crate::Acquire;
 
 /// Limits the wrapped service to a number of operations at once, like tower's
 /// `ConcurrencyLimitLayer`, and reports how long each waited, how long it ran, and how it ended.
@@ -275,6 +274,23 @@ impl<C: Clone, L: Clone, E> ResourcesOperationLayer<C, L, Http, E> {
     /// past that is `timeout`, not `cancelled`. See [`Http::server_timeout`].
     pub fn server_timeout(self, timeout: Duration) -> Self {
         self.configure(|config| config.protocol = config.protocol.clone().server_timeout(timeout))
+    }
+}
+
+// The service's own constructor builds through the layer, so that both resolve a limit and
+// the metrics alike; it stands here, beside what it calls.
+impl<S> ResourcesOperation<S> {
+    /// `inner`, limited by `limit` (a number of operations at once, or any [`Acquire`]), tagged
+    /// `other`/`other` and reporting to the global meter provider (see
+    /// [`ResourcesOperationLayer::new`], whose `layer`
+    /// this is).
+    #[track_caller]
+    pub fn new<T>(inner: S, limit: T) -> ResourcesOperation<S, DefaultClassifier, T::Limit>
+    where
+        T: IntoLimit,
+        T::Limit: Clone,
+    {
+        ResourcesOperationLayer::new(limit).layer(inner)
     }
 }
 

@@ -28,7 +28,7 @@ use http::header::{HeaderName, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Request, Response, StatusCode};
 
 use crate::attributes::Rejection;
-use crate::error::Rejected;
+use crate::rejected::Rejected;
 
 /// How a layer answers a rejection, and reads a caller's deadline, for a service that takes
 /// `Req` and answers `Res` or fails with `Err`.

@@ -11,10 +11,10 @@ use crate::attributes::Rejection;
 use crate::attributes::{Executor, Operation, SeriesKey};
 use crate::classify::OperationOutput;
 use crate::diagnostics::{self, Mistake};
-use crate::error::Rejected;
 use crate::limit::Acquire;
 use crate::metrics::OperationMetrics;
 use crate::operation::{scope, Asking, Ending, Lifecycle};
+use crate::rejected::Rejected;
 
 /// Runs `work` inside `limit` and reports it through [`OperationMetrics::global`]; returns the
 /// work's output, or [`Rejected`] if the limit turned the operation away.

@@ -14,12 +14,12 @@ use crate::body::{AtBodyEnd, OperationBody};
 use crate::classify::{ClassifyOutcome, DefaultClassifier, HttpClassifier};
 use crate::config::Config;
 use crate::diagnostics::{self, Mistake};
-use crate::error::{limit_failed, Rejected};
 use crate::future::ResponseFuture;
 use crate::guard::guarded;
-use crate::limit::{Acquire, IntoLimit, Limit};
-use crate::operation::{Ending, Lifecycle};
+use crate::limit::{Acquire, Limit};
+use crate::operation::{Ending, Free, Lifecycle};
 use crate::protocol::{unanswerable, Http, Protocol};
+use crate::rejected::{limit_failed, Rejected};
 
 /// A service limited to a number of operations at once, made by
 /// [`ResourcesOperationLayer`](crate::ResourcesOperationLayer).
@@ -46,21 +46,6 @@ pub struct ResourcesOperation<S, C = DefaultClassifier, L: Acquire = Limit, P = 
 
 /// The service of an [`HttpLayer`](crate::HttpLayer) on a limit `L`: an HTTP or gRPC service.
 pub type HttpService<S, L = Limit, E = ()> = ResourcesOperation<S, HttpClassifier, L, Http, E>;
-
-impl<S> ResourcesOperation<S> {
-    /// `inner`, limited by `limit` (a number of operations at once, or any [`Acquire`]), tagged
-    /// `other`/`other` and reporting to the global meter provider (see
-    /// [`ResourcesOperationLayer::new`](crate::ResourcesOperationLayer::new), whose `layer`
-    /// this is).
-    #[track_caller]
-    pub fn new<T>(inner: S, limit: T) -> ResourcesOperation<S, DefaultClassifier, T::Limit>
-    where
-        T: IntoLimit,
-        T::Limit: Clone,
-    {
-        tower_layer::Layer::layer(&crate::ResourcesOperationLayer::new(limit), inner)
-    }
-}
 
 impl<S, C, L: Acquire, P, E> ResourcesOperation<S, C, L, P, E> {
     #[inline]
@@ -108,13 +93,17 @@ impl<S, C, L: Acquire, P, E> ResourcesOperation<S, C, L, P, E> {
             // No protocol, given after the layer was told to answer (`.protocol(())`).
             config.refuse_unanswerable();
         }
-        let deadline = || config.protocol.server_deadline();
-        match std::task::ready!(self.next.poll(config, deadline, cx)) {
-            Admit::Admitted => {}
-            Admit::Nested => return self.poll_nested(cx),
-            Admit::Refused(refused) => return self.refused::<_, Request>(refused),
-            // `call` answers it.
-            Admit::Answer => return Poll::Ready(Ok(())),
+        // The path of a free permit stays in line; the rest is one step of `poll`.
+        let free = self.next.admit_free(config);
+        if free != Free::Admitted {
+            let deadline = || config.protocol.server_deadline();
+            match std::task::ready!(self.next.poll(config, free == Free::Busy, deadline, cx)) {
+                Admit::Admitted => {}
+                Admit::Nested => return self.poll_nested(cx),
+                Admit::Refused(refused) => return self.refused::<_, Request>(refused),
+                // `call` answers it.
+                Admit::Answer => return Poll::Ready(Ok(())),
+            }
         }
         let inner = &mut self.inner;
         let ready = self.next.operation().run(|| inner.poll_ready(cx));

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::algorithm::Algorithm;
+use crate::limit::local::LimitBuilder;
 
 /// The controller of an adaptive [`Limit`](crate::Limit): its algorithm, the bounds of its capacity, and
 /// how long its windows are. Give it to [`LimitBuilder::adaptive`](crate::LimitBuilder::adaptive).
@@ -162,6 +163,28 @@ impl Adaptive {
     /// what a fleet's leader starts from each time it takes the lead.
     pub fn new_algorithm(&self) -> Box<dyn Algorithm> {
         (self.make)()
+    }
+}
+
+// A limit's builder takes a controller through one crate-private seam (`controlled`); the
+// method that names `Adaptive` stands here so that the limit depends on no controller.
+impl LimitBuilder {
+    /// Lets `controller` set the capacity, from the run times and outcomes of the limit's
+    /// operations, within its bounds: see [`adaptive`](crate::adaptive). The capacity given to
+    /// [`Limit::builder`] is where it starts (brought within the bounds).
+    ///
+    /// ```
+    /// use tower_resources_operation::adaptive::{Adaptive, Vegas};
+    /// use tower_resources_operation::Limit;
+    ///
+    /// let judges = Limit::builder(1)
+    ///     .name("judges")
+    ///     .adaptive(Adaptive::new(Vegas::default(), 1..=64))
+    ///     .build();
+    /// assert!(judges.is_adaptive());
+    /// ```
+    pub fn adaptive(self, adaptive: Adaptive) -> Self {
+        self.controlled(adaptive)
     }
 }
 

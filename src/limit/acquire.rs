@@ -10,7 +10,7 @@ use super::feedback::Ended;
 use super::report::Capacity;
 #[cfg(doc)]
 use crate::attributes::Rejection;
-use crate::error::Rejected;
+use crate::rejected::Rejected;
 
 /// A limit: admits operations one permit at a time, and takes the place back when the permit
 /// drops.

@@ -12,9 +12,9 @@ use super::feedback::{Control, Ended, MakeControl, Resize};
 use super::front::{Front, Joined};
 use super::report::{check_name, Capacity, Reading};
 use super::resize::Resizable;
-use crate::adaptive::Adaptive;
 use crate::attributes::Rejection;
-use crate::error::{ConfigError, Rejected};
+use crate::error::ConfigError;
+use crate::rejected::Rejected;
 
 /// A limit of operations at once, shared by every clone, that knows its capacity, can bound its
 /// queue, and can be resized while it serves.
@@ -312,25 +312,8 @@ impl LimitBuilder {
         self
     }
 
-    /// Lets `controller` set the capacity, from the run times and outcomes of the limit's
-    /// operations, within its bounds: see [`adaptive`](crate::adaptive). The capacity given to
-    /// [`Limit::builder`] is where it starts (brought within the bounds).
-    ///
-    /// ```
-    /// use tower_resources_operation::adaptive::{Adaptive, Vegas};
-    /// use tower_resources_operation::Limit;
-    ///
-    /// let judges = Limit::builder(1)
-    ///     .name("judges")
-    ///     .adaptive(Adaptive::new(Vegas::default(), 1..=64))
-    ///     .build();
-    /// assert!(judges.is_adaptive());
-    /// ```
-    pub fn adaptive(self, adaptive: Adaptive) -> Self {
-        self.controlled(adaptive)
-    }
-
-    /// Lets `controller` set the capacity: [`adaptive`](Self::adaptive)'s seam.
+    /// Lets `controller` set the capacity: [`adaptive`](Self::adaptive)'s seam, which stands
+    /// beside the controllers in [`adaptive`](crate::adaptive) so that a limit knows none of them.
     pub(crate) fn controlled(mut self, controller: impl MakeControl + 'static) -> Self {
         self.adaptive = Some(Arc::new(controller));
         self

@@ -15,10 +15,10 @@ use super::trace::Trace;
 use super::LimitOf;
 use crate::attributes::{Outcome, SeriesKey};
 use crate::config::Recording;
-use crate::error::Rejected;
 use crate::guard::guarded;
 use crate::limit::Acquire;
 use crate::metrics::Series;
+use crate::rejected::Rejected;
 
 /// One way of asking a limit for a permit: a service's wait, kept across its `poll_ready` calls
 /// ([`Waiting`](crate::admission)), or a wait on an `async` block's stack

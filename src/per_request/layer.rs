@@ -10,9 +10,9 @@ use super::choice::KnownChoices;
 use super::service::PerRequestOperation;
 use crate::classify::DefaultClassifier;
 use crate::config::Config;
+use crate::layer::ResourcesOperationLayer;
 use crate::limit::{Acquire, Limit};
 use crate::metrics::MetricsSource;
-use crate::ResourcesOperationLayer;
 
 /// A layer whose requests each choose their operation and executor with `F`, or to go
 /// unlimited; made by [`ResourcesOperationLayer::per_request`]. Its other parameters are the

@@ -19,7 +19,7 @@ use crate::diagnostics::{self, Mistake};
 use crate::guard::guarded;
 use crate::limit::{Acquire, Limit};
 use crate::protocol::Protocol;
-use crate::ResourcesOperation;
+use crate::service::ResourcesOperation;
 
 const SERIES: usize = Operation::ALL.len() * Executor::ALL.len();
 

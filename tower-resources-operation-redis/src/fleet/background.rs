@@ -33,7 +33,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
 
 use super::books::lock;
-use super::control;
+use super::leader;
 use super::member::Member;
 use super::store::{Event, Store};
 
@@ -83,7 +83,7 @@ impl Background {
             decide: member
                 .control
                 .is_some()
-                .then(|| Box::pin(control::decide(Arc::clone(&member))) as Task),
+                .then(|| Box::pin(leader::decide(Arc::clone(&member))) as Task),
             listen: Some(Box::pin(listen(member, events))),
         }
     }

@@ -11,6 +11,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
 
+use super::store::Status;
+
 /// This member's ids of one limit.
 pub(crate) struct Books {
     /// This member's token: random, and the same for every id it makes, so that the store can
@@ -55,6 +57,70 @@ impl Books {
     pub(crate) fn token(&self) -> &str {
         &self.token
     }
+
+    /// What a refresh tells the store of these books, as they are now.
+    pub(crate) fn to_refresh(&self) -> Sent {
+        let waiting = (self.waiting.iter())
+            .filter(|(_, slot)| slot.queued.load(Ordering::Relaxed))
+            .map(|(id, slot)| (id.clone(), Arc::clone(slot)))
+            .collect();
+        let held = self.held.iter().cloned().collect();
+        let unheard = self.unheard.iter().cloned().collect();
+        Sent {
+            token: self.token.to_string(),
+            held,
+            unheard,
+            waiting,
+        }
+    }
+
+    /// What the store answered of the held and unheard ids `sent` told it of: the ids to give
+    /// back again, and how many leases were lost.
+    pub(crate) fn refreshed(
+        &mut self,
+        sent: &Sent,
+        held_now: &[Status],
+        unheard_now: &[Status],
+    ) -> (Vec<String>, u64) {
+        // Ids the store holds a lease for that this member let go of while the refresh was on
+        // its way (a permit dropped, a place of the share ended): its release may have reached
+        // the store first. Given back again.
+        let (mut stray, mut lost) = (Vec::new(), 0);
+        for (id, status) in sent.held.iter().zip(held_now) {
+            let still_held = self.held.contains(id);
+            match status {
+                Status::Holds | Status::TakenBack if !still_held => stray.push(id.clone()),
+                Status::Holds | Status::Waits => {}
+                Status::TakenBack => lost += 1,
+                Status::Gone => {
+                    // Lost, and its place may be someone else's now: no longer extended.
+                    lost += u64::from(still_held);
+                    self.held.remove(id);
+                }
+            }
+        }
+        let still_running = sent.unheard.iter().zip(unheard_now);
+        for (id, _) in still_running.filter(|(_, status)| **status == Status::Holds) {
+            // A lease from now on, extended and given back as any other.
+            if self.unheard.remove(id) {
+                self.held.insert(id.clone());
+            } else {
+                stray.push(id.clone());
+            }
+        }
+        (stray, lost)
+    }
+}
+
+/// What a refresh tells the store of a member's books, as they were when it set out.
+pub(crate) struct Sent {
+    pub(crate) token: String,
+    /// Leases held by permits.
+    pub(crate) held: Vec<String>,
+    /// Places of the share the store has not heard of.
+    pub(crate) unheard: Vec<String>,
+    /// The waiters still queued, with their slots.
+    pub(crate) waiting: Vec<(String, Arc<Slot>)>,
 }
 
 /// How many places this member holds and how many of its operations wait, as the metrics and

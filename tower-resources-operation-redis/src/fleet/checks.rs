@@ -1,14 +1,13 @@
 //! What a member checks of the fleet against its own settings, once, and says if they differ:
 //! the capacity it was built with, and whether it is adaptive as the fleet is.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use tokio::sync::OnceCell;
 
 use super::books::lock;
-use super::member::Member;
-use super::store::Store;
 use crate::error::Error;
 use crate::log::warn;
 
@@ -25,45 +24,54 @@ pub(crate) struct Checks {
     saying: Mutex<()>,
 }
 
-impl<S: Store> Member<S> {
-    /// First, once, makes the configured capacity the fleet's, if the limit was built to.
-    pub(crate) async fn overwrite_once(&self) -> Result<(), Error> {
-        if !self.settings.overwrite || self.checks.overwritten.initialized() {
+/// What the checks compare and name: the member as it was built, and its store.
+pub(crate) struct Built<'a> {
+    pub(crate) name: &'a str,
+    /// The capacity it was built with.
+    pub(crate) capacity: usize,
+    /// Whether it was built adaptive.
+    pub(crate) adaptive: bool,
+    pub(crate) address: &'a str,
+}
+
+impl Checks {
+    /// First, once, makes the configured capacity the fleet's with `overwrite`, if the limit
+    /// was built to.
+    pub(crate) async fn overwrite_once(
+        &self,
+        built_to: bool,
+        overwrite: impl Future<Output = Result<(), Error>>,
+    ) -> Result<(), Error> {
+        if !built_to || self.overwritten.initialized() {
             return Ok(());
         }
-        self.checks
-            .overwritten
-            .get_or_try_init(|| async {
-                let capacity = self.store.set_capacity(self.settings.capacity).await?;
-                self.capacity.store(capacity, Ordering::Relaxed);
-                Ok::<_, Error>(())
-            })
+        self.overwritten
+            .get_or_try_init(|| overwrite)
             .await
             .map(drop)
     }
 
     /// What the caller sets is the fleet's from now on: neither compared nor overwritten.
     pub(crate) fn capacity_set_here(&self) {
-        self.checks.capacity.store(true, Ordering::Relaxed);
-        let _ = self.checks.overwritten.set(());
+        self.capacity.store(true, Ordering::Relaxed);
+        let _ = self.overwritten.set(());
     }
 
     /// The fleet's capacity, as a call returned it. The first one read is compared with the
     /// configured one: a difference is said once (the fleet's is kept).
-    pub(crate) fn read_capacity(&self, capacity: usize) {
-        self.capacity.store(capacity, Ordering::Relaxed);
-        if self.checks.capacity.load(Ordering::Acquire) {
+    pub(crate) fn read_capacity(&self, capacity: usize, built: &Built<'_>) {
+        if self.capacity.load(Ordering::Acquire) {
             return;
         }
         // Under a lock, so that a caller that finds it checked finds it said too (`ready`
         // returns after the warning, whichever call made it).
-        let _said = lock(&self.checks.saying);
-        if self.checks.capacity.load(Ordering::Acquire) {
+        let _said = lock(&self.saying);
+        if self.capacity.load(Ordering::Acquire) {
             return;
         }
         // Marked once said (a caller that finds it marked finds it said).
-        let _mark = Mark(&self.checks.capacity);
-        if capacity == self.settings.capacity || self.control.is_some() {
+        let _mark = Mark(&self.capacity);
+        if capacity == built.capacity || built.adaptive {
             return;
         }
         warn(&format!(
@@ -72,32 +80,28 @@ impl<S: Store> Member<S> {
              to reach the store stores its capacity, and `set_capacity` changes it for the whole \
              fleet; build with `overwrite_capacity()` to make {} the fleet's at this process's \
              first call.",
-            self.settings.name,
-            self.settings.capacity,
-            self.store.address(),
-            self.settings.capacity,
+            built.name, built.capacity, built.address, built.capacity,
         ));
     }
 
     /// Says, once, that this replica has a fixed capacity in a fleet whose capacity a
     /// controller sets. (The other way round cannot be told from a fleet that starts: its first
     /// adaptive replicas find no controller either.)
-    pub(crate) fn check_control(&self, fleet_adaptive: bool) {
-        if self.control.is_some() || !fleet_adaptive {
+    pub(crate) fn check_control(&self, fleet_adaptive: bool, built: &Built<'_>) {
+        if built.adaptive || !fleet_adaptive {
             return;
         }
-        let _said = lock(&self.checks.saying);
-        if self.checks.control.load(Ordering::Acquire) {
+        let _said = lock(&self.saying);
+        if self.control.load(Ordering::Acquire) {
             return;
         }
-        let _mark = Mark(&self.checks.control);
+        let _mark = Mark(&self.control);
         warn(&format!(
             "the fleet limit {:?} on {}: this replica has a fixed capacity, but a controller \
              sets the fleet's (an adaptive replica ticked within a lease TTL): this replica \
              admits whatever capacity the controller sets, and never changes it. Build every \
              replica of one limit the same way: all `adaptive(..)`, or none",
-            self.settings.name,
-            self.store.address()
+            built.name, built.address
         ));
     }
 }

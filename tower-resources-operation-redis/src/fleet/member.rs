@@ -13,8 +13,8 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::time::Instant;
 use tower_resources_operation::limit::{Capacity, Reading, Scope};
 
-use super::books::{lock, Books, Counts, Slot, ASK, GRANTED};
-use super::checks::Checks;
+use super::books::{lock, Books, Counts, ASK, GRANTED};
+use super::checks::{Built, Checks};
 use super::control::FleetControl;
 use super::doorbell::Doorbell;
 use super::health::{Change, Health};
@@ -114,7 +114,16 @@ impl<S: Store> Member<S> {
     /// `call`, noting whether the store answered; first, once, makes the configured capacity
     /// the fleet's if the limit was built to.
     async fn call<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
-        if let Err(error) = self.overwrite_once().await {
+        let overwrite = async {
+            let capacity = self.store.set_capacity(self.settings.capacity).await?;
+            self.capacity.store(capacity, Ordering::Relaxed);
+            Ok(())
+        };
+        if let Err(error) = self
+            .checks
+            .overwrite_once(self.settings.overwrite, overwrite)
+            .await
+        {
             self.note(Some(&error));
             return Err(error);
         }
@@ -134,7 +143,10 @@ impl<S: Store> Member<S> {
                     warn(&format!(
                         "{error}. Until it answers again the limit {}, and asks again every \
                          {:?} in the background",
-                        self.answer_while_down(),
+                        self.share.answer_while_down(
+                            self.settings.unreachable,
+                            self.capacity.load(Ordering::Relaxed)
+                        ),
                         self.settings.fallback_poll
                     ));
                 }
@@ -173,25 +185,43 @@ impl<S: Store> Member<S> {
         self.share.freed.notify_waiters();
     }
 
-    /// What the limit answers while the store is out of reach, in words.
-    fn answer_while_down(&self) -> String {
-        match (self.settings.unreachable, self.share()) {
-            (Unreachable::Share, Some(share)) => format!(
-                "runs on this replica's share of the fleet's last capacity: {share} at once \
-                 ({} over {} replicas alive; queued locally beyond that)",
-                self.capacity.load(Ordering::Relaxed),
-                self.share.replicas().unwrap_or(1)
-            ),
-            (Unreachable::Share, None) => "turns operations away at once as unavailable: this \
-                                           replica never reached the store, so it has no share \
-                                           of the fleet's capacity"
-                .to_owned(),
-            (Unreachable::Closed, _) => {
-                "turns operations away at once as unavailable (fail closed)".to_owned()
-            }
-            (Unreachable::Open, _) => {
-                "admits operations at once without the fleet limit (fail open)".to_owned()
-            }
+    /// The fleet's capacity, as a call returned it (the first is checked against this
+    /// replica's).
+    fn read_capacity(&self, capacity: usize) {
+        self.capacity.store(capacity, Ordering::Relaxed);
+        self.checks.read_capacity(capacity, &self.built());
+    }
+
+    /// What the checks compare and name.
+    fn built(&self) -> Built<'_> {
+        Built {
+            name: &self.settings.name,
+            capacity: self.settings.capacity,
+            adaptive: self.control.is_some(),
+            address: self.store.address(),
+        }
+    }
+
+    /// This process's share of the fleet's last capacity, if it knows one.
+    pub(crate) fn share(&self) -> Option<usize> {
+        self.share.of(self.capacity.load(Ordering::Relaxed))
+    }
+
+    /// The share it runs on now, if it does: the store is out of reach (or answers again, and
+    /// the fleet is settling), and it knows one.
+    pub(crate) fn running_on_share(&self) -> Option<usize> {
+        match self.settings.unreachable {
+            Unreachable::Share if self.health.is_down() || self.share.is_settling() => self.share(),
+            _ => None,
+        }
+    }
+
+    /// After a refresh: once the fleet has settled, back on the fleet limit, and every waiter
+    /// on the share asks the store.
+    pub(crate) fn settle(&self) {
+        if self.share.settled() {
+            self.poll_all();
+            self.share.freed.notify_waiters();
         }
     }
 
@@ -209,7 +239,7 @@ impl<S: Store> Member<S> {
         if let Some(answer) = self.health.answer() {
             return Err(answer);
         }
-        if self.is_settling() {
+        if self.share.is_settling() {
             if let Some(answer) = self.health.last_answer() {
                 return Err(answer);
             }
@@ -229,7 +259,7 @@ impl<S: Store> Member<S> {
 
     /// Sets the fleet's capacity.
     pub(crate) async fn set_capacity(&self, capacity: usize) -> Result<usize, Error> {
-        self.capacity_set_here();
+        self.checks.capacity_set_here();
         let capacity = self.call(self.store.set_capacity(capacity)).await?;
         self.capacity.store(capacity, Ordering::Relaxed);
         Ok(capacity)
@@ -243,7 +273,7 @@ impl<S: Store> Member<S> {
         self.share.read_replicas(state.replicas);
         self.places.held.store(state.active, Ordering::Relaxed);
         self.places.unheard.store(state.unheard, Ordering::Relaxed);
-        self.check_control(state.adaptive);
+        self.checks.check_control(state.adaptive, &self.built());
         Ok(state)
     }
 
@@ -253,30 +283,18 @@ impl<S: Store> Member<S> {
     /// on the share becomes a lease. If the store cannot be reached, every waiter asks again,
     /// to get the configured answer.
     pub(crate) async fn refresh(&self) {
-        let (held, unheard, waiting) = {
-            let books = lock(&self.books);
-            let waiting: Vec<(String, Arc<Slot>)> = books
-                .waiting
-                .iter()
-                .filter(|(_, slot)| slot.queued.load(Ordering::Relaxed))
-                .map(|(id, slot)| (id.clone(), Arc::clone(slot)))
-                .collect();
-            let held: Vec<String> = books.held.iter().cloned().collect();
-            let unheard: Vec<String> = books.unheard.iter().cloned().collect();
-            (held, unheard, waiting)
-        };
-        let ids: Vec<String> = waiting.iter().map(|(id, _)| id.clone()).collect();
-        let token = lock(&self.books).token().to_owned();
+        let sent = lock(&self.books).to_refresh();
+        let ids: Vec<String> = sent.waiting.iter().map(|(id, _)| id.clone()).collect();
         let books = Refresh {
-            process: &token,
-            held: &held,
-            unheard: &unheard,
+            process: &sent.token,
+            held: &sent.held,
+            unheard: &sent.unheard,
             waiting: &ids,
         };
         let refreshed = match self.call(self.store.refresh(&books)).await {
             Ok(refreshed) => refreshed,
             Err(_) => {
-                for (_, slot) in &waiting {
+                for (_, slot) in &sent.waiting {
                     slot.tell(ASK);
                 }
                 return;
@@ -290,45 +308,13 @@ impl<S: Store> Member<S> {
         self.places
             .unheard
             .store(refreshed.fleet_unheard, Ordering::Relaxed);
-        // Ids the store holds a lease for that this member let go of while the refresh was on
-        // its way (a permit dropped, a place of the share ended): its release may have reached
-        // the store first. Given back again.
-        let mut stray = Vec::new();
-        for (id, status) in held.iter().zip(&refreshed.held) {
-            let still_held = lock(&self.books).held.contains(id);
-            match status {
-                Status::Holds | Status::TakenBack if !still_held => stray.push(id.clone()),
-                Status::Holds | Status::Waits => {}
-                Status::TakenBack => {
-                    self.counts.leases_lost.fetch_add(1, Ordering::Relaxed);
-                }
-                Status::Gone => {
-                    // Lost, and its place may be someone else's now: no longer extended.
-                    if still_held {
-                        self.counts.leases_lost.fetch_add(1, Ordering::Relaxed);
-                    }
-                    lock(&self.books).held.remove(id);
-                }
-            }
-        }
-        for id in unheard
-            .iter()
-            .zip(&refreshed.unheard)
-            .filter_map(|(id, status)| (*status == Status::Holds).then_some(id))
-        {
-            let mut books = lock(&self.books);
-            // Still running: a lease from now on, extended and given back as any other.
-            if books.unheard.remove(id) {
-                books.held.insert(id.clone());
-            } else {
-                stray.push(id.clone());
-            }
-        }
+        let (stray, lost) = lock(&self.books).refreshed(&sent, &refreshed.held, &refreshed.unheard);
+        self.counts.leases_lost.fetch_add(lost, Ordering::Relaxed);
         if !stray.is_empty() {
             // If this fails, the leases expire within a lease TTL.
             let _ = self.release(&stray).await;
         }
-        for ((_, slot), status) in waiting.iter().zip(&refreshed.waiting) {
+        for ((_, slot), status) in sent.waiting.iter().zip(&refreshed.waiting) {
             match status {
                 Status::Holds => slot.tell(GRANTED),
                 Status::Waits => {}

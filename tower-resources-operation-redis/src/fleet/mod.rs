@@ -11,6 +11,7 @@ pub(crate) mod checks;
 pub(crate) mod control;
 pub(crate) mod doorbell;
 pub(crate) mod health;
+pub(crate) mod leader;
 pub(crate) mod member;
 pub(crate) mod place;
 pub(crate) mod share;

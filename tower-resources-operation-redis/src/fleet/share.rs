@@ -2,14 +2,13 @@
 //! of reach, and the settling after the store answers again, before the fleet's count of places
 //! is whole again.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::books::lock;
-use super::member::Member;
 
 /// What a fleet limit answers while its store cannot be reached.
 ///
@@ -67,9 +66,9 @@ impl Share {
         }
     }
 
-    /// When the fleet will have settled, if it is settling.
-    pub(crate) fn settled_at(&self) -> Option<Instant> {
-        lock(&self.fleet).settled_at
+    /// Whether the store answers again but the fleet has not all told it of its places yet.
+    pub(crate) fn is_settling(&self) -> bool {
+        lock(&self.fleet).settled_at.is_some()
     }
 
     /// The fleet settles until `at`: the member admits nothing new meanwhile.
@@ -78,7 +77,7 @@ impl Share {
     }
 
     /// Whether the fleet has settled by now: if so, it no longer settles.
-    fn settled(&self) -> bool {
+    pub(crate) fn settled(&self) -> bool {
         let mut fleet = lock(&self.fleet);
         match fleet.settled_at {
             Some(at) if Instant::now() >= at => {
@@ -88,48 +87,44 @@ impl Share {
             _ => false,
         }
     }
-}
 
-impl<S: super::store::Store> Member<S> {
-    /// This process's share of the fleet's last capacity, if it knows one: that capacity over
+    /// A member's share of the fleet's `capacity`, if it knows the replicas: that capacity over
     /// the replicas alive, rounded down, and at least 1.
-    pub(crate) fn share(&self) -> Option<usize> {
-        let replicas = self.share.replicas()?;
-        Some((self.capacity.load(Ordering::Relaxed) / replicas.max(1)).max(1))
+    pub(crate) fn of(&self, capacity: usize) -> Option<usize> {
+        let replicas = self.replicas()?;
+        Some((capacity / replicas.max(1)).max(1))
     }
 
-    /// The share it runs on now, if it does: the store is out of reach (or answers again, and
-    /// the fleet is settling), and it knows one.
-    pub(crate) fn running_on_share(&self) -> Option<usize> {
-        match self.settings.unreachable {
-            Unreachable::Share if self.health.is_down() || self.is_settling() => self.share(),
-            _ => None,
-        }
-    }
-
-    /// Whether the store answers again but the fleet has not all told it of its places yet.
-    pub(crate) fn is_settling(&self) -> bool {
-        self.share.settled_at().is_some()
-    }
-
-    /// After a refresh: once the fleet has settled, back on the fleet limit, and every waiter
-    /// on the share asks the store.
-    pub(crate) fn settle(&self) {
-        if self.share.settled() {
-            self.poll_all();
-            self.share.freed.notify_waiters();
-        }
-    }
-
-    /// Takes a place on the share, if this process holds fewer places than its share.
-    pub(crate) fn take_on_share(&self, share: usize) -> bool {
+    /// Takes a place on the share, if `active` (the places this process holds) is below it.
+    pub(crate) fn take(&self, active: &AtomicUsize, share: usize) -> bool {
         // Under the fleet's lock, so that two callers cannot both take the last place.
-        let _serial = lock(&self.share.fleet);
-        let active = &self.counts.active;
+        let _serial = lock(&self.fleet);
         if active.load(Ordering::Relaxed) < share {
             active.fetch_add(1, Ordering::Relaxed);
             return true;
         }
         false
+    }
+
+    /// What a limit answers while the store is out of reach, in words, for a fleet of
+    /// `capacity`.
+    pub(crate) fn answer_while_down(&self, unreachable: Unreachable, capacity: usize) -> String {
+        match (unreachable, self.of(capacity)) {
+            (Unreachable::Share, Some(share)) => format!(
+                "runs on this replica's share of the fleet's last capacity: {share} at once \
+                 ({capacity} over {} replicas alive; queued locally beyond that)",
+                self.replicas().unwrap_or(1)
+            ),
+            (Unreachable::Share, None) => "turns operations away at once as unavailable: this \
+                                           replica never reached the store, so it has no share \
+                                           of the fleet's capacity"
+                .to_owned(),
+            (Unreachable::Closed, _) => {
+                "turns operations away at once as unavailable (fail closed)".to_owned()
+            }
+            (Unreachable::Open, _) => {
+                "admits operations at once without the fleet limit (fail open)".to_owned()
+            }
+        }
     }
 }

@@ -151,7 +151,7 @@ impl<S: Store> Waiter<S> {
         let member = Arc::clone(&self.handle.member);
         loop {
             let down = member.health.is_down();
-            if !down && !member.is_settling() {
+            if !down && !member.share.is_settling() {
                 return None;
             }
             // A replica that never reached the store has no share.
@@ -160,7 +160,7 @@ impl<S: Store> Waiter<S> {
             };
             // While the fleet settles after the store's return, nothing new is admitted on
             // the share: the store must hear of every place before it admits again.
-            if down && member.take_on_share(share) {
+            if down && member.share.take(&member.counts.active, share) {
                 return Some(Ok(self.admitted_on_share()));
             }
             if let Some(bound) = member.settings.max_queued {

@@ -1,16 +1,11 @@
-//! The crate's two errors: [`Rejected`], an operation turned away without a permit, from the
-//! limit that says it to the caller that gets it; and [`ConfigError`], a value the crate cannot
-//! take (a capacity, a limit's name, an attribute from a config file).
+//! [`Rejected`]: an operation turned away without a permit, from the limit that says it to the
+//! caller that gets it.
 
 use std::error::Error;
 use std::fmt;
 use std::sync::Arc;
 
 use crate::attributes::Rejection;
-
-pub(crate) mod config;
-
-pub use config::ConfigError;
 
 /// An operation turned away without a permit, and why: by a rule of the limit's (a full queue,
 /// a queue timeout, a deadline that passed in the queue), or because the limit cannot admit it

@@ -1,5 +1,6 @@
-//! [`ConfigError`]: a value the crate cannot take. It stands below the attributes, whose
-//! values it names, so that they can be parsed from configuration.
+//! [`ConfigError`]: a value the crate cannot take (a capacity, a limit's name, an attribute
+//! from a config file). It stands below the attributes, whose values it names, so that they can
+//! be parsed from configuration.
 
 use std::error::Error;
 use std::fmt;
