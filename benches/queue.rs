@@ -14,7 +14,9 @@
 //! operation is measured two ways, each case in a fresh child process: the heap in use once
 //! all of them wait, less the heap before (a counting global allocator), and the growth of the
 //! resident set size over the same span, each divided by N. The time for the queue to drain
-//! once the holder lets go, divided by N, is the drain time.
+//! once the holder lets go, divided by N, is the drain time. Every case runs once per round in
+//! a child of its own, seven rounds; each figure is the median over them, and each ratio the
+//! median of its per-round values.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::convert::Infallible;
@@ -296,6 +298,32 @@ where
 
 const CASES: [&str; 4] = ["tower_limit", "layer_disabled", "layer_metrics", "floor"];
 
+/// Child processes per case: the drain of one process moves by up to 2x from the next.
+const ROUNDS: usize = 7;
+
+/// One case in a child process of its own: bytes per queued operation counted, the same by
+/// the resident set, and the drain in nanoseconds per operation.
+fn run_child(exe: &std::path::Path, case: &str, setup: Setup, waiters: usize) -> (f64, f64, f64) {
+    let output = std::process::Command::new(exe)
+        .env("QUEUE_CASE", case)
+        .env("QUEUE_SETUP", setup.to_env())
+        .env("QUEUE_WAITERS", waiters.to_string())
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{case}: {output:?}");
+    let text = String::from_utf8(output.stdout).unwrap();
+    let fields: Vec<f64> = text
+        .split_whitespace()
+        .map(|field| field.parse().unwrap())
+        .collect();
+    (fields[0], fields[1], fields[2])
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
 /// How a case is set up: who holds the permit, what the inner future does, which runtime.
 #[derive(Clone, Copy, Debug)]
 struct Setup {
@@ -375,7 +403,8 @@ fn main() {
     for setup in Setup::ALL {
         for waiters in [10_000_usize, 100_000] {
             println!(
-                "\n{waiters} operations queued behind a limit of 1, {}",
+                "\n{waiters} operations queued behind a limit of 1, {}; medians of {ROUNDS} \
+                 rounds, each case in a child of its own per round",
                 setup.describe()
             );
             println!(
@@ -389,31 +418,31 @@ fn main() {
                 "/tower",
                 "/floor"
             );
-            let mut results = Vec::new();
-            for case in CASES {
-                let output = std::process::Command::new(&exe)
-                    .env("QUEUE_CASE", case)
-                    .env("QUEUE_SETUP", setup.to_env())
-                    .env("QUEUE_WAITERS", waiters.to_string())
-                    .output()
-                    .unwrap();
-                assert!(output.status.success(), "{case}: {output:?}");
-                let text = String::from_utf8(output.stdout).unwrap();
-                let fields: Vec<f64> = text
-                    .split_whitespace()
-                    .map(|field| field.parse().unwrap())
-                    .collect();
-                results.push((case, fields[0], fields[1], fields[2]));
+            // rounds[case][round] = (counted, resident, drain); every round runs each case in
+            // turn, so that a slow spell of the machine lands on every case alike.
+            let mut rounds = vec![Vec::new(); CASES.len()];
+            for _ in 0..ROUNDS {
+                for (case, results) in CASES.iter().zip(&mut rounds) {
+                    results.push(run_child(&exe, case, setup, waiters));
+                }
             }
-            let (_, tower_counted, tower_resident, tower_drain) = results[0];
-            let floor_drain = results[3].3;
-            for (case, counted, resident, drain) in results {
+            let ratio = |case: usize, of: usize, field: fn(&(f64, f64, f64)) -> f64| {
+                let per_round = rounds[case].iter().zip(&rounds[of]);
+                median(per_round.map(|(a, b)| field(a) / field(b)).collect())
+            };
+            for (case, name) in CASES.iter().enumerate() {
+                let of = |field: fn(&(f64, f64, f64)) -> f64| {
+                    median(rounds[case].iter().map(field).collect())
+                };
                 println!(
-                    "  {case:<16} {counted:>7.0} B {:>6.2}x {resident:>7.0} B {:>6.2}x {drain:>12.1} {:>6.2}x {:>7.2}x",
-                    counted / tower_counted,
-                    resident / tower_resident,
-                    drain / tower_drain,
-                    drain / floor_drain,
+                    "  {name:<16} {:>7.0} B {:>6.2}x {:>7.0} B {:>6.2}x {:>12.1} {:>6.2}x {:>7.2}x",
+                    of(|r| r.0),
+                    ratio(case, 0, |r| r.0),
+                    of(|r| r.1),
+                    ratio(case, 0, |r| r.1),
+                    of(|r| r.2),
+                    ratio(case, 0, |r| r.2),
+                    ratio(case, 3, |r| r.2),
                 );
             }
         }

@@ -171,7 +171,7 @@ impl Adaptive {
 impl LimitBuilder {
     /// Lets `controller` set the capacity, from the run times and outcomes of the limit's
     /// operations, within its bounds: see [`adaptive`](crate::adaptive). The capacity given to
-    /// [`Limit::builder`] is where it starts (brought within the bounds).
+    /// [`Limit::builder`](crate::Limit::builder) is where it starts (brought within the bounds).
     ///
     /// ```
     /// use tower_resources_operation::adaptive::{Adaptive, Vegas};
