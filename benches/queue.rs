@@ -15,7 +15,7 @@
 //! all of them wait, less the heap before (a counting global allocator), and the growth of the
 //! resident set size over the same span, each divided by N. The time for the queue to drain
 //! once the holder lets go, divided by N, is the drain time. Every case runs once per round in
-//! a child of its own, seven rounds; each figure is the median over them, and each ratio the
+//! a child of its own, fifteen rounds; each figure is the median over them, and each ratio the
 //! median of its per-round values.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -299,7 +299,7 @@ where
 const CASES: [&str; 4] = ["tower_limit", "layer_disabled", "layer_metrics", "floor"];
 
 /// Child processes per case: the drain of one process moves by up to 2x from the next.
-const ROUNDS: usize = 7;
+const ROUNDS: usize = 15;
 
 /// One case in a child process of its own: bytes per queued operation counted, the same by
 /// the resident set, and the drain in nanoseconds per operation.
