@@ -55,14 +55,17 @@ pub(crate) struct Lifecycle<A: Acquire, K = ()> {
     permit: Option<A::Permit>,
 }
 
-/// What [`Lifecycle::admit_free`] found.
+/// What [`Lifecycle::admit_free`] found (and the service's `Admission::admit_free`, which asks
+/// it only for an idle service whose request holds no place of the limit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Free {
     /// A free permit, taken: the operation is admitted.
     Admitted,
     /// No place free: the operation waits, and need not ask the limit for a free one again.
     Busy,
-    /// Not asked, or refused: [`Lifecycle::poll_admit`] asks, and records what it must.
+    /// Not asked (a wait in progress, a rejection to answer, a request on a place already, an
+    /// operation that records its wait), or refused: [`Lifecycle::poll_admit`] asks, and
+    /// records what it must.
     Ask,
 }
 
