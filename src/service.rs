@@ -217,7 +217,9 @@ where
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, C, L>;
 
-    #[inline(always)]
+    // Left to the inliner, unlike `call`: forced in line, the path of a free permit kept a
+    // check of the record that it otherwise folds away.
+    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.poll_admitted(cx)
     }
@@ -241,7 +243,7 @@ where
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, C, L, AtBodyEnd>;
 
-    #[inline(always)]
+    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.poll_admitted(cx)
     }
