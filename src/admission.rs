@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio_util::sync::ReusableBoxFuture;
 
 use crate::attributes::Rejection;
-use crate::config::Config;
+use crate::config::{Config, Recording};
 use crate::limit::Acquire;
 use crate::operation::{scope, Asking, Free, Lifecycle};
 use crate::rejected::Rejected;
@@ -79,10 +79,7 @@ impl<L: Acquire> Admission<L> {
             return Free::Admitted;
         }
         let recording = config.recording();
-        // An idle service whose request holds no place of its limit asks the limit; any other
-        // is answered by `poll`, from where it stands.
-        if !matches!(self.standing, Standing::Idle) || recording.limit_id.is_some_and(scope::holds)
-        {
+        if self.stands_aside(recording) {
             return Free::Ask;
         }
         self.operation.admit_free(&config.limit, recording)
@@ -105,8 +102,7 @@ impl<L: Acquire> Admission<L> {
         L::Permit: Send + 'static,
     {
         let recording = config.recording();
-        if !matches!(self.standing, Standing::Idle) || recording.limit_id.is_some_and(scope::holds)
-        {
+        if self.stands_aside(recording) {
             match self.standing {
                 Standing::Rejected(_) => return Poll::Ready(Admit::Answer),
                 Standing::Idle | Standing::Nested => return Poll::Ready(Admit::Nested),
@@ -135,6 +131,13 @@ impl<L: Acquire> Admission<L> {
             Ok(()) => Admit::Admitted,
             Err(refused) => Admit::Refused(refused),
         })
+    }
+
+    /// Whether the next operation is answered from where it stands rather than by asking the
+    /// limit: only an idle service whose request holds no place of its limit asks it.
+    #[inline(always)]
+    fn stands_aside(&self, recording: &Recording) -> bool {
+        !matches!(self.standing, Standing::Idle) || recording.limit_id.is_some_and(scope::holds)
     }
 
     /// The next operation, admitted or not.

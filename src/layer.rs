@@ -282,8 +282,7 @@ impl<C: Clone, L: Clone, E> ResourcesOperationLayer<C, L, Http, E> {
 impl<S> ResourcesOperation<S> {
     /// `inner`, limited by `limit` (a number of operations at once, or any [`Acquire`]), tagged
     /// `other`/`other` and reporting to the global meter provider (see
-    /// [`ResourcesOperationLayer::new`], whose `layer`
-    /// this is).
+    /// [`ResourcesOperationLayer::new`], whose `layer` this is).
     #[track_caller]
     pub fn new<T>(inner: S, limit: T) -> ResourcesOperation<S, DefaultClassifier, T::Limit>
     where
