@@ -77,15 +77,20 @@ impl<S, C, L: Acquire, P, E> ResourcesOperation<S, C, L, P, E> {
     pub fn limit(&self) -> &L {
         &self.config.limit
     }
+}
 
+/// The request's path, from `poll_ready` and `call`.
+impl<S, C, L, P, E> ResourcesOperation<S, C, L, P, E>
+where
+    L: Acquire + Clone + Send + Sync + 'static,
+    L::Permit: Send + 'static,
+{
     /// `poll_ready`: admits the next operation, then asks the inner service, as the
     /// operation, whether it is ready.
     #[inline(always)]
     fn poll_admitted<Request>(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>>
     where
         S: Service<Request>,
-        L: Clone + Send + Sync + 'static,
-        L::Permit: Send + 'static,
         P: Protocol<Request, S::Response, S::Error>,
     {
         let config = &*self.config;
@@ -130,20 +135,34 @@ impl<S, C, L: Acquire, P, E> ResourcesOperation<S, C, L, P, E> {
             }
             return ResponseFuture::answered(self.answer(request));
         }
-        let config = &*self.config;
-        let deadline = match self.next.operation().is_recording() {
-            true => {
-                let unrouted = guarded(|| config.protocol.unrouted(&request));
-                if !config.per_request && unrouted == Some(true) {
-                    diagnostics::report(Mistake::RouterWide, String::new);
-                }
-                guarded(|| config.protocol.deadline(&request)).flatten()
-            }
-            false => None,
-        };
+        if self.next.operation().is_recording() {
+            return self.call_recorded(request);
+        }
+        // Nothing to record: the future takes only the permit, and the service's empty record
+        // is left as it is.
         let inner = &mut self.inner;
         let operation = self.next.operation();
         // The work is called as the service's operation, in place; the future then takes it.
+        let future = operation.call(|| inner.call(request));
+        ResponseFuture::called(future, operation.called_unrecorded())
+    }
+
+    /// `call` of an admitted operation that records.
+    #[inline(always)]
+    fn call_recorded<Request>(&mut self, request: Request) -> ResponseFuture<S::Future, C, L, E>
+    where
+        S: Service<Request>,
+        C: Clone,
+        P: Protocol<Request, S::Response, S::Error>,
+    {
+        let config = &*self.config;
+        let unrouted = guarded(|| config.protocol.unrouted(&request));
+        if !config.per_request && unrouted == Some(true) {
+            diagnostics::report(Mistake::RouterWide, String::new);
+        }
+        let deadline = guarded(|| config.protocol.deadline(&request)).flatten();
+        let inner = &mut self.inner;
+        let operation = self.next.operation();
         let future = operation.call(|| inner.call(request));
         let recording = config.recording();
         let operation = operation.called(

@@ -570,6 +570,17 @@ impl<A: Acquire> Lifecycle<A> {
             permit,
         }
     }
+
+    /// [`called`](Self::called), for an operation with nothing to record: the lifecycle is its
+    /// permit, and only that is moved.
+    #[inline(always)]
+    pub(crate) fn called_unrecorded<K>(&mut self) -> Lifecycle<A, K> {
+        debug_assert!(self.record.is_none());
+        Lifecycle {
+            record: None,
+            permit: self.permit.take(),
+        }
+    }
 }
 
 /// A second permit for an operation that already holds one: a bug in the caller, since an
