@@ -73,7 +73,13 @@ impl Queue for tokio::sync::Semaphore {
 }
 
 /// Free places counted in front of a queue of waiters.
+///
+/// On cache lines of its own: every operation writes the word, and every one that waits or
+/// hands a place on writes the queue, while what the limit only reads per operation (its
+/// controller, its debt, the bound on its queue) and the handle's count stay off these lines,
+/// so that a core that reads them does not take the line from the core that writes it.
 #[derive(Debug)]
+#[repr(align(64))]
 pub(super) struct Front<Q> {
     /// Free places outside the queue ([`FREE`]), [`CLOSED`], and the waiters ([`WAITER`]s).
     word: AtomicU64,
